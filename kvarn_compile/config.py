@@ -63,6 +63,9 @@ class KVarNConfig:
             0 (default) is the reference policy: only the incomplete tile stays exact.
         scale_dtype: storage dtype of the folded scales (see ``SCALE_DTYPES``).
         method: which quantizer fills the packed format (see ``METHODS``).
+        exact_dtype: dtype of the high-precision sink and tail. "auto" (default): fp16 for
+            fp32 models (as the reference keeps them), the model dtype for fp16/bf16 models;
+            "float32" keeps fp32 models' sink and tail in fp32.
         check_finite: raise a ValueError naming the layer and token when a NaN/inf reaches
             the quantizer, instead of storing the token as NaN (see README "Limits").
     """
@@ -76,6 +79,7 @@ class KVarNConfig:
     scale_dtype: str = "float16"
     method: str = "kvarn"
     check_finite: bool = False
+    exact_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, allowed: str, fix: str = "") -> ValueError:
@@ -109,6 +113,8 @@ class KVarNConfig:
             raise bad("scale_dtype", self.scale_dtype, f"one of {tuple(SCALE_DTYPES)}")
         if self.method not in METHODS:
             raise bad("method", self.method, f"one of {METHODS}")
+        if self.exact_dtype not in ("auto", "float32"):
+            raise bad("exact_dtype", self.exact_dtype, "'auto' or 'float32'")
         if not isinstance(self.check_finite, bool):
             raise bad("check_finite", self.check_finite, "a bool")
 

@@ -1,0 +1,208 @@
+"""Hugging Face transformers integration: a ``Cache`` that holds only KVarN-packed state.
+
+    cache = KVarNCache(model.config, max_cache_len=4096, preset="k4v2")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+Each layer keeps a :class:`~kvarn_compile.state.LayerState` (sink, packed tiles, tail);
+no full-precision K/V cache is ever allocated. What ``update`` hands back to the model's
+attention depends on the attention implementation:
+
+* ``attn_implementation="kvarn"`` (see :func:`use_kvarn_attention`): zero-storage
+  placeholder tensors; the registered ``kvarn`` attention function runs the fused
+  ``torch.ops.kvarn.attention`` over the packed state. Nothing full-precision is built.
+* any other implementation (sdpa, eager): a transient dequantized K/V of this one layer,
+  so that unmodified models still produce correct results. It is freed after the layer;
+  a one-time warning says how to avoid it. Under ``kvarn_backend`` the compiler pass
+  rewrites the attention to the fused op instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvarn_compile.config import KVarNConfig, get_config
+from kvarn_compile.ops import library as ops
+from kvarn_compile.ops.reference import crop_, materialize
+from kvarn_compile.state import LayerState, allocate_layer
+
+__all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward"]
+
+_STATE_ATTR = "_kvarn_layer_state"
+
+
+def _handle(like: torch.Tensor, length: int, state: LayerState) -> torch.Tensor:
+    """A [B, H, length, D] tensor with one element of storage that names its layer state."""
+    b, h, _, d = like.shape
+    out = torch.zeros((), dtype=like.dtype, device=like.device).expand(b, h, length, d)
+    setattr(out, _STATE_ATTR, state)
+    return out
+
+
+class KVarNLayer(CacheLayerMixin):
+    """One attention layer's packed KVarN cache (allocated on the first update)."""
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, config: KVarNConfig, max_cache_len: int, *, spec_tokens: int = 0,
+                 name: str = "", fused: bool = False):
+        super().__init__()
+        self.config = config
+        self.max_cache_len = max_cache_len
+        self.spec_tokens = spec_tokens
+        self.name = name
+        self.fused = fused
+        self.state: LayerState | None = None
+
+    # -------------------------------------------------------------- CacheLayerMixin
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        if value_states.shape[-1] != d:
+            raise ValueError(f"KVarN needs equal key and value head dims, but got {d} and "
+                             f"{value_states.shape[-1]}.")
+        self.state = allocate_layer(self.config, batch=b, kv_heads=h, head_dim=d,
+                                    max_len=self.max_cache_len, dtype=key_states.dtype,
+                                    device=key_states.device, spec_tokens=self.spec_tokens,
+                                    name=self.name)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        state = self.state
+        start = state.lengths.clone()
+        ops.append_(state.buffers, key_states, value_states, start, self.config.method,
+                    self.config.sinkhorn_iters, self.config.recent_window, self.spec_tokens,
+                    self.config.check_finite, self.name)
+        if self.fused:
+            return (_handle(key_states, self.max_cache_len, state),
+                    _handle(value_states, self.max_cache_len, state))
+        if not getattr(KVarNLayer, "_warned", False):
+            KVarNLayer._warned = True
+            warnings.warn(
+                "KVarNCache is handing a transient dequantized K/V to a non-KVarN attention "
+                "implementation (correct, but it costs a full-precision copy of one layer "
+                "while it runs). Call kvarn_compile.hf.use_kvarn_attention(model) or compile "
+                "with kvarn_backend to attend over the packed cache directly.", stacklevel=3)
+        return materialize(state.buffers, dtype=key_states.dtype)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.state.lengths[0]) if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for name in ("lengths", "committed", "n_tiles"):
+                getattr(self.state, name).zero_()
+
+    def crop(self, max_length: int) -> None:
+        """transformers calls crop(-n) to drop the newest n tokens, crop(n) to keep n."""
+        if not self.is_initialized:
+            return
+        lengths = self.state.lengths
+        new = lengths + max_length if max_length < 0 else torch.clamp(lengths, max=max_length)
+        crop_(self.state.buffers, new)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row b takes the state of row beam_idx[b] (in place, static addresses)."""
+        if self.is_initialized:
+            idx = beam_idx.to(self.device)
+            for t in self.state.buffers:
+                t.copy_(t.index_select(0, idx))
+
+    def _select_rows(self, idx: torch.Tensor) -> None:
+        state = self.state
+        state.buffers = [t.index_select(0, idx.to(t.device)).contiguous() for t in state.buffers]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            b = self.state.batch
+            self._select_rows(torch.arange(b).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.as_tensor(indices))
+
+
+class KVarNCache(Cache):
+    """A transformers ``Cache`` whose every layer stores KVarN-packed K/V.
+
+    Args:
+        config: the model's ``PretrainedConfig`` (for the layer count and attention kind).
+        max_cache_len: tokens per sequence the cache is allocated for (prompt + generation).
+        preset: a KVarN preset name or a :class:`KVarNConfig`; ``**overrides`` change fields.
+        spec_tokens: how many of the newest tokens of each write stay uncommitted (never
+            quantized) until the next write, so that speculative decoding can crop them.
+    """
+
+    def __init__(self, config, max_cache_len: int, preset: str | KVarNConfig = "k4v2", *,
+                 spec_tokens: int = 0, **overrides):
+        self.kvarn_config = get_config(preset, **overrides)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        n_layers = text.num_hidden_layers
+        fused = getattr(config, "_attn_implementation", None) == "kvarn"
+        if getattr(text, "layer_types", None) and any(t != "full_attention" for t in text.layer_types):
+            kinds = sorted(set(text.layer_types))
+            raise NotImplementedError(
+                f"KVarNCache supports models whose layers are all full attention, but this model "
+                f"has layer types {kinds}. Use kvarn_backend, which reports and skips the others.")
+        layers = [KVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
+                             name=f"layers.{i}", fused=fused) for i in range(n_layers)]
+        super().__init__(layers=layers)
+        self.max_cache_len = max_cache_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every layer's packed state (live tensors)."""
+        return sum(layer.state.nbytes for layer in self.layers if layer.is_initialized)
+
+    def used_bytes(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            if layer.is_initialized:
+                for k, v in layer.state.used_bytes().items():
+                    total[k] = total.get(k, 0) + v
+        return total
+
+
+# ------------------------------------------------------------------------------ attention
+def kvarn_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                            dropout: float = 0.0, **kwargs):
+    """transformers attention function over a KVarN cache (registered as ``"kvarn"``)."""
+    state = getattr(key, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(
+            "attn_implementation='kvarn' needs a KVarNCache: pass past_key_values="
+            "KVarNCache(model.config, max_cache_len=...) to generate()/forward().")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("KVarN attention does not support attention logit soft-capping.")
+    if dropout and module.training:
+        raise NotImplementedError("KVarN attention is inference-only (dropout must be 0).")
+    window = kwargs.get("sliding_window") or 0
+    mask = attention_mask
+    if mask is not None and mask.dim() == 2:  # [B, L] padding masks
+        mask = mask[:, None, None, :].bool()
+    out = ops.attention(query, state.buffers, mask, float(scaling or query.shape[-1] ** -0.5),
+                        True, int(window))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_kvarn_attention(model) -> None:
+    """Register the ``kvarn`` attention implementation and switch ``model`` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("kvarn", kvarn_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("kvarn", sdpa_mask)
+    model.set_attn_implementation("kvarn")

@@ -1,0 +1,472 @@
+"""Triton kernel: split-K (flash-decoding) attention over packed KVarN tiles.
+
+Covers the *quantized region only*: the caller attends over the exact sink and tail itself
+(in torch) and merges the regions with their log-sum-exps::
+
+    M = max(lse_a, lse_b)
+    out = (exp(lse_a - M) * out_a + exp(lse_b - M) * out_b) / (exp(lse_a - M) + exp(lse_b - M))
+
+Math, in the rotated frame (q_rot = q @ H; the output is rotated back by the caller with
+out @ H^T). For one query row q [D] and one tile (docs/kvarn-method.md, "dual-scale")::
+
+    K̂[c, t] = (code_k[c, t] * rs_k[c] + rz_k[c]) * cs_k[t]          K tile [D, G]
+    V̂[t, c] = (code_v[t, c] * rs_v[t] + rz_v[t]) * cs_v[c]          V tile [G, D]
+
+    s[t]    = scale * cs_k[t] * ( sum_c (q[c] * rs_k[c]) * code_k[c, t] + sum_c q[c] * rz_k[c] )
+    acc[c] += cs_v[c] * ( sum_t (p[t] * rs_v[t]) * code_v[t, c] + sum_t p[t] * rz_v[t] )
+
+with p = exp(s - m) under an online softmax (running max m, denominator l). The per-channel
+factors fold into q (K) and the output (V), the per-token factors into the scores and p, so
+K̂/V̂ are never materialized: the only O(D*G) work is the two code matmuls.
+
+Launchers:
+
+* :func:`kvarn_decode_attention` - stacked tensors in, ``(out_rot, lse)`` out;
+* :func:`kvarn_decode_attention_tiles` - the same from two ``QuantizedTiles``.
+
+Masking: no causal mask. In decode every quantized token is older than every query, so
+none is needed. An optional ``kv_start`` [B, Tq] gives, per batch row and query position,
+the first quantized-region token (index j * G + t) the query may see (a sliding-window
+lower bound); earlier tokens are masked and whole tiles below every query's bound are
+skipped. Rows with nothing to attend (0 tiles, or everything masked) give lse = -inf and
+out = 0.
+
+``lse`` is the natural-log log-sum-exp of the *scaled* scores (scale * q·k), the quantity
+the merge formula above expects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvarn_compile.kernels.quantize import KERNEL_BITS, KERNEL_SCALE_DTYPES
+from kvarn_compile.reference.quantize import QuantizedTiles
+
+__all__ = ["kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits"]
+
+_LOG2E = tl.constexpr(1.4426950408889634)  # scores live in log2 units: exp2 is the cheap op
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ------------------------------------------------------------------------------------------
+# Per-tile helpers (reusable from an Inductor Triton template)
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _unpack_codes(row_ptr, offs_r, offs_c, row_bytes, mask, BITS: tl.constexpr):
+    """Unpack codes [len(offs_r), len(offs_c)] of a packed tile, as fp32.
+
+    Code c of row r sits in byte r * row_bytes + c // PER at shift (c % PER) * BITS,
+    PER = 8 // BITS. Each byte is loaded PER times (once per code); the repeats hit L1.
+    Codes are small exact integers, so fp32 (or fp16/bf16) dot inputs are exact.
+    """
+    PER: tl.constexpr = 8 // BITS
+    byte = tl.load(row_ptr + offs_r[:, None] * row_bytes + (offs_c // PER)[None, :],
+                   mask=mask, other=0)
+    shift = (offs_c % PER) * BITS
+    return ((byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _load_k_tile_scores(q, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr,
+                        offs_d, offs_g, d_mask, qk_scale,
+                        D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr):
+    """Scores [BLOCK_M, G] of the query block q [BLOCK_M, BLOCK_D] against one packed K tile.
+
+    s[m, t] = qk_scale * cs[t] * ( (q[m, :] * rs) @ code[:, t] + q[m, :] @ rz )
+
+    The pointers address this tile: codes [D, G * BITS / 8], rs/rz [D], cs [G]. Padded
+    channels (d_mask False) load as 0 and contribute nothing.
+    """
+    rs = tl.load(row_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    rz = tl.load(row_zero_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    cs = tl.load(col_scale_ptr + offs_g).to(tl.float32)
+    codes = _unpack_codes(codes_ptr, offs_d, offs_g, G * BITS // 8, d_mask[:, None], BITS)
+    qk = tl.dot(q * rs[None, :], codes, input_precision=INPUT_PRECISION)  # [BLOCK_M, G]
+    qz = tl.sum(q * rz[None, :], axis=1)                                 # [BLOCK_M]
+    return (qk + qz[:, None]) * (cs * qk_scale)[None, :]
+
+
+@triton.jit
+def _accumulate_v_tile(acc, p, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr,
+                       offs_g, offs_d, d_mask,
+                       D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_D] + p [BLOCK_M, G] @ V̂ for one packed V tile.
+
+    acc[m, c] += cs[c] * ( (p[m, :] * rs) @ code[:, c] + p[m, :] @ rz )
+
+    The pointers address this tile: codes [G, D * BITS / 8], rs/rz [G], cs [D].
+    """
+    rs = tl.load(row_scale_ptr + offs_g).to(tl.float32)
+    rz = tl.load(row_zero_ptr + offs_g).to(tl.float32)
+    cs = tl.load(col_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    codes = _unpack_codes(codes_ptr, offs_g, offs_d, D * BITS // 8, d_mask[None, :], BITS)
+    pv = tl.dot(p * rs[None, :], codes, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_D]
+    pz = tl.sum(p * rz[None, :], axis=1)                                 # [BLOCK_M]
+    return acc + (pv + pz[:, None]) * cs[None, :]
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc):
+    """One online-softmax update with scores s [BLOCK_M, G] in log2 units.
+
+    Returns (p, m_new, l_new, acc rescaled). Safe when a whole row is -inf (masked): the
+    reference point falls back to 0, so p = 0 and alpha = exp2(-inf) = 0, never NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    return p, m_new, l_new, acc * alpha[:, None]
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _kvarn_decode_attn_kernel(
+    q_ptr,            # rotated queries [B, Hq, Tq, D] fp32, last stride 1
+    stride_qb,        # q.stride(0)
+    stride_qh,        # q.stride(1)
+    stride_qt,        # q.stride(2)
+    k_codes_ptr,      # uint8 [B, H, N, D, G * K_BITS / 8], contiguous
+    k_row_scale_ptr,  # [B, H, N, D] per-channel scale s_ch (rs_k), contiguous
+    k_row_zero_ptr,   # [B, H, N, D] per-channel zero z_ch (rz_k), contiguous
+    k_col_scale_ptr,  # [B, H, N, G] per-token scale s_tok (cs_k), contiguous
+    v_codes_ptr,      # uint8 [B, H, N, G, D * V_BITS / 8], contiguous
+    v_row_scale_ptr,  # [B, H, N, G] per-token scale s_tok (rs_v), contiguous
+    v_row_zero_ptr,   # [B, H, N, G] per-token zero z_tok (rz_v), contiguous
+    v_col_scale_ptr,  # [B, H, N, D] per-channel scale s_ch (cs_v), contiguous
+    n_tiles_ptr,      # int32/int64 [B]: valid tiles of each batch row (clamped to [0, N])
+    kv_start_ptr,     # int32/int64 [B, Tq]: first visible quantized token per query (HAS_KV_START)
+    o_ptr,            # fp32 [B, Hq, Tq, SPLIT, D]: per-split output, normalized by its own l
+    lse_ptr,          # fp32 [B, Hq, Tq, SPLIT]: per-split natural-log lse (-inf when empty)
+    qk_scale,         # softmax scale * log2(e)
+    H,                # kv heads
+    N,                # tile capacity of the cache tensors
+    Tq,               # query rows per head
+    GROUP_Q: tl.constexpr,          # g = Hq // H query heads per kv head (any int >= 1)
+    D: tl.constexpr,                # head dim
+    BLOCK_D: tl.constexpr,          # D rounded up to a power of two >= 16
+    G: tl.constexpr,                # tokens per tile (power of two >= 16)
+    K_BITS: tl.constexpr,           # K code width (2, 4, 8)
+    V_BITS: tl.constexpr,           # V code width (2, 4, 8)
+    SPLIT: tl.constexpr,            # splits of the tile range (grid axis 1)
+    BLOCK_M: tl.constexpr,          # query rows per program, a power of two >= 16 (tl.dot)
+    HAS_KV_START: tl.constexpr,     # a constexpr so the common decode case has no mask math
+    INPUT_PRECISION: tl.constexpr,  # "ieee" (exact fp32) or "tf32" (faster, ~1e-3 rel. error)
+):
+    """Flash-decoding partials of one (batch row, kv head, split, query block).
+
+    How is this kernel parallelized? Grid (B * H, SPLIT, cdiv(g * Tq, BLOCK_M)). Program
+    (b * H + h, s, mb) packs the query rows m = hg * Tq + t (query head h * g + hg, query
+    position t) of block mb, so every K/V tile of kv head h is read once for all its g
+    query heads (GQA) and Tq positions. The valid tiles [first, n_tiles[b]) are cut into
+    SPLIT contiguous ranges of cdiv(n_valid, SPLIT) tiles; split s walks its range with an
+    online softmax and stores (acc / l, m + log l) for its rows. Empty ranges store
+    (0, -inf). ``_combine_splits_kernel`` reduces the splits.
+    """
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < GROUP_Q * Tq
+    hq = h * GROUP_Q + offs_m // Tq   # query head of each row
+    tq = offs_m % Tq                  # query position of each row
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_g = tl.arange(0, G)
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
+                + tq[:, None] * stride_qt + offs_d[None, :],
+                mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+
+    # ---- this split's tile range
+    n = tl.minimum(tl.maximum(tl.load(n_tiles_ptr + b).to(tl.int32), 0), N)
+    first = n * 0
+    if HAS_KV_START:
+        kv_lo = tl.load(kv_start_ptr + b.to(tl.int64) * Tq + tq, mask=m_valid, other=0).to(tl.int32)
+        # skip the tiles that no row of this block can see
+        lowest = tl.min(tl.where(m_valid, kv_lo, 2147483647), axis=0)
+        first = tl.minimum(tl.maximum(lowest, 0) // G, n)
+    per_split = tl.cdiv(n - first, SPLIT)
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, n)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
+    V_ROW_BYTES: tl.constexpr = D * V_BITS // 8
+    head = (b.to(tl.int64) * H + h) * N  # flat index of tile 0 of (b, h)
+    for j in range(start, end):
+        tile = head + j
+        s = _load_k_tile_scores(q, k_codes_ptr + tile * (D * K_ROW_BYTES),
+                                k_row_scale_ptr + tile * D, k_row_zero_ptr + tile * D,
+                                k_col_scale_ptr + tile * G,
+                                offs_d, offs_g, d_mask, qk_scale, D, G, K_BITS, INPUT_PRECISION)
+        if HAS_KV_START:
+            visible = (j * G + offs_g)[None, :] >= kv_lo[:, None]
+            s = tl.where(visible, s, float("-inf"))
+        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+        acc = _accumulate_v_tile(acc, p, v_codes_ptr + tile * (G * V_ROW_BYTES),
+                                 v_row_scale_ptr + tile * G, v_row_zero_ptr + tile * G,
+                                 v_col_scale_ptr + tile * D,
+                                 offs_g, offs_d, d_mask, D, G, V_BITS, INPUT_PRECISION)
+
+    # ---- store this split's normalized partial and its lse (natural log)
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    row = ((b.to(tl.int64) * (H * GROUP_Q) + hq) * Tq + tq) * SPLIT + split
+    tl.store(o_ptr + row[:, None] * D + offs_d[None, :], out,
+             mask=m_valid[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + row, lse, mask=m_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    o_part_ptr,       # fp32 [rows, SPLIT, D]: per-split normalized outputs
+    lse_part_ptr,     # fp32 [rows, SPLIT]: per-split lse (-inf for an empty split)
+    out_ptr,          # fp32 [rows, D]: merged output (0 when every split is empty)
+    lse_ptr,          # fp32 [rows]: merged lse (-inf when every split is empty)
+    D: tl.constexpr,            # head dim
+    BLOCK_D: tl.constexpr,      # D rounded up to a power of two
+    SPLIT: tl.constexpr,        # number of splits
+    BLOCK_S: tl.constexpr,      # SPLIT rounded up to a power of two
+):
+    """Merge SPLIT partials of one query row by log-sum-exp.
+
+    M = max_s lse_s; w_s = exp(lse_s - M); out = sum_s w_s out_s / sum_s w_s;
+    lse = M + log(sum_s w_s). With every lse_s = -inf the reference point falls back to 0,
+    so w = 0 and out = 0, lse = -inf (no NaN).
+
+    How is this kernel parallelized? One program per query row (B * Hq * Tq programs).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < SPLIT
+    lse_s = tl.load(lse_part_ptr + row * SPLIT + offs_s, mask=s_mask, other=float("-inf"))
+    o_s = tl.load(o_part_ptr + (row * SPLIT + offs_s[:, None]) * D + offs_d[None, :],
+                  mask=s_mask[:, None] & (offs_d < D)[None, :], other=0.0)
+    m = tl.max(lse_s, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_ref)
+    den = tl.sum(w, axis=0)
+    has = den > 0.0
+    out = tl.sum(w[:, None] * o_s, axis=0) / tl.where(has, den, 1.0)
+    tl.store(out_ptr + row * D + offs_d, out, mask=offs_d < D)
+    tl.store(lse_ptr + row, tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf")))
+
+
+# ------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------
+def _default_splits(bh: int, capacity: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU (about two waves), never more splits than tiles."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(capacity, triton.cdiv(2 * sms, max(bh, 1)), 64))
+
+
+def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-split partials o [..., SPLIT, D], lse [..., SPLIT] into (out [..., D], lse [...])."""
+    if o_part.dtype != torch.float32 or lse_part.dtype != torch.float32:
+        raise TypeError(f"Expected float32 partials, but got {o_part.dtype} and {lse_part.dtype}.")
+    if o_part.shape[:-1] != lse_part.shape:
+        raise ValueError(f"Expected o_part [..., SPLIT, D] and lse_part [..., SPLIT], but got "
+                         f"{list(o_part.shape)} and {list(lse_part.shape)}.")
+    *lead, split, d = o_part.shape
+    if split == 1:
+        return o_part.reshape(*lead, d), lse_part.reshape(lead)
+    o_part, lse_part = o_part.contiguous(), lse_part.contiguous()
+    out = torch.empty(*lead, d, dtype=torch.float32, device=o_part.device)
+    lse = torch.empty(lead, dtype=torch.float32, device=o_part.device)
+    rows = lse.numel()
+    if rows:
+        _combine_splits_kernel[(rows,)](
+            o_part, lse_part, out, lse, D=d, BLOCK_D=triton.next_power_of_2(d), SPLIT=split,
+            BLOCK_S=triton.next_power_of_2(split))
+    return out, lse
+
+
+def _bits_of(codes: torch.Tensor, row_len: int, what: str) -> int:
+    """Code width from a packed row: bytes * 8 / codes per row."""
+    nbytes = codes.shape[-1]
+    if (nbytes * 8) % row_len or (nbytes * 8) // row_len not in KERNEL_BITS:
+        raise ValueError(f"Expected {what} rows of {row_len} codes packed at 2, 4 or 8 bits "
+                         f"({[row_len * b // 8 for b in KERNEL_BITS]} bytes), but got "
+                         f"{nbytes} bytes per row.")
+    return nbytes * 8 // row_len
+
+
+def kvarn_decode_attention(
+    q_rot: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_row_scale: torch.Tensor,
+    k_row_zero: torch.Tensor,
+    k_col_scale: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_row_scale: torch.Tensor,
+    v_row_zero: torch.Tensor,
+    v_col_scale: torch.Tensor,
+    n_tiles: torch.Tensor,
+    *,
+    scale: float,
+    k_bits: int | None = None,
+    v_bits: int | None = None,
+    num_splits: int | None = None,
+    kv_start: torch.Tensor | None = None,
+    block_m: int | None = None,
+    input_precision: str = "ieee",
+    return_partials: bool = False,
+):
+    """Attention of rotated queries over the packed quantized region of a KVarN cache.
+
+    Args:
+        q_rot: fp32 [B, Hq, Tq, D], already rotated (q @ H), not pre-scaled.
+        k_codes, k_row_scale, k_row_zero, k_col_scale: K tiles, uint8 [B, H, N, D, G*kb/8],
+            [B, H, N, D], [B, H, N, D], [B, H, N, G] (fp16/bf16/fp32 scales), contiguous.
+        v_codes, v_row_scale, v_row_zero, v_col_scale: V tiles, uint8 [B, H, N, G, D*vb/8],
+            [B, H, N, G], [B, H, N, G], [B, H, N, D], contiguous.
+        n_tiles: int32/int64 [B], valid tiles per batch row (values are clamped to [0, N]).
+        scale: softmax scale (e.g. D ** -0.5).
+        k_bits, v_bits: optional; inferred from the packed row lengths and checked if given.
+        num_splits: SPLIT, tiles ranges walked in parallel; default: 1 on CPU, about two
+            waves of programs on a GPU.
+        kv_start: optional int32/int64 [B, Tq]: query t of row b sees only quantized tokens
+            with index j * G + t' >= kv_start[b, t] (sliding window); None: all.
+        block_m: query rows per program (power of two >= 16); default
+            min(64, next_pow2(g * Tq)) with g = Hq // H.
+        input_precision: "ieee" (default, exact fp32 dots) or "tf32" (GPU speed).
+        return_partials: also return the per-split (o [B, Hq, Tq, SPLIT, D], lse [..., SPLIT]).
+
+    Returns:
+        (out_rot fp32 [B, Hq, Tq, D] normalized over the quantized region only,
+         lse fp32 [B, Hq, Tq] natural log of sum exp(scale * q·k)); rows with no visible
+        token give out = 0 and lse = -inf. With ``return_partials``, (out, lse, o_part, lse_part).
+    """
+    if q_rot.dim() != 4:
+        raise ValueError(f"Expected q_rot of shape [B, Hq, Tq, D], but got {list(q_rot.shape)}.")
+    if q_rot.dtype != torch.float32:
+        raise TypeError(f"Expected q_rot of dtype torch.float32, but got {q_rot.dtype}.")
+    if q_rot.stride(-1) != 1:
+        raise ValueError(f"Expected q_rot with a unit last stride, but got {q_rot.stride()}.")
+    bsz, hq, tq, d = q_rot.shape
+    if k_codes.dim() != 5:
+        raise ValueError(f"Expected k_codes of shape [B, H, N, D, G*kb/8], but got "
+                         f"{list(k_codes.shape)}.")
+    heads, cap = k_codes.shape[1], k_codes.shape[2]
+    group = k_col_scale.shape[-1] if k_col_scale.dim() == 4 else -1
+    if heads < 1 or hq % heads:
+        raise ValueError(f"Expected the query heads Hq={hq} to be a multiple of the kv heads "
+                         f"H={heads}, but got Hq % H = {hq % max(heads, 1)}.")
+    kb = _bits_of(k_codes, group, "K code") if group > 0 else 0
+    vb = _bits_of(v_codes, d, "V code")
+    expected = {
+        "k_codes": (bsz, heads, cap, d, group * kb // 8),
+        "k_row_scale": (bsz, heads, cap, d), "k_row_zero": (bsz, heads, cap, d),
+        "k_col_scale": (bsz, heads, cap, group),
+        "v_codes": (bsz, heads, cap, group, d * vb // 8),
+        "v_row_scale": (bsz, heads, cap, group), "v_row_zero": (bsz, heads, cap, group),
+        "v_col_scale": (bsz, heads, cap, d),
+    }
+    tensors = {"k_codes": k_codes, "k_row_scale": k_row_scale, "k_row_zero": k_row_zero,
+               "k_col_scale": k_col_scale, "v_codes": v_codes, "v_row_scale": v_row_scale,
+               "v_row_zero": v_row_zero, "v_col_scale": v_col_scale}
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"Expected {name} of shape {list(expected[name])} (B={bsz}, H={heads}, "
+                             f"N={cap}, D={d}, G={group}), but got {list(t.shape)}.")
+        if t.device != q_rot.device:
+            raise ValueError(f"Expected {name} on {q_rot.device}, but got {t.device}.")
+        if not t.is_contiguous():
+            raise ValueError(f"Expected a contiguous {name}, but got strides {t.stride()}.")
+        if name.endswith("codes"):
+            if t.dtype != torch.uint8:
+                raise TypeError(f"Expected {name} of dtype torch.uint8, but got {t.dtype}.")
+        elif t.dtype == torch.float8_e4m3fn:
+            raise NotImplementedError(
+                f"Expected {name} in one of {KERNEL_SCALE_DTYPES}, but got float8_e4m3fn: fp8 "
+                "scales need their per-vector factor, which the kernel does not apply yet.")
+        elif t.dtype not in KERNEL_SCALE_DTYPES:
+            raise TypeError(f"Expected {name} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
+    for name, given, got in (("k_bits", k_bits, kb), ("v_bits", v_bits, vb)):
+        if given is not None and given != got:
+            raise ValueError(f"Expected {name}={given} to match the packed rows, but the rows "
+                             f"hold {got}-bit codes.")
+    if group < 16 or group & (group - 1):
+        raise NotImplementedError(
+            f"Expected a power-of-two tile length G >= 16 for the Triton kernel, but got {group}.")
+    if n_tiles.dtype not in (torch.int32, torch.int64) or tuple(n_tiles.shape) != (bsz,):
+        raise ValueError(f"Expected n_tiles int32/int64 of shape [{bsz}], but got "
+                         f"{n_tiles.dtype} {list(n_tiles.shape)}.")
+    if n_tiles.device != q_rot.device:
+        raise ValueError(f"Expected n_tiles on {q_rot.device}, but got {n_tiles.device}.")
+    if kv_start is not None:
+        if kv_start.dtype not in (torch.int32, torch.int64) or tuple(kv_start.shape) != (bsz, tq):
+            raise ValueError(f"Expected kv_start int32/int64 of shape [{bsz}, {tq}], but got "
+                             f"{kv_start.dtype} {list(kv_start.shape)}.")
+        if kv_start.device != q_rot.device:
+            raise ValueError(f"Expected kv_start on {q_rot.device}, but got {kv_start.device}.")
+        kv_start = kv_start.contiguous()
+    if input_precision not in ("ieee", "tf32"):
+        raise ValueError(f"Expected input_precision 'ieee' or 'tf32', but got {input_precision!r}.")
+    g = hq // heads
+    rows = g * tq
+    if block_m is None:
+        block_m = min(64, max(16, triton.next_power_of_2(max(rows, 1))))
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
+    split = num_splits if num_splits is not None else _default_splits(bsz * heads, cap,
+                                                                      q_rot.device)
+    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
+
+    dev = q_rot.device
+    o_part = torch.empty(bsz, hq, tq, split, d, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(bsz, hq, tq, split, dtype=torch.float32, device=dev)
+    if o_part.numel() or lse_part.numel():
+        grid = (bsz * heads, split, triton.cdiv(rows, block_m))
+        _kvarn_decode_attn_kernel[grid](
+            q_rot, q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
+            k_codes, k_row_scale, k_row_zero, k_col_scale,
+            v_codes, v_row_scale, v_row_zero, v_col_scale,
+            n_tiles, kv_start if kv_start is not None else n_tiles,
+            o_part, lse_part,
+            float(scale) * math.log2(math.e), heads, cap, tq,
+            GROUP_Q=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), G=group,
+            K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m,
+            HAS_KV_START=kv_start is not None, INPUT_PRECISION=input_precision,
+            num_warps=4,
+        )
+    out, lse = combine_splits(o_part, lse_part)
+    if return_partials:
+        return out, lse, o_part, lse_part
+    return out, lse
+
+
+def kvarn_decode_attention_tiles(q_rot: torch.Tensor, k: QuantizedTiles, v: QuantizedTiles,
+                                 n_tiles: torch.Tensor, *, scale: float, **kwargs):
+    """:func:`kvarn_decode_attention` from K/V ``QuantizedTiles`` [B, H, N, ...]."""
+    for name, t in (("k", k), ("v", v)):
+        if t.row_scale_factor is not None or t.col_scale_factor is not None:
+            raise NotImplementedError(
+                f"Expected {name} tiles with fp16/bf16/fp32 scales, but got fp8 scales with "
+                "per-vector factors; the kernel does not apply them yet (use the reference).")
+    return kvarn_decode_attention(q_rot, k.codes, k.row_scale, k.row_zero, k.col_scale,
+                                  v.codes, v.row_scale, v.row_zero, v.col_scale, n_tiles,
+                                  scale=scale, k_bits=k.bits, v_bits=v.bits, **kwargs)

@@ -1,0 +1,549 @@
+"""Triton kernel: quantize whole KVarN tiles and write them, packed, into a tile cache.
+
+Math (the oracle is :func:`kvarn_compile.reference.quantize.quantize_kv`; docs/kvarn-method.md
+steps 1-6). For one tile of G consecutive tokens of one (batch row, kv head):
+
+1. rotate: every token row x[t, :] becomes x[t, :] @ H (H = ``rotation_matrix(D)``, fp32);
+2. lay out: a K tile is X = (x H)^T, [D, G] (rows = channels); a V tile is X = x H, [G, D]
+   (rows = tokens);
+3. normalize (kvarn only): log-domain Gauss-Seidel balancing of column and row stds, the
+   best-so-far (c*, r*) kept with ``<=``, "no scaling" included (see ``_normalize_variance``);
+4. RTN per row of B = X / c*[None, :] / r*[:, None], half to even, asymmetric;
+5. fold: row_scale = r* * Δ, row_zero = r* * lo, col_scale = c*;
+6. pack codes along each row, little end first, and store codes and scales in place.
+
+So that::
+
+    X̂[r, c] = (code[r, c] * row_scale[r] + row_zero[r]) * col_scale[c]
+
+Launchers:
+
+* :func:`quantize_tiles_into` - the runtime entry: token-major x [B, H, n_src * G, D] is cut
+  into n_src tiles per (b, h) and tile i of row b is written at tile index dst_tile[b, i] of
+  preallocated destination tensors [B, H, N, ...]. Nothing is allocated except the index.
+* :func:`quantize_tiles_triton` - convenience: token-major x [..., n * G, D] in, a fresh
+  :class:`~kvarn_compile.reference.quantize.QuantizedTiles` out (same layout as the reference).
+
+Limits (the launchers raise a clear error for each):
+
+* bits in {2, 4, 8} (3-bit codes straddle bytes; use the reference);
+* G a power of two >= 16 (``tl.arange`` and ``tl.dot``); any even D >= 2 (D is padded to a
+  power of two >= 16 inside the kernel and masked, so 80, 96, 112 work);
+* scale storage float16, bfloat16 or float32 (float8_e4m3fn needs a per-vector factor:
+  NotImplementedError, use the reference);
+* non-finite inputs are not handled in the kernel: one NaN/inf makes its whole tile
+  garbage (NaN scales). The reference instead stores such tokens as NaN and quantizes the
+  rest of the tile from the finite tokens. ``check_finite=True`` makes the launchers check
+  with torch (one host sync) and raise :class:`~kvarn_compile.reference.quantize.NonFiniteError`;
+  :func:`quantize_tiles_triton` can instead fall back to the reference.
+
+Exactness: codes equal the reference's except where (B - lo) / Δ lies within a few ulps of a
+rounding boundary (x.5): the rotation matmul, the std reductions and exp/log run in fp32
+with a different summation order than torch's, so such ties can round the other way
+(code ±1). Scales are equal up to their fp16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvarn_compile.reference.quantize import (
+    DELTA_MIN, IMBALANCE_EPS, LOG_SCALE_CLIP, STD_CLIP, NonFiniteError, QuantizedTiles,
+    quantize_kv,
+)
+from kvarn_compile.reference.rotation import rotation_matrix
+
+__all__ = ["quantize_tiles_into", "quantize_tiles_triton", "KERNEL_BITS", "KERNEL_SCALE_DTYPES"]
+
+#: Code widths the packing kernels support: whole codes per byte.
+KERNEL_BITS = (2, 4, 8)
+#: Scale storage dtypes the kernels can store/load with a plain cast.
+KERNEL_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The reference's clip constants as constexprs (jit functions may only read constexpr globals).
+_STD_LO = tl.constexpr(STD_CLIP[0])
+_STD_HI = tl.constexpr(STD_CLIP[1])
+_LOG_LO = tl.constexpr(LOG_SCALE_CLIP[0])
+_LOG_HI = tl.constexpr(LOG_SCALE_CLIP[1])
+_IMBALANCE_EPS = tl.constexpr(IMBALANCE_EPS)
+_DELTA_MIN = tl.constexpr(DELTA_MIN)
+
+
+# ------------------------------------------------------------------------------------------
+# Per-tile helpers (reusable from an Inductor Triton template)
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _rne(x):
+    """Round half to even, elementwise, for fp32 |x| < 2^22 (torch.round semantics).
+
+    The interpreter has no libdevice ``rint``, so: f = floor(x); round up when the
+    fraction is above one half, or exactly one half and f is odd. x - floor(x) is exact
+    in fp32 in this range, so the tie test is exact.
+    """
+    f = tl.floor(x)
+    frac = x - f
+    f_is_odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    up = (frac > 0.5) | ((frac == 0.5) & f_is_odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _masked_std(y, mask, n, AXIS: tl.constexpr):
+    """Unbiased (n - 1) std of ``y`` along AXIS over the entries where ``mask`` holds.
+
+    Two passes (mean, then squared deviations), like torch's std up to summation order.
+    Padded entries (mask False) count for nothing; ``n`` is the number of valid entries
+    along AXIS (>= 2).
+    """
+    mean = tl.sum(tl.where(mask, y, 0.0), axis=AXIS) / n
+    dev = tl.where(mask, y - tl.expand_dims(mean, AXIS), 0.0)
+    return tl.sqrt(tl.sum(dev * dev, axis=AXIS) / (n - 1))
+
+
+@triton.jit
+def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr):
+    """max/min of the column stds plus max/min of the row stds of one tile (a scalar).
+
+    imbalance(Y) = max(colstd)/max(min(colstd), eps) + max(rowstd)/max(min(rowstd), eps).
+    Stds are >= 0, so 0 is a neutral pad for max and +inf for min.
+    """
+    col = _masked_std(y, mask, R, 0)  # [BLOCK_C]: std of each column over its R rows
+    row = _masked_std(y, mask, C, 1)  # [BLOCK_R]: std of each row over its C columns
+    col_max = tl.max(tl.where(col_valid, col, 0.0), axis=0)
+    col_min = tl.min(tl.where(col_valid, col, float("inf")), axis=0)
+    row_max = tl.max(tl.where(row_valid, row, 0.0), axis=0)
+    row_min = tl.min(tl.where(row_valid, row, float("inf")), axis=0)
+    return (col_max / tl.maximum(col_min, _IMBALANCE_EPS)
+            + row_max / tl.maximum(row_min, _IMBALANCE_EPS))
+
+
+@triton.jit
+def _normalize_variance(x, mask, row_valid, col_valid, iters,
+                        R: tl.constexpr, C: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Two-axis log-domain variance normalization of one fp32 tile X [BLOCK_R, BLOCK_C].
+
+    Mirrors ``reference.normalize_variance``::
+
+        a = 0 [C], b = 0 [R]; best = imbalance(X); (c*, r*) = (1, 1)
+        repeat iters times:
+            a = clip(a + log(clip(colstd(X / e^a / e^b), 1e-3, 1e3)), -0.3, 10)
+            b = clip(b + log(clip(rowstd(X / e^a / e^b), 1e-3, 1e3)), -0.3, 10)
+            if imbalance(X / e^a / e^b) <= best: best, c*, r* = that, e^a, e^b
+
+    The original X is divided at every step (no drift), in the reference's order (first
+    by the column scale, then by the row scale). Returns (c* [BLOCK_C], r* [BLOCK_R]).
+    """
+    a = tl.zeros([BLOCK_C], dtype=tl.float32)
+    b = tl.zeros([BLOCK_R], dtype=tl.float32)
+    best = _imbalance(x, mask, row_valid, col_valid, R, C)
+    best_c = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
+    best_r = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+    for _ in range(iters):
+        y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
+        col = tl.minimum(tl.maximum(_masked_std(y, mask, R, 0), _STD_LO), _STD_HI)
+        a = tl.minimum(tl.maximum(a + tl.log(col), _LOG_LO), _LOG_HI)
+        y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
+        row = tl.minimum(tl.maximum(_masked_std(y, mask, C, 1), _STD_LO), _STD_HI)
+        b = tl.minimum(tl.maximum(b + tl.log(row), _LOG_LO), _LOG_HI)
+        y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
+        score = _imbalance(y, mask, row_valid, col_valid, R, C)
+        better = score <= best  # "<=": later iterations win ties, as in the reference
+        best = tl.where(better, score, best)
+        best_c = tl.where(better, tl.exp(a), best_c)
+        best_r = tl.where(better, tl.exp(b), best_r)
+    return best_c, best_r
+
+
+@triton.jit
+def _rtn_rows(b, mask, row_valid, BITS: tl.constexpr):
+    """Asymmetric per-row round-to-nearest of fp32 B [BLOCK_R, BLOCK_C].
+
+    lo/hi = row min/max over the valid columns, Δ = max((hi - lo) / (2^BITS - 1), 1e-10),
+    code = clamp(rne((B - lo) / Δ), 0, 2^BITS - 1). Returns (codes int32, Δ, lo).
+    Padding rows get lo = hi = 0 (not ±inf) so no NaN is ever cast to an int.
+    """
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    lo = tl.where(row_valid, tl.min(tl.where(mask, b, float("inf")), axis=1), 0.0)
+    hi = tl.where(row_valid, tl.max(tl.where(mask, b, float("-inf")), axis=1), 0.0)
+    delta = tl.maximum((hi - lo) / QMAX, _DELTA_MIN)
+    q = _rne((b - lo[:, None]) / delta[:, None])
+    q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+    return q.to(tl.int32), delta, lo
+
+
+@triton.jit
+def _pack_rows(codes, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pack int32 codes [BLOCK_R, BLOCK_C] along each row, little end first.
+
+    Code c of a row goes to byte c // PER at shift (c % PER) * BITS, PER = 8 // BITS.
+    Returns uint8 [BLOCK_R, BLOCK_C // PER].
+    """
+    PER: tl.constexpr = 8 // BITS
+    groups = tl.reshape(codes, [BLOCK_R, BLOCK_C // PER, PER])  # (r, j, k) = code (r, j*PER + k)
+    shifts = tl.arange(0, PER) * BITS
+    return tl.sum(groups << shifts[None, None, :], axis=2).to(tl.uint8)
+
+
+# ------------------------------------------------------------------------------------------
+# The kernel
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _kvarn_quantize_tiles_kernel(
+    x_ptr,            # token-major input [B, H, n_src * G, D], any float dtype, last stride 1
+    stride_xb,        # x.stride(0)
+    stride_xh,        # x.stride(1)
+    stride_xt,        # x.stride(2): between consecutive tokens
+    rot_ptr,          # rotation H [D, D] fp32 contiguous (unused when ROTATE is False)
+    codes_ptr,        # dst packed codes uint8 [B, H, N, R, C * BITS / 8], contiguous
+    row_scale_ptr,    # dst row scales [B, H, N, R] (fp16/bf16/fp32), contiguous
+    row_zero_ptr,     # dst row zero points [B, H, N, R], contiguous
+    col_scale_ptr,    # dst column scales [B, H, N, C], contiguous
+    dst_tile_ptr,     # int32/int64 [B, n_src]: destination tile of source tile i of row b;
+                      #   an index outside [0, N) writes nothing (e.g. -1: "no tile here")
+    iters,            # normalization iterations T (runtime: changing it does not recompile)
+    H,                # kv heads
+    N,                # tile capacity of the destination tensors
+    n_src,            # source tiles per (b, h)
+    D: tl.constexpr,          # head dim
+    G: tl.constexpr,          # tokens per tile (power of two >= 16)
+    BLOCK_D: tl.constexpr,    # D rounded up to a power of two >= 16 (tl.arange / tl.dot need it)
+    IS_K: tl.constexpr,       # K tile [D, G] (rows = channels) or V tile [G, D] (rows = tokens)
+    BITS: tl.constexpr,       # code width, 2, 4 or 8
+    ROTATE: tl.constexpr,     # rotate by H first (kvarn, hadamard); a constexpr so kivi skips the matmul
+    NORMALIZE: tl.constexpr,  # run the variance normalization (kvarn); else c* = r* = 1 exactly
+):
+    """Quantize one tile of one (batch row, kv head) and store it packed, in place.
+
+    How is this kernel parallelized? Grid (B * H, n_src): program (pid0, i) loads the G
+    tokens i*G .. i*G+G-1 of (b, h) = divmod(pid0, H), holds the whole tile in registers
+    (rotation by one ``tl.dot`` with H, then every normalization iteration, RTN and
+    packing), and writes tile dst_tile[b, i]. Tiles are independent: no atomics, no
+    inter-program communication.
+
+    Tile shape R x C: K -> R = D, C = G; V -> R = G, C = D. D is padded to BLOCK_D and the
+    padding masked out of every statistic and store.
+    """
+    pid_bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+
+    if IS_K:
+        R: tl.constexpr = D
+        C: tl.constexpr = G
+        BLOCK_R: tl.constexpr = BLOCK_D
+        BLOCK_C: tl.constexpr = G
+    else:
+        R: tl.constexpr = G
+        C: tl.constexpr = D
+        BLOCK_R: tl.constexpr = G
+        BLOCK_C: tl.constexpr = BLOCK_D
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    row_valid = offs_r < R
+    col_valid = offs_c < C
+    mask = row_valid[:, None] & col_valid[None, :]
+
+    # ---- load the tile straight into its R x C layout (transposed pointers for K)
+    x_base = x_ptr + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh \
+        + (tile * G).to(tl.int64) * stride_xt
+    if IS_K:  # X[r = channel, c = token]
+        x_offs = offs_c[None, :] * stride_xt + offs_r[:, None]
+    else:     # X[r = token, c = channel]
+        x_offs = offs_r[:, None] * stride_xt + offs_c[None, :]
+    x = tl.load(x_base + x_offs, mask=mask, other=0.0).to(tl.float32)
+
+    # ---- rotate: token rows times H. K: X = H^T X_tok^T; V: X = X_tok H. ieee fp32 so a
+    # GPU does not silently use tf32 (its 10-bit mantissa would change many codes).
+    if ROTATE:
+        offs_e = tl.arange(0, BLOCK_D)
+        e_valid = offs_e < D
+        if IS_K:  # Ht[r, e] = H[e, r]
+            rot = tl.load(rot_ptr + offs_e[None, :] * D + offs_r[:, None],
+                          mask=row_valid[:, None] & e_valid[None, :], other=0.0)
+            x = tl.dot(rot, x, input_precision="ieee")
+        else:     # H[e, c]
+            rot = tl.load(rot_ptr + offs_e[:, None] * D + offs_c[None, :],
+                          mask=e_valid[:, None] & col_valid[None, :], other=0.0)
+            x = tl.dot(x, rot, input_precision="ieee")
+
+    # ---- normalize, then RTN on B = X / c* / r*
+    if NORMALIZE:
+        col_s, row_s = _normalize_variance(x, mask, row_valid, col_valid, iters,
+                                           R, C, BLOCK_R, BLOCK_C)
+        xb = x / col_s[None, :] / row_s[:, None]
+    else:
+        col_s = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
+        row_s = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+        xb = x
+    codes, delta, lo = _rtn_rows(xb, mask, row_valid, BITS)
+    packed = _pack_rows(codes, BITS, BLOCK_R, BLOCK_C)
+
+    # ---- store at the destination tile (skipped when the index is out of range)
+    dst = tl.load(dst_tile_ptr + b.to(tl.int64) * n_src + tile).to(tl.int64)
+    # ok is 0/1 as an int: the valid lengths below become 0 for a skipped tile. (An int, not a
+    # bool: the interpreter cannot broadcast a loaded scalar bool into a block mask.)
+    ok = ((dst >= 0) & (dst < N)).to(tl.int32)
+    dst = dst * ok
+    slot = (b.to(tl.int64) * H + h) * N + dst  # flat index of the destination tile
+    ROW_BYTES: tl.constexpr = C * BITS // 8
+    n_rows = R * ok
+    offs_byte = tl.arange(0, BLOCK_C * BITS // 8)
+    tl.store(codes_ptr + slot * (R * ROW_BYTES) + offs_r[:, None] * ROW_BYTES + offs_byte[None, :],
+             packed, mask=(offs_r < n_rows)[:, None] & (offs_byte < ROW_BYTES)[None, :])
+    rs_ptr = row_scale_ptr + slot * R + offs_r
+    tl.store(rs_ptr, (row_s * delta).to(rs_ptr.dtype.element_ty), mask=offs_r < n_rows)
+    rz_ptr = row_zero_ptr + slot * R + offs_r
+    tl.store(rz_ptr, (row_s * lo).to(rz_ptr.dtype.element_ty), mask=offs_r < n_rows)
+    cs_ptr = col_scale_ptr + slot * C + offs_c
+    tl.store(cs_ptr, col_s.to(cs_ptr.dtype.element_ty), mask=offs_c < C * ok)
+
+
+# ------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or bits not in KERNEL_BITS:
+        if bits == 3:
+            raise NotImplementedError(
+                "Expected bits in (2, 4, 8) for the Triton packing kernels, but got 3: 3-bit "
+                "codes straddle byte boundaries; use kvarn_compile.reference.quantize_kv.")
+        raise ValueError(f"Expected bits in {KERNEL_BITS}, but got {bits!r}.")
+
+
+def _check_scale_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError(
+            f"Expected {what} in one of {KERNEL_SCALE_DTYPES} for the Triton kernels, but got "
+            "float8_e4m3fn: fp8 scales carry a per-vector fp16 factor the kernels do not "
+            "apply yet; use the reference (kvarn_compile.reference) for fp8 scale storage.")
+    if t.dtype not in KERNEL_SCALE_DTYPES:
+        raise TypeError(f"Expected {what} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def quantize_tiles_into(
+    x: torch.Tensor,
+    dst_codes: torch.Tensor,
+    dst_row_scale: torch.Tensor,
+    dst_row_zero: torch.Tensor,
+    dst_col_scale: torch.Tensor,
+    *,
+    kind: str,
+    bits: int,
+    rotate: bool,
+    normalize: bool,
+    iters: int = 8,
+    dst_tile: torch.Tensor | None = None,
+    rotation: torch.Tensor | None = None,
+    check_finite: bool = False,
+) -> None:
+    """Quantize token-major ``x`` [B, H, n_src * G, D] into preallocated packed tiles, in place.
+
+    Destinations (contiguous, capacity N tiles, shapes of ``reference.quantize_kv``):
+
+    * K (``kind="k"``): codes uint8 [B, H, N, D, G*bits/8], row_scale/row_zero [B, H, N, D],
+      col_scale [B, H, N, G];
+    * V (``kind="v"``): codes uint8 [B, H, N, G, D*bits/8], row_scale/row_zero [B, H, N, G],
+      col_scale [B, H, N, D].
+
+    G is read from the destination shapes. Source tile i of batch row b goes to tile
+    ``dst_tile[b, i]`` (int32/int64 [B, n_src], or [B] when n_src == 1; default: tile i);
+    an index outside [0, N) writes nothing, so -1 marks "no complete tile in this row".
+    ``rotate``/``normalize``: (True, True) kvarn, (True, False) hadamard, (False, False) kivi.
+    ``rotation`` overrides H (fp32 [D, D]); default ``rotation_matrix(D)``.
+    ``x`` may be any float dtype and any strides with a unit last stride. Non-finite input
+    is not handled (see the module docstring); ``check_finite`` raises instead (host sync).
+    """
+    if kind not in ("k", "v"):
+        raise ValueError(f"Expected kind 'k' (keys) or 'v' (values), but got {kind!r}.")
+    _check_bits(bits)
+    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 0:
+        raise ValueError(f"Expected iters to be a non-negative int, but got {iters!r}.")
+    if not x.is_floating_point():
+        raise TypeError(f"Expected a floating-point x, but got {x.dtype}.")
+    if x.dim() != 4:
+        raise ValueError(f"Expected x of shape [B, H, n_src * G, D], but got {tuple(x.shape)}.")
+    if x.stride(-1) != 1:
+        raise ValueError(f"Expected x with a unit last stride, but got strides {x.stride()}.")
+    bsz, heads, tokens, d = x.shape
+    if d < 2 or d % 2:
+        raise ValueError(f"Expected an even head_dim >= 2, but got {d}.")
+    for name, t, nd in (("dst_codes", dst_codes, 5), ("dst_row_scale", dst_row_scale, 4),
+                        ("dst_row_zero", dst_row_zero, 4), ("dst_col_scale", dst_col_scale, 4)):
+        if t.dim() != nd:
+            raise ValueError(f"Expected {name} with {nd} dims, but got shape {tuple(t.shape)}.")
+        if t.device != x.device:
+            raise ValueError(f"Expected {name} on {x.device}, but got {t.device}.")
+        if not t.is_contiguous():
+            raise ValueError(f"Expected a contiguous {name}, but got strides {t.stride()}.")
+        if tuple(t.shape[:2]) != (bsz, heads):
+            raise ValueError(f"Expected {name} to start with [B, H] = {[bsz, heads]}, "
+                             f"but got shape {tuple(t.shape)}.")
+    if dst_codes.dtype != torch.uint8:
+        raise TypeError(f"Expected dst_codes of dtype torch.uint8, but got {dst_codes.dtype}.")
+    for name, t in (("dst_row_scale", dst_row_scale), ("dst_row_zero", dst_row_zero),
+                    ("dst_col_scale", dst_col_scale)):
+        _check_scale_dtype(t, name)
+    cap = dst_codes.shape[2]
+    group = dst_col_scale.shape[-1] if kind == "k" else dst_row_scale.shape[-1]
+    rows, cols = (d, group) if kind == "k" else (group, d)
+    expected = {
+        "dst_codes": (bsz, heads, cap, rows, cols * bits // 8),
+        "dst_row_scale": (bsz, heads, cap, rows),
+        "dst_row_zero": (bsz, heads, cap, rows),
+        "dst_col_scale": (bsz, heads, cap, cols),
+    }
+    for name, t in (("dst_codes", dst_codes), ("dst_row_scale", dst_row_scale),
+                    ("dst_row_zero", dst_row_zero), ("dst_col_scale", dst_col_scale)):
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"Expected {name} of shape {list(expected[name])} (kind={kind!r}, "
+                             f"bits={bits}, G={group}, D={d}), but got {list(t.shape)}.")
+    if group < 16 or group & (group - 1):
+        raise NotImplementedError(
+            f"Expected a power-of-two tile length G >= 16 for the Triton kernel, but got {group}.")
+    if cols % (8 // bits):
+        raise ValueError(f"Expected a row length divisible by {8 // bits} to pack {bits}-bit "
+                         f"codes, but got {cols}.")
+    if tokens % group:
+        raise ValueError(f"Expected x to hold whole tiles of G={group} tokens, but got "
+                         f"{tokens} tokens.")
+    n_src = tokens // group
+
+    if dst_tile is None:
+        if n_src > cap:
+            raise ValueError(f"Expected at most N={cap} source tiles without dst_tile, but got "
+                             f"{n_src}.")
+        dst_tile = torch.arange(n_src, device=x.device, dtype=torch.int32).expand(bsz, n_src)
+    else:
+        if dst_tile.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"Expected dst_tile of dtype int32 or int64, but got {dst_tile.dtype}.")
+        if dst_tile.device != x.device:
+            raise ValueError(f"Expected dst_tile on {x.device}, but got {dst_tile.device}.")
+        if dst_tile.dim() == 1 and n_src == 1:
+            dst_tile = dst_tile[:, None]
+        if tuple(dst_tile.shape) != (bsz, n_src):
+            raise ValueError(f"Expected dst_tile of shape [B, n_src] = {[bsz, n_src]}, but got "
+                             f"{list(dst_tile.shape)}.")
+    dst_tile = dst_tile.contiguous()
+
+    if rotate:
+        if rotation is None:
+            rotation = rotation_matrix(d, x.device)
+        if rotation.shape != (d, d) or rotation.dtype != torch.float32:
+            raise ValueError(f"Expected a float32 rotation of shape [{d}, {d}], but got "
+                             f"{rotation.dtype} {list(rotation.shape)}.")
+        if rotation.device != x.device:
+            raise ValueError(f"Expected the rotation on {x.device}, but got {rotation.device}.")
+        rotation = rotation.contiguous()
+    else:
+        rotation = x  # never read: ROTATE is a constexpr False
+
+    if check_finite and not bool(torch.isfinite(x).all()):
+        raise NonFiniteError(
+            f"quantize_tiles_into(kind={kind!r}): found a NaN/inf in x. Expected finite "
+            "keys/values; the Triton kernel does not isolate bad tokens like the reference.")
+    if n_src == 0 or bsz * heads == 0:
+        return
+
+    grid = (bsz * heads, n_src)
+    _kvarn_quantize_tiles_kernel[grid](
+        x, x.stride(0), x.stride(1), x.stride(2),
+        rotation,
+        dst_codes, dst_row_scale, dst_row_zero, dst_col_scale,
+        dst_tile,
+        iters if normalize else 0,
+        heads, cap, n_src,
+        D=d, G=group, BLOCK_D=_block_d(d), IS_K=kind == "k", BITS=bits,
+        ROTATE=bool(rotate), NORMALIZE=bool(normalize) and iters > 0,
+        num_warps=8 if group * _block_d(d) >= 128 * 128 else 4,
+    )
+
+
+def quantize_tiles_triton(
+    x: torch.Tensor,
+    kind: str,
+    bits: int,
+    *,
+    rotate: bool,
+    normalize: bool,
+    iters: int = 8,
+    group: int = 128,
+    scale_dtype: torch.dtype = torch.float16,
+    out: QuantizedTiles | None = None,
+    nonfinite: str = "raise",
+) -> QuantizedTiles:
+    """Quantize token-major ``x`` [..., n * G, D] into tiles, like ``reference.quantize_kv``.
+
+    Returns a :class:`QuantizedTiles` with tiles [..., n, D, G] (K) or [..., n, G, D] (V),
+    or fills ``out`` (contiguous tensors of those shapes) and returns it.
+    ``nonfinite``: what to do when x holds a NaN/inf (checked with torch, one host sync):
+    "raise" (NonFiniteError), "reference" (quantize with the reference, which stores bad
+    tokens as NaN) or "ignore" (skip the check; such tiles come out garbage).
+    """
+    if kind not in ("k", "v"):
+        raise ValueError(f"Expected kind 'k' (keys) or 'v' (values), but got {kind!r}.")
+    if nonfinite not in ("raise", "reference", "ignore"):
+        raise ValueError(f"Expected nonfinite in ('raise', 'reference', 'ignore'), but got "
+                         f"{nonfinite!r}.")
+    _check_bits(bits)
+    if x.dim() < 2:
+        raise ValueError(f"Expected x of shape [..., tokens, D], but got {tuple(x.shape)}.")
+    *lead, tokens, d = x.shape
+    if tokens % group:
+        raise ValueError(f"Expected the token count to be a multiple of group={group}, but got "
+                         f"{tokens}. Quantize whole tiles only.")
+    if nonfinite != "ignore" and not bool(torch.isfinite(x).all()):
+        if nonfinite == "raise":
+            raise NonFiniteError(
+                f"quantize_tiles_triton(kind={kind!r}): found a NaN/inf in x. Expected finite "
+                "keys/values, or pass nonfinite='reference' to store such tokens as NaN.")
+        if normalize and not rotate:
+            raise NotImplementedError("Expected rotate=True with normalize=True for the "
+                                      "reference fallback (no reference method normalizes "
+                                      "without rotating), but got rotate=False.")
+        method = "kvarn" if normalize else ("hadamard" if rotate else "kivi")
+        ref = quantize_kv(x, kind, method=method, bits=bits, group=group, iters=iters,
+                          scale_dtype=scale_dtype)
+        if out is None:
+            return ref
+        for dst, src in zip((out.codes, out.row_scale, out.row_zero, out.col_scale),
+                            (ref.codes, ref.row_scale, ref.row_zero, ref.col_scale)):
+            dst.copy_(src)
+        return out
+
+    n = tokens // group
+    rows, cols = (d, group) if kind == "k" else (group, d)
+    flat = 1
+    for s in lead:
+        flat *= s
+    if out is None:
+        dev = x.device
+        out = QuantizedTiles(
+            codes=torch.empty(*lead, n, rows, cols * bits // 8, dtype=torch.uint8, device=dev),
+            row_scale=torch.empty(*lead, n, rows, dtype=scale_dtype, device=dev),
+            row_zero=torch.empty(*lead, n, rows, dtype=scale_dtype, device=dev),
+            col_scale=torch.empty(*lead, n, cols, dtype=scale_dtype, device=dev),
+            bits=bits)
+    elif out.bits != bits:
+        raise ValueError(f"Expected out.bits == {bits}, but got {out.bits}.")
+    if any(not t.is_contiguous() for t in (out.codes, out.row_scale, out.row_zero,
+                                           out.col_scale)):
+        raise ValueError("Expected contiguous tensors in out, but got a non-contiguous one.")
+    x4 = x.reshape(flat, 1, tokens, d)
+    if x4.stride(-1) != 1:
+        x4 = x4.contiguous()
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        return t.view(flat, 1, *t.shape[len(lead):])
+
+    quantize_tiles_into(x4, view(out.codes), view(out.row_scale), view(out.row_zero),
+                        view(out.col_scale), kind=kind, bits=bits, rotate=rotate,
+                        normalize=normalize, iters=iters)
+    return out
