@@ -147,6 +147,10 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: bytes [..., m] -> uint8 codes [..., m * 8 / bits]."""
     m = packed.shape[-1]
     per, nbytes = _pack_group(bits)
+    if nbytes == 1:  # 2, 4, 8 bits: byte-local shifts, no widening (the hot path of attention)
+        mask = (1 << bits) - 1
+        parts = [(packed >> (i * bits)) & mask for i in range(per)]
+        return torch.stack(parts, -1).reshape(*packed.shape[:-1], m * per)
     groups = packed.reshape(*packed.shape[:-1], m // nbytes, nbytes).to(torch.int64)
     byte_shifts = torch.arange(nbytes, device=packed.device, dtype=torch.int64) * 8
     word = (groups << byte_shifts).sum(-1, keepdim=True)
