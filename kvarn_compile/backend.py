@@ -1,0 +1,188 @@
+"""``kvarn_backend``: the torch.compile backend that puts every attention's KV cache in KVarN.
+
+    model.compile(backend=kvarn_backend(preset="k4v2"))      # or torch.compile(fn, backend=...)
+
+For each graph Dynamo hands over, the backend copies it, runs the KVarN pass
+(:mod:`kvarn_compile.passes`), gives every rewritten attention site a packed
+:class:`~kvarn_compile.state.LayerState` (shared by all graphs of the same model, keyed by
+the attention module's path and the batch size), appends the states' buffers as extra
+graph inputs and compiles the result with Inductor (or runs it eagerly with
+``compiler="eager"``). ``backend.report`` says what was rewritten, what was not and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
+from kvarn_compile.config import KVarNConfig, get_config
+from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
+from kvarn_compile.state import LayerState, allocate_layer
+
+__all__ = ["kvarn_backend", "KVarNBackend", "Report"]
+
+log = logging.getLogger(__name__)
+
+
+def _graph_logger() -> logging.Logger:
+    """The ``kvarn`` torch._logging artifact (TORCH_LOGS=kvarn shows graphs before/after)."""
+    from kvarn_compile._torch_compat import kvarn_artifact_logger
+
+    return kvarn_artifact_logger()
+
+
+class Report:
+    """Every attention site seen by a backend, over all the graphs it compiled."""
+
+    def __init__(self) -> None:
+        self.sites: list[SiteReport] = []
+        self.graphs = 0
+        self.notes: list[str] = []
+
+    @property
+    def rewritten(self) -> list[SiteReport]:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def unchanged(self) -> list[SiteReport]:
+        return [s for s in self.sites if not s.rewritten]
+
+    def __str__(self) -> str:
+        lines = [f"KVarN rewrite report: {len(self.rewritten)} attention site(s) rewritten, "
+                 f"{len(self.unchanged)} left unchanged, in {self.graphs} graph(s)"]
+        for graph in range(1, self.graphs + 1):
+            sites = [s for s in self.sites if s.graph == graph]
+            if sites:
+                lines.append(f" graph {graph}:")
+                lines.extend(s.line() for s in sites)
+        released = sum(s.released_bytes for s in self.sites)
+        if released:
+            lines.append(f" released {released} bytes of model-owned full-precision K/V buffers")
+        lines.extend(f" note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+class KVarNBackend:
+    """A torch.compile backend (see :func:`kvarn_backend`). Thread-safe."""
+
+    def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
+                 release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
+                 mode: str | None = None):
+        if compiler not in ("inductor", "eager"):
+            raise ValueError(f"Expected compiler 'inductor' or 'eager', but got {compiler!r}.")
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"Expected max_cache_len to be a positive int, but got {max_cache_len!r}.")
+        self.config = config
+        self.max_cache_len = max_cache_len
+        self.release_buffers = release_buffers
+        self.spec_tokens = spec_tokens
+        self.compiler = compiler
+        self.mode = mode
+        self.states: dict[tuple[str, int], LayerState] = {}
+        self.report = Report()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ states
+    def _get_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                   dtype: torch.dtype, device: torch.device) -> LayerState:
+        key = (name, batch)
+        state = self.states.get(key)
+        if state is None or state.max_len != max_len or state.head_dim != head_dim \
+                or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device):
+            state = allocate_layer(self.config, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
+                                   max_len=max_len, dtype=dtype, device=device,
+                                   spec_tokens=self.spec_tokens, name=name)
+            self.states[key] = state
+        return state
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all packed states of this backend (live tensors)."""
+        return sum(s.nbytes for s in self.states.values())
+
+    def reset(self) -> None:
+        """Forget every sequence (the states stay allocated)."""
+        for state in self.states.values():
+            for name in ("lengths", "committed", "n_tiles"):
+                getattr(state, name).zero_()
+
+    # ------------------------------------------------------------------ backend
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
+        mode = kwargs.pop("mode", None) or self.mode
+        if mode is not None and mode != "default" and not any(
+                isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+            note = f"mode={mode!r} is ignored on CPU (it only selects CUDA-graph/autotune options)"
+            if note not in self.report.notes:
+                self.report.notes.append(note)
+            mode = None
+        with self._lock:
+            self.report.graphs += 1
+            graph_id = self.report.graphs
+            logger = _graph_logger()
+            logger.debug("kvarn graph %d before rewrite:\n%s", graph_id,
+                         gm.print_readable(print_output=False))
+            new_gm = _copy_graph_module(gm)
+            ctx = RewriteContext(get_state=self._get_state, method=self.config.method,
+                                 iters=self.config.sinkhorn_iters, recent=self.config.recent_window,
+                                 hold=self.spec_tokens, check_finite=self.config.check_finite,
+                                 max_cache_len=self.max_cache_len,
+                                 release_buffers=self.release_buffers)
+            extra, reports = rewrite_graph(new_gm, list(example_inputs), ctx, graph_id)
+            self.report.sites.extend(reports)
+            logger.debug("kvarn graph %d after rewrite:\n%s", graph_id,
+                         new_gm.print_readable(print_output=False))
+            for r in reports:
+                log.info("kvarn: %s", r.line().strip())
+        if not extra:  # nothing rewritten: compile Dynamo's graph untouched
+            return self._compile(gm, list(example_inputs), mode)
+        compiled = self._compile(new_gm, list(example_inputs) + extra, mode)
+
+        def run(*args: Any) -> Any:
+            return compiled(*args, *extra)
+
+        return run
+
+    def _compile(self, gm: fx.GraphModule, inputs: list[Any], mode: str | None):
+        if self.compiler == "eager":
+            return gm.forward
+        from kvarn_compile._torch_compat import compile_fx_with_pass
+
+        return compile_fx_with_pass(gm, inputs, mode)
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (Dynamo keeps using the original)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 8192,
+                  release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
+                  mode: str | None = None, **config_overrides: Any) -> KVarNBackend:
+    """A torch.compile backend that stores every attention's KV cache KVarN-packed.
+
+    Args:
+        preset: a preset name (``k4v2`` default, ``k4v4``, ``k2v2``, ``k4v2_g64``,
+            ``k4v4_g64``) or a :class:`KVarNConfig`; ``**config_overrides`` change fields
+            (e.g. ``group_size=64``, ``method="kivi"``).
+        max_cache_len: tokens per sequence for caches whose capacity the model does not
+            fix (``torch.cat`` caches such as transformers' DynamicCache). Preallocated
+            caches keep their own length.
+        release_buffers: free the storage of model-owned full-precision cache buffers that
+            the rewritten graphs no longer use (their tensors stay, with zero bytes).
+        spec_tokens: newest tokens of each write kept uncommitted (speculative decoding).
+        compiler: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is).
+        mode: a torch.compile mode; also accepted as the keyword torch.compile/transformers pass.
+    """
+    return KVarNBackend(get_config(preset, **config_overrides), max_cache_len=max_cache_len,
+                        release_buffers=release_buffers, spec_tokens=spec_tokens,
+                        compiler=compiler, mode=mode)

@@ -1,0 +1,102 @@
+"""Small helpers over Dynamo (torch-IR) FX graphs: op matching, example values, naming."""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["is_op", "example", "arg", "module_path", "dce", "single_user", "SDPA"]
+
+SDPA = torch._C._nn.scaled_dot_product_attention
+
+# Dynamo spells one op several ways: torch.foo(x), x.foo() (call_method "foo"), operator.foo.
+_ALIASES: dict[str, tuple[Any, ...]] = {
+    "matmul": (torch.matmul, operator.matmul),
+    "softmax": (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax),
+    "dropout": (torch.nn.functional.dropout, torch.dropout),
+    "transpose": (torch.transpose,),
+    "mul": (operator.mul, torch.mul),
+    "truediv": (operator.truediv, torch.div),
+    "add": (operator.add, torch.add),
+    "cat": (torch.cat,),
+    "reshape": (torch.reshape,),
+    "expand": (),
+    "getitem": (operator.getitem,),
+    "setitem": (operator.setitem,),
+    "repeat_interleave": (torch.repeat_interleave,),
+    "index_copy_": (),
+    "narrow": (torch.narrow,),
+    "copy_": (),
+    "sdpa": (SDPA, torch.nn.functional.scaled_dot_product_attention),
+}
+_METHOD_NAMES = {"truediv": ("div",), "mul": ("mul",), "add": ("add",)}
+
+
+def is_op(node: Any, *names: str) -> bool:
+    """True when ``node`` calls one of the named ops, as a function or as a method."""
+    if not isinstance(node, fx.Node):
+        return False
+    for name in names:
+        if node.op == "call_function" and node.target in _ALIASES.get(name, ()):
+            return True
+        if node.op == "call_method" and node.target in (name, *_METHOD_NAMES.get(name, ())):
+            return True
+    return False
+
+
+def example(node: Any) -> Any:
+    """The example (fake) value Dynamo recorded for ``node``, or the constant itself."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Positional-or-keyword argument ``name`` of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted module path of the module that produced ``node`` (from nn_module_stack)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(str(path))
+
+
+_ROOT = re.compile(r"^(L|G)(\[[^\]]*\])*\.?")
+
+
+def _clean_path(path: str) -> str:
+    # "L['self'].model.layers[0].self_attn" or "L['args'][0].model.layers[0].self_attn"
+    #   -> "model.layers.0.self_attn"
+    path = _ROOT.sub("", path)
+    return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
+
+
+def _impure(node: fx.Node) -> bool:
+    # Dynamo records in-place methods (add_, index_copy_, copy_) as call_method nodes with
+    # no users; the default DCE would delete them and silently drop the mutation.
+    return node.is_impure() or (node.op == "call_method" and str(node.target).endswith("_")) \
+        or (node.op == "call_function" and node.target is operator.setitem)
+
+
+def dce(graph: fx.Graph) -> None:
+    """Dead-code elimination that keeps in-place method calls and setitem."""
+    graph.eliminate_dead_code(is_impure_node=_impure)
+
+
+def nodes_between(users: Iterable[fx.Node]) -> list[fx.Node]:
+    return list(users)

@@ -1,0 +1,281 @@
+"""The KVarN graph pass: pair each attention with the cache writes feeding it, rewrite both.
+
+Scope and invariants:
+
+* Input: a Dynamo (torch-IR) ``GraphModule``; the pass runs on a *copy* owned by the
+  backend. Output: the rewritten graph plus extra graph inputs (the packed states' buffers),
+  appended after Dynamo's inputs, that the backend passes on every call.
+* A site is rewritten only when every part matched a row of ``patterns.py`` and every
+  check below passed; otherwise the graph is left exactly as it was for that site and the
+  reason is reported. No site is ever half-rewritten.
+* After a rewrite, the model's own K/V cache is neither written nor read by the graph
+  (in-place caches: the write nodes are removed; ``cat`` caches: the graph hands back a
+  zero-storage tensor of the right shape so the model's bookkeeping of the length stays
+  right). The backend may then release the storage of in-place caches.
+* In-place method calls are never dropped by dead-code elimination (Dynamo records them
+  with no users); see ``fx_utils.dce``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from kvarn_compile.passes.fx_utils import dce, example, module_path
+from kvarn_compile.passes.patterns import (
+    ATTENTIONS, CACHE_WRITES, KV_READS, AttentionSite, CacheWrite, KVRead, Unsupported,
+)
+from kvarn_compile.state import LayerState
+
+__all__ = ["SiteReport", "rewrite_graph", "find_sites"]
+
+
+@dataclasses.dataclass
+class SiteReport:
+    """What happened to one attention site of one compiled graph."""
+
+    name: str
+    rewritten: bool
+    attention: str = ""
+    cache: str = ""
+    read: str = ""
+    reason: str = ""
+    state_bytes: int = 0
+    released_bytes: int = 0
+    graph: int = 0
+
+    def line(self) -> str:
+        if self.rewritten:
+            return (f"  [rewritten] {self.name}: {self.attention} over {self.cache}"
+                    f"{' via ' + self.read if self.read else ''}")
+        return f"  [unchanged] {self.name}: {self.attention or 'attention'} - {self.reason}"
+
+
+@dataclasses.dataclass
+class _Match:
+    site: AttentionSite
+    wk: CacheWrite
+    wv: CacheWrite
+    rk: KVRead | None
+    rv: KVRead | None
+
+
+def _strip_read(node: Any) -> tuple[Any, KVRead | None]:
+    for _, matcher in KV_READS:
+        read = matcher(node) if isinstance(node, fx.Node) else None
+        if read is not None:
+            return read.source, read
+    return node, None
+
+
+def _find_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheWrite]]:
+    writes: dict[fx.Node, list[CacheWrite]] = {}
+    for node in graph.nodes:
+        for _, matcher in CACHE_WRITES:
+            w = matcher(node)
+            if w is not None:
+                writes.setdefault(w.full, []).append(w)
+                break
+    return writes
+
+
+def find_sites(graph: fx.Graph) -> tuple[list[_Match], list[SiteReport]]:
+    """Every attention of the graph: the rewritable ones, and reports for the others."""
+    writes = _find_writes(graph)
+    matches, skipped = [], []
+    for node in list(graph.nodes):
+        for form, matcher in ATTENTIONS:
+            try:
+                site = matcher(node)
+            except Unsupported as err:
+                skipped.append(SiteReport(module_path(node) or node.name, False, form, reason=str(err)))
+                break
+            if site is None:
+                continue
+            name = module_path(node) or node.name
+            try:
+                matches.append(_pair(site, writes))
+            except Unsupported as err:
+                skipped.append(SiteReport(name, False, site.form, reason=str(err)))
+            break
+    return matches, skipped
+
+
+def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
+    k_src, rk = _strip_read(site.k)
+    v_src, rv = _strip_read(site.v)
+    wk_list, wv_list = writes.get(k_src), writes.get(v_src)
+    if not wk_list or not wv_list:
+        raise Unsupported("its keys/values do not come from a recognized KV-cache update "
+                          "(attention without a cache, e.g. an encoder or a cache-less forward)")
+    if len(wk_list) > 1 or len(wv_list) > 1:
+        raise Unsupported("the cache is written more than once in one step")
+    wk, wv = wk_list[0], wv_list[0]
+    if wk.spelling != wv.spelling:
+        raise Unsupported(f"keys and values use different cache updates ({wk.spelling} / {wv.spelling})")
+    if k_src is v_src:
+        raise Unsupported("keys and values share one cache tensor")
+    qv, kn, vn = example(site.q), example(wk.new), example(wv.new)
+    if qv is None or kn is None or vn is None or kn.dim() != 4 or tuple(kn.shape) != tuple(vn.shape):
+        raise Unsupported("the new keys/values are not [batch, kv_heads, tokens, head_dim] of one shape")
+    if any(not isinstance(s, int) for s in (*kn.shape[:2], kn.shape[3], qv.shape[1])):
+        raise Unsupported("dynamic batch, head or head_dim sizes")
+    if qv.shape[-1] != kn.shape[-1] or qv.shape[1] % kn.shape[1]:
+        raise Unsupported(f"query heads {qv.shape[1]} / head_dim {qv.shape[-1]} do not fit "
+                          f"kv heads {kn.shape[1]} / head_dim {kn.shape[-1]}")
+    if kn.shape[-1] % 16:
+        raise Unsupported(f"head_dim {kn.shape[-1]} is not a multiple of 16")
+    # the cache must be used by this write and this read only
+    for w, read in ((wk, rk), (wv, rv)):
+        allowed = set(w.write_nodes) | ({read.nodes[-1]} if read else {site.k, site.v} | set(site.nodes))
+        holder = w.cache if w.cache is not None else w.full
+        others = [u for u in holder.users if u not in allowed and u.op != "output"]
+        if others:
+            raise Unsupported(f"the cache is also read by {others[0].name} ({others[0].target}); "
+                              "rewriting would change what that reader sees")
+        if w.cache is not None and any(u.op == "output" for u in holder.users):
+            raise Unsupported("the graph returns the cache tensor itself")
+    tq = qv.shape[2]
+    lk = example(site.k).shape[2]
+    if site.is_causal and isinstance(tq, int) and isinstance(lk, int) and tq not in (1, lk):
+        raise Unsupported("is_causal=True with fewer queries than keys aligns the causal mask to "
+                          "the top-left corner; only a bottom-right (cache) alignment is rewritten")
+    if wk.cache is not None and site.mask is None and not site.is_causal:
+        raise Unsupported("no mask over a preallocated cache: the model attends unwritten slots")
+    if site.mask is not None:
+        mv = example(site.mask)
+        if mv is None or mv.dim() != 4 or mv.shape[-1] != lk:
+            raise Unsupported("the attention mask is not [batch|1, heads|1, queries, cache length]")
+    return _Match(site, wk, wv, rk, rv)
+
+
+# ------------------------------------------------------------------------------ rewrite
+@dataclasses.dataclass
+class RewriteContext:
+    """What the pass needs from the backend: states, options, the graph's inputs."""
+
+    get_state: Callable[..., LayerState]
+    method: str
+    iters: int
+    recent: int
+    hold: int
+    check_finite: bool
+    max_cache_len: int
+    release_buffers: bool
+
+
+def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, device: torch.device) -> fx.Node:
+    """An int64 [B] tensor with the first written position, built in the graph."""
+    if w.start_kind == "positions":
+        flat = graph.call_method("reshape", (w.start, -1))
+        first = graph.call_function(operator.getitem, (flat, slice(0, 1)))
+        wide = graph.call_method("expand", (first, batch))
+        return graph.call_method("to", (wide, torch.int64))
+    if w.start_kind == "int":
+        return graph.call_function(torch.full, ((batch,), w.start),
+                                   {"dtype": torch.int64, "device": device})
+    # "past_len": a cat cache; its length is numel / (B * H * D) (0 for the empty start)
+    kn = example(w.new)
+    numel = graph.call_method("numel", (w.start,))
+    length = graph.call_function(operator.floordiv, (numel, kn.shape[0] * kn.shape[1] * kn.shape[3]))
+    return graph.call_function(torch.full, ((batch,), length), {"dtype": torch.int64, "device": device})
+
+
+def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteContext,
+                  graph_id: int = 0) -> tuple[list[torch.Tensor], list[SiteReport]]:
+    """Rewrite ``gm`` in place; return (extra inputs to append, per-site reports)."""
+    graph = gm.graph
+    matches, reports = find_sites(graph)
+    for r in reports:
+        r.graph = graph_id
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_body = placeholders[-1].next if placeholders else next(iter(graph.nodes))
+    extra: list[torch.Tensor] = []
+    release: list[tuple[SiteReport, fx.Node]] = []
+    for m in matches:
+        name = module_path(m.site.out) or m.site.out.name
+        kn = example(m.wk.new)
+        batch, heads, _, dim = kn.shape
+        lk = example(m.site.k).shape[2]
+        if m.wk.cache is not None:
+            max_len = int(example(m.wk.cache).shape[2])
+        else:
+            max_len = ctx.max_cache_len
+        state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim, max_len=max_len,
+                              dtype=kn.dtype, device=kn.device)
+        # 1. the state's buffers become graph inputs
+        with graph.inserting_before(first_body):
+            bufs = []
+            for i, t in enumerate(state.buffers):
+                ph = graph.placeholder(f"kvarn_{name.replace('.', '_')}_{i}")
+                ph.meta["example_value"] = t
+                bufs.append(ph)
+        extra.extend(state.buffers)
+        # 2. quantize-on-append where the model wrote its cache
+        first_write = min((n for n in m.wk.write_nodes + m.wv.write_nodes),
+                          key=lambda n: list(graph.nodes).index(n))
+        with graph.inserting_before(first_write):
+            start = _start_node(graph, m.wk, batch, kn.device)
+            graph.call_function(torch.ops.kvarn.append_.default,
+                                (bufs, m.wk.new, m.wv.new, start, ctx.method, ctx.iters,
+                                 ctx.recent, ctx.hold, ctx.check_finite, name))
+        # 3. fused attention in place of the model's attention
+        scale = m.site.scale if m.site.scale is not None else dim ** -0.5
+        with graph.inserting_before(m.site.out):
+            att = graph.call_function(torch.ops.kvarn.attention.default,
+                                      (m.site.q, bufs, m.site.mask, float(scale),
+                                       bool(m.site.is_causal or m.wk.cache is not None
+                                            or lk != example(m.site.q).shape[2]), 0))
+            att.meta["example_value"] = example(m.site.out)
+        m.site.out.replace_all_uses_with(att)
+        # 4. the model's cache is no longer written; cat caches get a zero-storage handle
+        for w in (m.wk, m.wv):
+            if w.cache is None:
+                cat = w.full
+                with graph.inserting_before(att):
+                    shape = example(cat).shape
+                    zero = graph.call_function(torch.zeros, ((),), {"dtype": kn.dtype, "device": kn.device})
+                    past_len = graph.call_function(
+                        operator.floordiv, (graph.call_method("numel", (w.start,)), batch * heads * dim))
+                    length = graph.call_function(operator.add, (past_len, example(w.new).shape[2]))
+                    handle = graph.call_method("expand", (zero, shape[0], shape[1], length, shape[3]))
+                for user in list(cat.users):
+                    if user.op == "output":
+                        user.replace_input_with(cat, handle)
+            else:
+                for node in w.write_nodes:
+                    graph.erase_node(node)
+        for node in m.site.nodes:
+            if not node.users:
+                graph.erase_node(node)
+        report = SiteReport(name, True, m.site.form, m.wk.spelling,
+                            m.rk.spelling if m.rk else "", state_bytes=state.nbytes, graph=graph_id)
+        reports.append(report)
+        release.extend((report, w.cache) for w in (m.wk, m.wv) if w.cache is not None)
+    dce(graph)
+    if ctx.release_buffers:
+        for report, cache in release:
+            report.released_bytes += _release_if_unused(cache, placeholders, example_inputs)
+    graph.lint()
+    gm.recompile()
+    return extra, reports
+
+
+def _release_if_unused(cache: fx.Node, placeholders: list[fx.Node], inputs: list[Any]) -> int:
+    """Free the storage of a model-owned cache tensor the rewritten graph no longer uses."""
+    live = [u for u in cache.users]
+    if live or cache not in placeholders:
+        return 0
+    tensor = inputs[placeholders.index(cache)]
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, torch._subclasses.FakeTensor):
+        return 0
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes:
+        storage.resize_(0)
+    return nbytes
