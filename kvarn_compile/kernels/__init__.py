@@ -1,1 +1,63 @@
-"""Triton kernels of kvarn_compile (tested on CPU through ``TRITON_INTERPRET=1``)."""
+"""Triton kernels of kvarn_compile, each with a thin launcher and a pure-torch reference.
+
+* quantize (``kernels/quantize.py``, kernel ``_kvarn_quantize_tiles_kernel``): rotate,
+  variance-normalize, round, fold and pack whole tiles in place.
+  Launchers: :func:`quantize_tiles_into` (into preallocated cache tensors at given tile
+  indices) and :func:`quantize_tiles_triton` (returns ``QuantizedTiles``).
+  Reference: :func:`kvarn_compile.reference.quantize_kv` / ``quantize_tiles``.
+* split-K decode attention (``kernels/attention.py``, kernels ``_kvarn_decode_attn_kernel``
+  and ``_combine_splits_kernel``): flash-decoding over the packed tiles with in-register
+  unpack and the dual-scale fold, GQA heads packed per program; returns the output over the
+  quantized region and its log-sum-exp for merging with the exact sink/tail.
+  Launchers: :func:`kvarn_decode_attention` (stacked tensors),
+  :func:`kvarn_decode_attention_tiles` (``QuantizedTiles``), :func:`combine_splits`.
+  Reference: softmax attention over ``reference.dequantize_tiles`` (see tests/test_kernels.py).
+
+Without a GPU the kernels run on CPU tensors under the Triton interpreter: set
+``TRITON_INTERPRET=1`` before triton is first imported. The launchers are imported lazily,
+so :func:`triton_available` works even where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+__all__ = [
+    "triton_available", "quantize_tiles_into", "quantize_tiles_triton",
+    "kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits",
+]
+
+_LAUNCHERS = {
+    "quantize_tiles_into": "kvarn_compile.kernels.quantize",
+    "quantize_tiles_triton": "kvarn_compile.kernels.quantize",
+    "kvarn_decode_attention": "kvarn_compile.kernels.attention",
+    "kvarn_decode_attention_tiles": "kvarn_compile.kernels.attention",
+    "combine_splits": "kvarn_compile.kernels.attention",
+}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_available() -> bool:
+    """True when triton imports and can run here: a CUDA device, or ``TRITON_INTERPRET=1``."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install failing at import
+        return False
+    if _interpreting():
+        return True
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def __getattr__(name: str):
+    if name in _LAUNCHERS:
+        return getattr(importlib.import_module(_LAUNCHERS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

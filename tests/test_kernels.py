@@ -1,0 +1,430 @@
+"""The Triton kernels against the pure-torch reference (CPU: through TRITON_INTERPRET=1).
+
+Quantize kernel: codes must equal ``reference.quantize_kv``'s except at rounding ties, scales
+up to fp16 rounding. Decode attention kernel: against softmax attention in float64 over the
+reference's dequantized tiles. Grids are kept to tens of programs: the interpreter runs each
+program instance in Python/numpy.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from kvarn_compile.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(),
+                                reason="needs triton with CUDA or TRITON_INTERPRET=1")
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from kvarn_compile.kernels import (
+        combine_splits, kvarn_decode_attention, kvarn_decode_attention_tiles,
+        quantize_tiles_into, quantize_tiles_triton,
+    )
+    from kvarn_compile.kernels.quantize import _rne
+
+from kvarn_compile.reference.quantize import (
+    NonFiniteError, QuantizedTiles, dequantize_tiles, quantize_kv, unpack_codes,
+)
+
+METHOD_FLAGS = {"kvarn": (True, True), "hadamard": (True, False), "kivi": (False, False)}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kv_like(*lead: int, tokens: int, d: int) -> torch.Tensor:
+    """Keys/values with uneven channel scales, an offset channel and a heavy channel."""
+    x = torch.randn(*lead, tokens, d) * (0.5 + torch.rand(d) * 2)
+    x[..., 3] += 8.0
+    x[..., 7] *= 6.0
+    return x.to(DEV)
+
+
+def assert_codes_match(got: QuantizedTiles, ref: QuantizedTiles) -> None:
+    """Codes equal except at rounding ties: at most ±1, on under 0.5% of the codes.
+
+    A tie is a value (B - lo) / Δ within a few fp32 ulps of k + 0.5. The kernel computes the
+    rotation matmul, the std reductions and exp/log in fp32 in a different summation order
+    than torch, so such a value can land on the other side of the boundary. (Under the
+    interpreter, numpy happens to reproduce torch bit for bit and the codes are identical.)
+    """
+    a = unpack_codes(got.codes, got.bits).int()
+    b = unpack_codes(ref.codes, ref.bits).int()
+    diff = (a - b).abs()
+    assert diff.max().item() <= 1
+    assert (diff > 0).float().mean().item() < 5e-3
+
+
+def assert_scales_match(got: QuantizedTiles, ref: QuantizedTiles) -> None:
+    """Folded scales equal up to fp16 rounding, modulo the normalization's gauge freedom.
+
+    X / c* / r* is unchanged by c* -> k c*, r* -> r* / k, and once the normalization has
+    converged its iterations drift along that direction with an imbalance equal to ~1 ulp.
+    The "<=" best-so-far pick between such iterations then depends on fp32 rounding, and
+    the kernel may keep another iteration than torch: same codes, row scales divided and
+    column scales multiplied by a common k (seen up to k = 1.07). So compare what the
+    dequant uses, the gauge-invariant products row_scale[r] * col_scale[c] and
+    row_zero[r] * col_scale[c] (rtol 2e-3: two fp16 roundings), and the individual scales
+    exactly where there is no gauge (no normalization: every column scale is 1).
+    """
+    for name in ("row_scale", "row_zero", "col_scale"):
+        g, r = getattr(got, name), getattr(ref, name)
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+    for row in ("row_scale", "row_zero"):
+        g = getattr(got, row).float()[..., :, None] * got.col_scale.float()[..., None, :]
+        r = getattr(ref, row).float()[..., :, None] * ref.col_scale.float()[..., None, :]
+        torch.testing.assert_close(g, r, rtol=2e-3, atol=1e-3 * r.abs().max().item() + 1e-6,
+                                   msg=f"{row} * col_scale")
+    if bool((ref.col_scale == 1).all()):
+        for name in ("row_scale", "row_zero", "col_scale"):
+            r = getattr(ref, name).float()
+            torch.testing.assert_close(getattr(got, name).float(), r, rtol=2e-3,
+                                       atol=1e-3 * r.abs().max().item() + 1e-6, msg=name)
+
+
+# ======================================================================= quantize kernel
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("method", ["kvarn", "hadamard", "kivi"])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_quantize_matches_reference(kind, bits, method, d):
+    """K and V, 2/4 bits, all three methods, power-of-two and padded (96 -> 128) head dims."""
+    x = kv_like(1, 2, tokens=128, d=d)  # 2 heads x 2 tiles of G=64: 4 programs
+    rotate, normalize = METHOD_FLAGS[method]
+    got = quantize_tiles_triton(x, kind, bits, rotate=rotate, normalize=normalize, group=64)
+    ref = quantize_kv(x, kind, method=method, bits=bits, group=64)
+    assert got.codes.shape == ref.codes.shape and got.bits == bits
+    assert_codes_match(got, ref)
+    assert_scales_match(got, ref)
+
+
+@pytest.mark.parametrize("d,kind,bits", [(80, "k", 4), (80, "v", 2), (112, "v", 4),
+                                         (64, "k", 8), (64, "v", 8)])
+def test_quantize_more_dims_and_8_bits(d, kind, bits):
+    """Non-power-of-two head dims (Paley/Kronecker rotations, masked padding) and 8-bit codes."""
+    x = kv_like(2, 1, tokens=32, d=d)
+    got = quantize_tiles_triton(x, kind, bits, rotate=True, normalize=True, group=32)
+    ref = quantize_kv(x, kind, method="kvarn", bits=bits, group=32)
+    assert_codes_match(got, ref)
+    assert_scales_match(got, ref)
+
+
+def test_rne_rounds_half_to_even():
+    @triton.jit
+    def _round_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, _rne(tl.load(x_ptr + offs)))
+
+    x = torch.tensor([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, 0.49999997, 2.5000002, 1.0, 0.0,
+                      14.5, 15.5, 7.25, -7.75, 1e6 + 0.5], device=DEV)
+    y = torch.empty_like(x)
+    _round_kernel[(1,)](x, y, BLOCK=16)
+    torch.testing.assert_close(y, torch.round(x), rtol=0, atol=0)
+
+
+def test_quantize_exact_ties_and_degenerate_tiles():
+    """Exact ties round half to even; constant tiles and zero-variance rows reconstruct exactly."""
+    g, d = 32, 64
+    x = torch.zeros(1, 1, 3 * g, d)
+    # tile 0 (kivi, V rows): each row is [0, 3, 0.5, 1.5, 2.5, ...] -> Δ = 1, ties at .5
+    x[..., :g, :] = torch.tensor([0.0, 3.0, 0.5, 1.5, 2.5, 1.0, 2.0, 0.0]).repeat(d // 8)
+    x[..., g:2 * g, :] = 1.25                   # tile 1: constant
+    x[..., 2 * g:, :] = torch.randn(g, d)       # tile 2: random with one constant channel
+    x[..., 2 * g:, 5] = -2.0
+    x = x.to(DEV)
+    got = quantize_tiles_triton(x, "v", 2, rotate=False, normalize=False, group=g)
+    ref = quantize_kv(x, "v", method="kivi", bits=2, group=g)
+    torch.testing.assert_close(got.codes, ref.codes, rtol=0, atol=0)
+    assert unpack_codes(got.codes, 2)[0, 0, 0, 0, :8].tolist() == [0, 3, 0, 2, 2, 1, 2, 0]
+    for method in ("kvarn", "hadamard", "kivi"):
+        rotate, normalize = METHOD_FLAGS[method]
+        for kind in ("k", "v"):
+            got = quantize_tiles_triton(x, kind, 4, rotate=rotate, normalize=normalize, group=g)
+            ref = quantize_kv(x, kind, method=method, bits=4, group=g)
+            assert_codes_match(got, ref)
+            assert_scales_match(got, ref)
+            if not rotate:  # constant tile exact; constant channel exact for K (one row)
+                deq = dequantize_tiles(got)
+                assert torch.equal(deq[0, 0, 1], torch.full_like(deq[0, 0, 1], 1.25))
+
+
+@pytest.mark.parametrize("iters", [0, 1, 16])
+def test_quantize_iterations(iters):
+    x = kv_like(1, 1, tokens=64, d=64)
+    got = quantize_tiles_triton(x, "k", 4, rotate=True, normalize=True, iters=iters, group=64)
+    ref = quantize_kv(x, "k", method="kvarn", bits=4, group=64, iters=iters)
+    assert_codes_match(got, ref)
+    assert_scales_match(got, ref)
+
+
+def test_quantize_into_cache_slots():
+    """The runtime path: strided fp16 token views written at per-row tile indices, in place."""
+    b, h, cap, g, d = 2, 2, 4, 32, 64
+    tokens = kv_like(b, h, tokens=3 * g, d=d).to(torch.float16)
+    src = tokens[:, :, g:]                          # a strided view: 2 tiles per (b, h)
+    k_dst = QuantizedTiles(
+        codes=torch.full((b, h, cap, d, g // 2), 7, dtype=torch.uint8, device=DEV),
+        row_scale=torch.full((b, h, cap, d), -1.0, dtype=torch.float32, device=DEV),
+        row_zero=torch.full((b, h, cap, d), -1.0, dtype=torch.float32, device=DEV),
+        col_scale=torch.full((b, h, cap, g), -1.0, dtype=torch.float32, device=DEV), bits=4)
+    before = [t.clone() for t in k_dst.tensors()]
+    dst_tile = torch.tensor([[3, 0], [-1, 1]], device=DEV)  # row 1 writes only its 2nd tile
+    quantize_tiles_into(src, k_dst.codes, k_dst.row_scale, k_dst.row_zero, k_dst.col_scale,
+                        kind="k", bits=4, rotate=True, normalize=True, dst_tile=dst_tile)
+    ref = quantize_kv(src, "k", method="kvarn", bits=4, group=g, scale_dtype=torch.float32)
+    written = {(0, 3): (0, 0), (0, 0): (0, 1), (1, 1): (1, 1)}  # (row, dst) -> (row, src)
+    for row in range(b):
+        for slot in range(cap):
+            got = QuantizedTiles(*(t[row, :, slot] for t in k_dst.tensors()), bits=4)
+            if (row, slot) in written:
+                r, s = written[(row, slot)]
+                want = QuantizedTiles(*(t[r, :, s] for t in ref.tensors()), bits=4)
+                assert_codes_match(got, want)
+                assert_scales_match(got, want)
+            else:
+                for t, old in zip(got.tensors(), before):
+                    assert torch.equal(t, old[row, :, slot])
+
+    # one tile per row, a [B] index, bf16 input, V layout
+    v_src = tokens[:, :, :g].to(torch.bfloat16)
+    v_dst = quantize_tiles_triton(kv_like(b, h, tokens=cap * g, d=d), "v", 2, rotate=True,
+                                  normalize=True, group=g)
+    quantize_tiles_into(v_src, v_dst.codes, v_dst.row_scale, v_dst.row_zero, v_dst.col_scale,
+                        kind="v", bits=2, rotate=True, normalize=True,
+                        dst_tile=torch.tensor([2, 0], dtype=torch.int32, device=DEV))
+    ref = quantize_kv(v_src, "v", method="kvarn", bits=2, group=g)
+    for row, slot in ((0, 2), (1, 0)):
+        got = QuantizedTiles(*(t[row, :, slot] for t in v_dst.tensors()), bits=2)
+        want = QuantizedTiles(*(t[row, :, 0] for t in ref.tensors()), bits=2)
+        assert_codes_match(got, want)
+        assert_scales_match(got, want)
+
+
+def test_quantize_validation_and_nonfinite():
+    x = kv_like(1, 1, tokens=64, d=64)
+    with pytest.raises(NotImplementedError, match="3-bit"):
+        quantize_tiles_triton(x, "k", 3, rotate=True, normalize=True, group=64)
+    with pytest.raises(NotImplementedError, match="power-of-two tile length"):
+        quantize_tiles_triton(x[..., :48, :], "k", 4, rotate=True, normalize=True, group=24)
+    with pytest.raises(ValueError, match="Expected kind"):
+        quantize_tiles_triton(x, "q", 4, rotate=True, normalize=True, group=64)
+    q = quantize_tiles_triton(x, "k", 4, rotate=True, normalize=True, group=64)
+    with pytest.raises(ValueError, match=r"Expected dst_codes of shape .* but got"):
+        quantize_tiles_into(x, q.codes[..., :-1].contiguous(), q.row_scale, q.row_zero,
+                            q.col_scale, kind="k", bits=4, rotate=True, normalize=True)
+    with pytest.raises(ValueError, match="Expected a contiguous dst_row_scale"):
+        strided = torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEV)[..., ::2]
+        quantize_tiles_into(x, q.codes, strided, q.row_zero, q.col_scale, kind="k", bits=4,
+                            rotate=True, normalize=True)
+    fp8 = q.row_scale.to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+        quantize_tiles_into(x, q.codes, fp8, q.row_zero, q.col_scale, kind="k", bits=4,
+                            rotate=True, normalize=True)
+    with pytest.raises(TypeError, match="Expected dst_tile of dtype"):
+        quantize_tiles_into(x, q.codes, q.row_scale, q.row_zero, q.col_scale, kind="k", bits=4,
+                            rotate=True, normalize=True,
+                            dst_tile=torch.zeros(1, 1, device=DEV))
+
+    bad = x.clone()
+    bad[0, 0, 5, 2] = float("nan")
+    with pytest.raises(NonFiniteError):
+        quantize_tiles_triton(bad, "k", 4, rotate=True, normalize=True, group=64)
+    with pytest.raises(NonFiniteError):
+        quantize_tiles_into(bad, q.codes, q.row_scale, q.row_zero, q.col_scale, kind="k",
+                            bits=4, rotate=True, normalize=True, check_finite=True)
+    got = quantize_tiles_triton(bad, "k", 4, rotate=True, normalize=True, group=64,
+                                nonfinite="reference")
+    ref = quantize_kv(bad, "k", method="kvarn", bits=4, group=64)
+    assert torch.equal(got.codes, ref.codes)
+    assert torch.isnan(got.col_scale[0, 0, 0, 5]) and torch.isfinite(got.col_scale[..., 6]).all()
+
+
+# ============================================================= decode attention kernel
+def oracle_attention(q, k: QuantizedTiles, v: QuantizedTiles, n_tiles, scale, kv_start=None):
+    """Softmax attention in float64 over the dequantized valid tiles (rotated frame)."""
+    kd = dequantize_tiles(k).double().transpose(-1, -2).cpu()  # [B, H, N, G, D]
+    vd = dequantize_tiles(v).double().cpu()
+    b, h, n, g, d = kd.shape
+    kd, vd = kd.reshape(b, h, n * g, d), vd.reshape(b, h, n * g, d)
+    q = q.double().cpu()
+    hq, tq = q.shape[1], q.shape[2]
+    group = hq // h
+    out = torch.zeros(b, hq, tq, d, dtype=torch.float64)
+    lse = torch.full((b, hq, tq), float("-inf"), dtype=torch.float64)
+    for row in range(b):
+        length = int(n_tiles[row]) * g
+        for head in range(hq):
+            s = q[row, head] @ kd[row, head // group, :length].T * scale  # [Tq, L]
+            if kv_start is not None:
+                idx = torch.arange(length)
+                s = s.masked_fill(idx[None, :] < kv_start[row].cpu()[:, None], float("-inf"))
+            lse_r = torch.logsumexp(s, -1) if length else lse[row, head]
+            seen = torch.isfinite(lse_r)
+            p = torch.where(seen[:, None], torch.exp(s - lse_r[:, None]), torch.zeros_like(s))
+            out[row, head] = p @ vd[row, head // group, :length]
+            lse[row, head] = lse_r
+    return out, lse
+
+
+def assert_attention_close(out, lse, ref_out, ref_lse):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+    mag = ref_out.abs().max().item() + 1e-6
+    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=1e-4 * mag)
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double().cpu()[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+    assert (out.cpu()[~fin] == 0).all()
+
+
+@functools.lru_cache(maxsize=None)
+def make_cache(b, h, n, g, d, kb, vb):
+    """Reference-quantized K/V tiles [b, h, n, ...], built once per shape (tests share them:
+    the reference's many small torch ops are the slow part of these tests on a loaded CPU)."""
+    gen = torch.Generator().manual_seed(hash((b, h, n, g, d, kb, vb)) % 2**31)
+
+    def data():
+        x = torch.randn(b, h, n * g, d, generator=gen) * (0.5 + 2 * torch.rand(d, generator=gen))
+        x[..., 3] += 8.0
+        return x.to(DEV)
+
+    return (quantize_kv(data(), "k", bits=kb, group=g),
+            quantize_kv(data(), "v", bits=vb, group=g))
+
+
+@pytest.mark.parametrize("kb,vb", [(4, 2), (2, 2), (4, 4)])
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("tq", [1, 4])
+@pytest.mark.parametrize("group_q", [1, 3, 7])
+def test_decode_attention_matches_oracle(group_q, tq, split, kb, vb):
+    """MHA and GQA (g = 3, 7: padded query blocks), Tq = 1/4, per-row n_tiles incl. 0."""
+    b, h, n, d = 3, 2, 3, 64
+    g = 64 if kb == 2 else 32
+    k, v = make_cache(b, h, n, g, d, kb, vb)
+    q = torch.randn(b, h * group_q, tq, d, device=DEV)
+    n_tiles = torch.tensor([3, 0, 2], device=DEV)
+    out, lse = kvarn_decode_attention_tiles(q, k, v, n_tiles, scale=d ** -0.5, num_splits=split)
+    assert out.shape == (b, h * group_q, tq, d) and lse.shape == (b, h * group_q, tq)
+    assert_attention_close(out, lse, *oracle_attention(q, k, v, n_tiles, d ** -0.5))
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_decode_attention_window_and_empty_splits(split):
+    """kv_start lower bounds (incl. a fully masked query row), more splits than tiles."""
+    b, h, n, g, d, group_q, tq = 3, 1, 3, 32, 64, 2, 3
+    k, v = make_cache(b, h, n, g, d, 4, 2)
+    q = torch.randn(b, h * group_q, tq, d, device=DEV) * 3
+    n_tiles = torch.tensor([3, 1, 2], dtype=torch.int32, device=DEV)
+    kv_start = torch.tensor([[0, 31, 70], [5, 32, 100], [40, 41, 63]], device=DEV)
+    out, lse, o_part, lse_part = kvarn_decode_attention_tiles(
+        q, k, v, n_tiles, scale=0.2, num_splits=split, kv_start=kv_start, return_partials=True)
+    assert o_part.shape == (b, h * group_q, tq, split, d)
+    assert torch.isneginf(lse[1, :, 1:]).all()         # row 1 has 32 tokens, all masked
+    assert_attention_close(out, lse, *oracle_attention(q, k, v, n_tiles, 0.2, kv_start))
+
+
+def test_decode_attention_query_blocks_and_fp32_scales():
+    """g * Tq = 28 rows over two BLOCK_M = 16 query blocks (grid axis 2), fp32 scale storage."""
+    b, h, n, g, d, group_q, tq = 2, 1, 2, 32, 64, 7, 4
+    k = quantize_kv(kv_like(b, h, tokens=n * g, d=d), "k", bits=4, group=g,
+                    scale_dtype=torch.float32)
+    v = quantize_kv(kv_like(b, h, tokens=n * g, d=d), "v", bits=4, group=g,
+                    scale_dtype=torch.bfloat16)
+    q = torch.randn(b, h * group_q, tq, d, device=DEV)
+    n_tiles = torch.tensor([2, 1], device=DEV)
+    kv_start = torch.tensor([[0, 10, 20, 40], [3, 3, 3, 3]], device=DEV)
+    out, lse = kvarn_decode_attention_tiles(q, k, v, n_tiles, scale=d ** -0.5, num_splits=2,
+                                            kv_start=kv_start, block_m=16)
+    assert_attention_close(out, lse, *oracle_attention(q, k, v, n_tiles, d ** -0.5, kv_start))
+
+
+def test_decode_attention_padded_head_dim_and_kernel_quantized_cache():
+    """End to end on kernels: tiles written by the quantize kernel, D = 96 (padded to 128)."""
+    b, h, n, g, d, group_q = 2, 2, 2, 32, 96, 2
+    kq = quantize_tiles_triton(kv_like(b, h, tokens=n * g, d=d), "k", 4, rotate=True,
+                               normalize=True, group=g)
+    vq = quantize_tiles_triton(kv_like(b, h, tokens=n * g, d=d), "v", 2, rotate=True,
+                               normalize=True, group=g)
+    q = torch.randn(b, h * group_q, 2, d, device=DEV)
+    n_tiles = torch.tensor([1, 2], device=DEV)
+    out, lse = kvarn_decode_attention_tiles(q, kq, vq, n_tiles, scale=d ** -0.5, num_splits=2)
+    assert_attention_close(out, lse, *oracle_attention(q, kq, vq, n_tiles, d ** -0.5))
+
+
+def test_decode_attention_merges_with_an_exact_region():
+    """The caller's merge by lse reproduces attention over [quantized tiles ++ exact tail]."""
+    b, h, n, g, d, group_q, tail = 2, 2, 2, 32, 64, 3, 5
+    k, v = make_cache(b, h, n, g, d, 4, 2)
+    q = torch.randn(b, h * group_q, 1, d, device=DEV)
+    n_tiles = torch.tensor([2, 1], device=DEV)
+    tk, tv = torch.randn(b, h, tail, d, device=DEV), torch.randn(b, h, tail, d, device=DEV)
+    scale = d ** -0.5
+    out_q, lse_q = kvarn_decode_attention_tiles(q, k, v, n_tiles, scale=scale, num_splits=2)
+    s_t = q @ tk.repeat_interleave(group_q, 1).transpose(-1, -2) * scale
+    lse_t = torch.logsumexp(s_t, -1)
+    out_t = torch.softmax(s_t, -1) @ tv.repeat_interleave(group_q, 1)
+    m = torch.maximum(lse_q, lse_t)
+    wq, wt = torch.exp(lse_q - m)[..., None], torch.exp(lse_t - m)[..., None]
+    merged = (wq * out_q + wt * out_t) / (wq + wt)
+
+    kd = dequantize_tiles(k).transpose(-1, -2).reshape(b, h, n * g, d)
+    vd = dequantize_tiles(v).reshape(b, h, n * g, d)
+    for row in range(b):
+        length = int(n_tiles[row]) * g
+        keys = torch.cat([kd[row, :, :length], tk[row]], 1).repeat_interleave(group_q, 0)
+        vals = torch.cat([vd[row, :, :length], tv[row]], 1).repeat_interleave(group_q, 0)
+        want = torch.softmax(q[row] @ keys.transpose(-1, -2) * scale, -1) @ vals
+        torch.testing.assert_close(merged[row], want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_empty_cache_and_validation():
+    b, h, n, g, d = 2, 2, 1, 32, 64
+    k, v = make_cache(b, h, n, g, d, 4, 2)
+    q = torch.randn(b, 2 * h, 1, d, device=DEV)
+    out, lse = kvarn_decode_attention_tiles(q, k, v, torch.zeros(b, dtype=torch.int64,
+                                                                 device=DEV), scale=0.1,
+                                            num_splits=2)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    n_tiles = torch.ones(b, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        kvarn_decode_attention_tiles(q[:, :3], k, v, n_tiles, scale=0.1)
+    with pytest.raises(TypeError, match="Expected q_rot of dtype torch.float32"):
+        kvarn_decode_attention_tiles(q.half(), k, v, n_tiles, scale=0.1)
+    with pytest.raises(ValueError, match="Expected k_bits=2"):
+        kvarn_decode_attention(q, k.codes, k.row_scale, k.row_zero, k.col_scale, v.codes,
+                               v.row_scale, v.row_zero, v.col_scale, n_tiles, scale=0.1,
+                               k_bits=2)
+    with pytest.raises(ValueError, match="Expected n_tiles"):
+        kvarn_decode_attention_tiles(q, k, v, n_tiles.float(), scale=0.1)
+    with pytest.raises(ValueError, match="Expected a contiguous v_col_scale"):
+        kvarn_decode_attention(q, k.codes, k.row_scale, k.row_zero, k.col_scale, v.codes,
+                               v.row_scale, v.row_zero,
+                               v.col_scale.transpose(0, 1).contiguous().transpose(0, 1),
+                               n_tiles, scale=0.1)
+    k8 = quantize_kv(kv_like(b, h, tokens=g, d=d), "k", bits=4, group=g,
+                     scale_dtype=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        kvarn_decode_attention_tiles(q, k8, v, n_tiles, scale=0.1)
+
+
+def test_combine_splits_by_lse():
+    o = torch.randn(3, 4, 8, device=DEV)
+    lse = torch.randn(3, 4, device=DEV)
+    lse[1, :2] = float("-inf")
+    lse[2] = float("-inf")
+    out, total = combine_splits(o, lse)
+    w = torch.softmax(lse[:2], -1)
+    torch.testing.assert_close(out[:2], (w[..., None] * o[:2]).sum(1))
+    torch.testing.assert_close(total[:2], torch.logsumexp(lse[:2], -1))
+    assert torch.equal(out[2], torch.zeros(8, device=DEV)) and torch.isneginf(total[2])
+
+
+def test_kernels_package_exports():
+    import kvarn_compile.kernels as kernels
+
+    assert kernels.triton_available() is True
+    for name in kernels.__all__:
+        assert callable(getattr(kernels, name))
+    with pytest.raises(AttributeError):
+        kernels.not_a_kernel  # noqa: B018
