@@ -87,6 +87,8 @@ class KVarNBackend:
         self.mode = mode
         self.states: dict[tuple[str, int], LayerState] = {}
         self.report = Report()
+        #: (before, after) normalized graph text of every compiled graph (see testing.py)
+        self.graph_log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ states
@@ -136,6 +138,9 @@ class KVarNBackend:
                                  release_buffers=self.release_buffers)
             extra, reports = rewrite_graph(new_gm, list(example_inputs), ctx, graph_id)
             self.report.sites.extend(reports)
+            from kvarn_compile.testing import normalize_graph
+
+            self.graph_log.append((normalize_graph(gm), normalize_graph(new_gm)))
             logger.debug("kvarn graph %d after rewrite:\n%s", graph_id,
                          new_gm.print_readable(print_output=False))
             for r in reports:

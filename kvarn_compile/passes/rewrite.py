@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,26 @@ class _Match:
     rv: KVRead | None
 
 
+def site_name(node: fx.Node) -> str:
+    """Stable name of an attention site: its module path, else its source line.
+
+    Graphs compiled for one model (prefill, decode, recompiles) name a site identically,
+    so they share one packed state; two different sites never share a name.
+    """
+    path = module_path(node)
+    if path:
+        return path
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    if frames:
+        loc = frames[-1].split(",")
+        file = loc[0].split('"')[1].rsplit("/", 1)[-1] if '"' in loc[0] else loc[0]
+        line = loc[1].strip().replace("line ", "") if len(loc) > 1 else "?"
+        func = loc[2].strip().replace("in ", "") if len(loc) > 2 else ""
+        return f"{func or node.name}@{file}:{line}"
+    return node.name
+
+
 def _strip_read(node: Any) -> tuple[Any, KVRead | None]:
     for _, matcher in KV_READS:
         read = matcher(node) if isinstance(node, fx.Node) else None
@@ -93,11 +114,11 @@ def find_sites(graph: fx.Graph) -> tuple[list[_Match], list[SiteReport]]:
             try:
                 site = matcher(node)
             except Unsupported as err:
-                skipped.append(SiteReport(module_path(node) or node.name, False, form, reason=str(err)))
+                skipped.append(SiteReport(site_name(node), False, form, reason=str(err)))
                 break
             if site is None:
                 continue
-            name = module_path(node) or node.name
+            name = site_name(node)
             try:
                 matches.append(_pair(site, writes))
             except Unsupported as err:
@@ -198,7 +219,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     extra: list[torch.Tensor] = []
     release: list[tuple[SiteReport, fx.Node]] = []
     for m in matches:
-        name = module_path(m.site.out) or m.site.out.name
+        name = site_name(m.site.out)
         kn = example(m.wk.new)
         batch, heads, _, dim = kn.shape
         lk = example(m.site.k).shape[2]
@@ -212,7 +233,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         with graph.inserting_before(first_body):
             bufs = []
             for i, t in enumerate(state.buffers):
-                ph = graph.placeholder(f"kvarn_{name.replace('.', '_')}_{i}")
+                ph = graph.placeholder(f"kvarn_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}_{i}")
                 ph.meta["example_value"] = t
                 bufs.append(ph)
         extra.extend(state.buffers)
@@ -242,7 +263,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                     zero = graph.call_function(torch.zeros, ((),), {"dtype": kn.dtype, "device": kn.device})
                     past_len = graph.call_function(
                         operator.floordiv, (graph.call_method("numel", (w.start,)), batch * heads * dim))
-                    length = graph.call_function(operator.add, (past_len, example(w.new).shape[2]))
+                    new_len = graph.call_method("size", (w.new, 2))
+                    length = graph.call_function(operator.add, (past_len, new_len))
                     handle = graph.call_method("expand", (zero, shape[0], shape[1], length, shape[3]))
                 for user in list(cat.users):
                     if user.op == "output":

@@ -1,0 +1,300 @@
+"""Graph-diff tests of the KVarN pass: each cache spelling and attention form, before/after.
+
+Each case is a tiny function written the way model code writes it. The golden strings
+are the normalized Dynamo graph after the rewrite (``kvarn_compile.testing.normalize_graph``);
+update them with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_passes.py``, never by hand.
+Numerical equality with the eager reference is checked for every rewritten case.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from kvarn_compile import kvarn_backend
+from kvarn_compile.ops.reference import materialize
+
+B, H, HQ, D, L = 1, 2, 4, 16, 64
+G = 32
+
+
+def _backend(**kw):
+    torch._dynamo.reset()
+    return kvarn_backend("k4v2", group_size=G, key_bits=8, value_bits=8, compiler="eager", **kw)
+
+
+def _inputs(t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, t, D, generator=g)
+    k = torch.randn(B, H, t, D, generator=g)
+    v = torch.randn(B, H, t, D, generator=g)
+    return q, k, v
+
+
+def _repeat_kv(x, n):
+    b, h, t, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, t, d).reshape(b, h * n, t, d)
+
+
+# ----------------------------------------------------------------------------- subjects
+def index_copy_sdpa(q, k, v, pos, kc, vc, mask):
+    # transformers StaticCache + sdpa with repeat_kv and a bool mask
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    return F.scaled_dot_product_attention(q, _repeat_kv(kc, HQ // H), _repeat_kv(vc, HQ // H),
+                                          attn_mask=mask, scale=0.25)
+
+
+def setitem_positions_sdpa(q, k, v, pos, kc, vc, mask):
+    # gpt-fast: k_cache[:, :, input_pos] = k, repeat_interleave, sdpa with a bool mask
+    kc[:, :, pos] = k
+    vc[:, :, pos] = v
+    return F.scaled_dot_product_attention(q, kc.repeat_interleave(HQ // H, dim=1),
+                                          vc.repeat_interleave(HQ // H, dim=1), attn_mask=mask)
+
+
+def narrow_copy_gqa(q, k, v, start: int, kc, vc, mask):
+    # kc.narrow(2, s, T).copy_(k), enable_gqa instead of repeat_kv, additive float mask
+    kc.narrow(2, start, k.shape[2]).copy_(k)
+    vc.narrow(2, start, v.shape[2]).copy_(v)
+    add = torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=add, enable_gqa=True)
+
+
+def setitem_slice_eager(q, k, v, start: int, kc, vc, mask):
+    # nanoGPT: k_cache[:, :, s:s+T] = k and the hand-written matmul/softmax chain
+    kc[:, :, start:start + k.shape[2]] = k
+    vc[:, :, start:start + v.shape[2]] = v
+    att = (q @ _repeat_kv(kc, HQ // H).transpose(-2, -1)) * (1.0 / math.sqrt(D))
+    att = att + torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+    return att @ _repeat_kv(vc, HQ // H)
+
+
+def cat_sdpa(q, k, v, past_k, past_v):
+    # transformers DynamicCache: cat along the sequence, decode without a mask
+    keys = torch.cat([past_k, k], dim=-2)
+    values = torch.cat([past_v, v], dim=-2)
+    out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    return out, keys, values
+
+
+# negative cases
+def no_cache_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, HQ // H), _repeat_kv(v, HQ // H))
+
+
+def cache_read_elsewhere(q, k, v, pos, kc, vc, mask):
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    out = F.scaled_dot_product_attention(q, _repeat_kv(kc, HQ // H), _repeat_kv(vc, HQ // H), attn_mask=mask)
+    return out, kc.sum()          # something else reads the cache
+
+
+def cross_attention_fixed_cache(q, enc_k, enc_v):
+    # encoder-decoder cross-attention over a fixed encoder cache: no update feeds it
+    return F.scaled_dot_product_attention(q, enc_k, enc_v, enable_gqa=True)
+
+
+def attention_weights_returned(q, k, v, start: int, kc, vc, mask):
+    kc[:, :, start:start + k.shape[2]] = k
+    vc[:, :, start:start + v.shape[2]] = v
+    att = F.softmax((q @ _repeat_kv(kc, HQ // H).transpose(-2, -1)) * 0.25
+                    + torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf")), dim=-1)
+    return att @ _repeat_kv(vc, HQ // H), att
+
+
+# ----------------------------------------------------------------------------- helpers
+def _static_run(fn, backend, t=6, start=0, steps=2, positions_kind="tensor"):
+    """Run fn compiled over a growing static cache: a prefill of t tokens then decode steps."""
+    kc, vc = torch.zeros(B, H, L, D), torch.zeros(B, H, L, D)
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    outs, ref_kv = [], []
+    pos0 = start
+    for step in range(steps):
+        n = t if step == 0 else 1
+        q, k, v = _inputs(n, seed=step)
+        ref_kv.append((k, v))
+        pos = torch.arange(pos0, pos0 + n) if positions_kind == "tensor" else pos0
+        mask = causal[None, None, pos0:pos0 + n, :]
+        outs.append((compiled(q, k, v, pos, kc, vc, mask), q, mask))
+        pos0 += n
+    return outs, ref_kv, (kc, vc)
+
+
+def _eager_reference(backend, q, mask, scale):
+    """Plain attention over the dequantized KVarN state: the oracle of the fused op."""
+    (state,) = backend.states.values()
+    k_hat, v_hat = materialize(state.buffers, dtype=torch.float32)
+    if mask is None:  # attend every written position
+        mask = (torch.arange(k_hat.shape[2]) < state.lengths[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k_hat, v_hat, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+class TestGraphRewrites(TestCase):
+    maxDiff = None
+
+    def _after(self, backend, i=-1):
+        return backend.graph_log[i][1]
+
+    def test_index_copy_sdpa(self):
+        be = _backend()
+        outs, _, (kc, _) = _static_run(index_copy_sdpa, be)
+        self.assertEqual(len(be.report.rewritten), len(be.report.sites))
+        self.assertEqual(kc.untyped_storage().nbytes(), 0)        # fp buffer released
+        out, q, mask = outs[-1]
+        torch.testing.assert_close(out, _eager_reference(be, q, mask, 0.25), atol=1e-5, rtol=1e-5)
+        self.assertExpectedInline(self._after(be), """\
+# 9 inputs + 16 kvarn state buffers
+v0 = .reshape(in1, -1)
+v1 = operator.getitem(v0, 0:1)
+v2 = .expand(v1, 1)
+v3 = .to(v2, int64)
+v4 = kvarn.append_([<16 state buffers>], in2, in4, v3, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa')
+v5 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
+return (v5,)""")
+
+    def test_setitem_positions_sdpa(self):
+        be = _backend()
+        outs, _, _ = _static_run(setitem_positions_sdpa, be)
+        out, q, mask = outs[-1]
+        torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
+        self.assertExpectedInline(self._after(be), """\
+# 9 inputs + 16 kvarn state buffers
+v0 = .reshape(in2, -1)
+v1 = operator.getitem(v0, 0:1)
+v2 = .expand(v1, 1)
+v3 = .to(v2, int64)
+v4 = kvarn.append_([<16 state buffers>], in1, in4, v3, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa')
+v5 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
+return (v5,)""")
+
+    def test_narrow_copy_enable_gqa_float_mask(self):
+        be = _backend()
+        outs, _, _ = _static_run(narrow_copy_gqa, be, positions_kind="int")
+        out, q, mask = outs[-1]
+        torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
+        self.assertExpectedInline(self._after(be), """\
+# 9 inputs + 16 kvarn state buffers
+v0 = full((1,), in2, dtype=int64, device='cpu')
+v1 = kvarn.append_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'narrow_copy_gqa')
+v2 = zeros_like(in8, dtype=float32)
+v3 = operator.invert(in8)
+v4 = .masked_fill(v2, v3, -inf)
+v5 = kvarn.attention(in5, [<16 state buffers>], v4, 0.25, True, 0)
+return (v5,)""")
+
+    def test_setitem_slice_eager_chain(self):
+        be = _backend()
+        outs, _, _ = _static_run(setitem_slice_eager, be, positions_kind="int")
+        out, q, mask = outs[-1]
+        torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
+        self.assertExpectedInline(self._after(be), """\
+# 9 inputs + 16 kvarn state buffers
+v0 = full((1,), in1, dtype=int64, device='cpu')
+v1 = kvarn.append_([<16 state buffers>], in0, in3, v0, 'kvarn', 8, 0, 0, False, 'setitem_slice_eager')
+v2 = zeros_like(in8, dtype=float32)
+v3 = operator.invert(in8)
+v4 = .masked_fill(v2, v3, -inf)
+v5 = kvarn.attention(in5, [<16 state buffers>], v4, 0.25, True, 0)
+return (v5,)""")
+
+    def test_cat_cache_returns_zero_storage_handles(self):
+        be = _backend(max_cache_len=L)
+        compiled = torch.compile(cat_sdpa, backend=be)
+        past_k = past_v = torch.zeros(B, H, 0, D)
+        for step, n in enumerate((6, 1, 1)):
+            q, k, v = _inputs(n, seed=step)
+            out, past_k, past_v = compiled(q, k, v, past_k, past_v)
+            self.assertEqual(past_k.shape, (B, H, 6 + step, D))
+            self.assertLessEqual(past_k.untyped_storage().nbytes(), 4)   # no fp copy grows
+        torch.testing.assert_close(out, _eager_reference(be, q, None, D ** -0.5), atol=1e-5, rtol=1e-5)
+        self.assertEqual([s.cache for s in be.report.rewritten],
+                         ["torch.cat([past, new], dim=-2)"] * len(be.report.sites))
+        self.assertExpectedInline(self._after(be), """\
+# 7 inputs + 16 kvarn state buffers
+v0 = .numel(in1)
+v1 = operator.floordiv(v0, 32)
+v2 = full((1,), v1, dtype=int64, device='cpu')
+v3 = kvarn.append_([<16 state buffers>], in2, in5, v2, 'kvarn', 8, 0, 0, False, 'cat_sdpa')
+v4 = zeros((), dtype=float32, device='cpu')
+v5 = .numel(in1)
+v6 = operator.floordiv(v5, 32)
+v7 = .size(in2, 2)
+v8 = operator.add(v6, v7)
+v9 = .expand(v4, 1, 2, v8, 16)
+v10 = zeros((), dtype=float32, device='cpu')
+v11 = .numel(in4)
+v12 = operator.floordiv(v11, 32)
+v13 = .size(in5, 2)
+v14 = operator.add(v12, v13)
+v15 = .expand(v10, 1, 2, v14, 16)
+v16 = kvarn.attention(in6, [<16 state buffers>], None, 0.25, True, 0)
+return (v16, v9, v15)""")
+
+
+class TestLeftUnchanged(TestCase):
+    """Sites the pass must not rewrite: the graph stays exactly as Dynamo produced it."""
+
+    def _check_unchanged(self, fn, *args, reason):
+        be = _backend()
+        eager = fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        out = torch.compile(fn, backend=be)(*args)
+        before, after = be.graph_log[-1]
+        self.assertEqual(before, after)
+        (site,) = be.report.sites
+        self.assertFalse(site.rewritten)
+        self.assertIn(reason, site.reason)
+        for a, b in zip(eager if isinstance(eager, tuple) else (eager,), out if isinstance(out, tuple) else (out,)):
+            torch.testing.assert_close(a, b)
+
+    def test_attention_without_cache(self):
+        self._check_unchanged(no_cache_attention, *_inputs(5), reason="do not come from a recognized KV-cache update")
+
+    def test_cache_read_by_something_else(self):
+        q, k, v = _inputs(5)
+        mask = torch.tril(torch.ones(L, L, dtype=torch.bool))[None, None, :5]
+        self._check_unchanged(cache_read_elsewhere, q, k, v, torch.arange(5), torch.zeros(B, H, L, D),
+                              torch.zeros(B, H, L, D), mask, reason="the cache is also read by")
+
+    def test_cross_attention_over_fixed_encoder_cache(self):
+        q = torch.randn(B, HQ, 3, D)
+        self._check_unchanged(cross_attention_fixed_cache, q, torch.randn(B, H, 9, D), torch.randn(B, H, 9, D),
+                              reason="do not come from a recognized KV-cache update")
+
+    def test_attention_weights_used_elsewhere(self):
+        q, k, v = _inputs(5)
+        mask = torch.tril(torch.ones(L, L, dtype=torch.bool))[None, None, :5]
+        self._check_unchanged(attention_weights_returned, q, k, v, 0, torch.zeros(B, H, L, D),
+                              torch.zeros(B, H, L, D), mask, reason="attention weights")
+
+
+def test_report_lists_every_site_and_is_readable():
+    be = _backend()
+    _static_run(index_copy_sdpa, be)
+    text = str(be.report)
+    assert text.startswith("KVarN rewrite report: 2 attention site(s) rewritten, 0 left unchanged, in 2 graph(s)")
+    assert "[rewritten] index_copy_sdpa@test_passes.py:" in text
+    assert ": scaled_dot_product_attention over index_copy_ via repeat_kv" in text
+    assert "released" in text
+
+
+def test_backend_accepts_torch_compile_keywords():
+    be = _backend()
+    out = be.__call__  # the backend is a plain callable taking (gm, example_inputs, **kwargs)
+    assert callable(out)
+    compiled = torch.compile(no_cache_attention, backend=be)
+    compiled(*_inputs(3))
+    be2 = kvarn_backend("k4v2", compiler="eager", mode="reduce-overhead")
+    torch._dynamo.reset()
+    torch.compile(no_cache_attention, backend=be2)(*_inputs(3))
+    assert any("ignored on CPU" in n for n in be2.report.notes)
+
+
+@pytest.mark.parametrize("bad", [dict(compiler="tvm"), dict(max_cache_len=0), dict(key_bits=5)])
+def test_backend_rejects_bad_options(bad):
+    with pytest.raises(ValueError, match="Expected|expected"):
+        kvarn_backend("k4v2", **bad)
