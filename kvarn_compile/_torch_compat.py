@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
-import os
 import pathlib
 from typing import Any
 
 import torch
 
-__all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn_artifact_logger",
-           "kvarn_sources_hash", "KVarNUUIDPass"]
+__all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn_sources_hash",
+           "KVarNUUIDPass"]
 
 TESTED_TORCH = ((2, 13), (2, 14))   # inclusive range of minor versions
 
@@ -85,20 +83,3 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
     if mode:
         patches.update(list_mode_options(mode))
     return compile_fx(gm, inputs, config_patches=patches)
-
-
-# ------------------------------------------------------------------------------ logging
-@functools.lru_cache(maxsize=1)
-def kvarn_artifact_logger() -> logging.Logger:
-    """Logger of the ``kvarn`` artifact: ``TORCH_LOGS=kvarn`` prints graphs before/after."""
-    try:
-        from torch._logging._internal import _init_logs, log_registry, register_artifact
-
-        if "kvarn" not in log_registry.artifact_names:
-            register_artifact("kvarn", "KVarN pass: Dynamo graphs before and after the rewrite",
-                              off_by_default=True)
-            if "kvarn" in os.environ.get("TORCH_LOGS", ""):
-                _init_logs()  # TORCH_LOGS was parsed before the artifact existed
-        return torch._logging.getArtifactLogger("kvarn_compile.passes", "kvarn")
-    except (ImportError, AttributeError):   # torch moved its logging internals
-        return logging.getLogger("kvarn_compile.passes.graphs")

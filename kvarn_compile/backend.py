@@ -29,11 +29,16 @@ __all__ = ["kvarn_backend", "KVarNBackend", "Report"]
 log = logging.getLogger(__name__)
 
 
-def _graph_logger() -> logging.Logger:
-    """The ``kvarn`` torch._logging artifact (TORCH_LOGS=kvarn shows graphs before/after)."""
-    from kvarn_compile._torch_compat import kvarn_artifact_logger
+def _log_graph(msg: str, *args: Any) -> None:
+    """Graphs before/after the rewrite, at DEBUG on this module's logger.
 
-    return kvarn_artifact_logger()
+    ``TORCH_LOGS="+kvarn_compile"`` turns it on through torch._logging (torch parses
+    TORCH_LOGS when it is imported, before a third-party artifact could be registered, so
+    the variable names the module); ``torch._logging.set_logs(modules={"kvarn_compile":
+    logging.DEBUG})`` does the same in-process.
+    """
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(msg, *args)
 
 
 class Report:
@@ -127,9 +132,8 @@ class KVarNBackend:
         with self._lock:
             self.report.graphs += 1
             graph_id = self.report.graphs
-            logger = _graph_logger()
-            logger.debug("kvarn graph %d before rewrite:\n%s", graph_id,
-                         gm.print_readable(print_output=False))
+            _log_graph("kvarn graph %d before rewrite:\n%s", graph_id,
+                       gm.print_readable(print_output=False))
             new_gm = _copy_graph_module(gm)
             ctx = RewriteContext(get_state=self._get_state, method=self.config.method,
                                  iters=self.config.sinkhorn_iters, recent=self.config.recent_window,
@@ -141,8 +145,8 @@ class KVarNBackend:
             from kvarn_compile.testing import normalize_graph
 
             self.graph_log.append((normalize_graph(gm), normalize_graph(new_gm)))
-            logger.debug("kvarn graph %d after rewrite:\n%s", graph_id,
-                         new_gm.print_readable(print_output=False))
+            _log_graph("kvarn graph %d after rewrite:\n%s", graph_id,
+                       new_gm.print_readable(print_output=False))
             for r in reports:
                 log.info("kvarn: %s", r.line().strip())
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched

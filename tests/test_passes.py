@@ -149,13 +149,10 @@ class TestGraphRewrites(TestCase):
         torch.testing.assert_close(out, _eager_reference(be, q, mask, 0.25), atol=1e-5, rtol=1e-5)
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 16 kvarn state buffers
-v0 = .reshape(in1, -1)
-v1 = operator.getitem(v0, 0:1)
-v2 = .expand(v1, 1)
-v3 = .to(v2, int64)
-v4 = kvarn.append_([<16 state buffers>], in2, in4, v3, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa')
-v5 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
-return (v5,)""")
+v0 = kvarn.positions_start(in1, 1)
+v1 = kvarn.append_([<16 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa')
+v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
+return (v2,)""")
 
     def test_setitem_positions_sdpa(self):
         be = _backend()
@@ -164,13 +161,10 @@ return (v5,)""")
         torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 16 kvarn state buffers
-v0 = .reshape(in2, -1)
-v1 = operator.getitem(v0, 0:1)
-v2 = .expand(v1, 1)
-v3 = .to(v2, int64)
-v4 = kvarn.append_([<16 state buffers>], in1, in4, v3, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa')
-v5 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
-return (v5,)""")
+v0 = kvarn.positions_start(in2, 1)
+v1 = kvarn.append_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa')
+v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
+return (v2,)""")
 
     def test_narrow_copy_enable_gqa_float_mask(self):
         be = _backend()
@@ -298,3 +292,26 @@ def test_backend_accepts_torch_compile_keywords():
 def test_backend_rejects_bad_options(bad):
     with pytest.raises(ValueError, match="Expected|expected"):
         kvarn_backend("k4v2", **bad)
+
+
+def test_torch_logs_shows_graphs_before_and_after(capfd):
+    import logging
+    torch._logging.set_logs(modules={"kvarn_compile": logging.DEBUG})
+    try:
+        be = _backend()
+        _static_run(index_copy_sdpa, be, steps=1)
+    finally:
+        torch._logging.set_logs()
+    err = capfd.readouterr().err
+    assert "kvarn graph 1 before rewrite" in err and "kvarn graph 1 after rewrite" in err
+    assert "torch.ops.kvarn.attention.default" in err
+
+
+def test_non_contiguous_cache_positions_are_refused():
+    be = _backend()
+    kc, vc = torch.zeros(B, H, L, D), torch.zeros(B, H, L, D)
+    q, k, v = _inputs(3)
+    mask = torch.ones(1, 1, 3, L, dtype=torch.bool)
+    compiled = torch.compile(index_copy_sdpa, backend=be)
+    with pytest.raises(ValueError, match="one contiguous run"):
+        compiled(q, k, v, torch.tensor([0, 2, 4]), kc, vc, mask)

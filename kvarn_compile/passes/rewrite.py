@@ -192,11 +192,8 @@ class RewriteContext:
 
 def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, device: torch.device) -> fx.Node:
     """An int64 [B] tensor with the first written position, built in the graph."""
-    if w.start_kind == "positions":
-        flat = graph.call_method("reshape", (w.start, -1))
-        first = graph.call_function(operator.getitem, (flat, slice(0, 1)))
-        wide = graph.call_method("expand", (first, batch))
-        return graph.call_method("to", (wide, torch.int64))
+    if w.start_kind == "positions":   # checked to be one contiguous run at run time
+        return graph.call_function(torch.ops.kvarn.positions_start.default, (w.start, batch))
     if w.start_kind == "int":
         return graph.call_function(torch.full, ((batch,), w.start),
                                    {"dtype": torch.int64, "device": device})
