@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn_compile.config import KVarNConfig, get_config
 from kvarn_compile.ops import library as ops
-from kvarn_compile.ops.reference import crop_, materialize
+from kvarn_compile.ops.reference import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward"]
@@ -49,14 +49,27 @@ class KVarNLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, config: KVarNConfig, max_cache_len: int, *, spec_tokens: int = 0,
-                 name: str = "", fused: bool = False):
+                 name: str = "", fused: bool | None = None, model_config=None):
         super().__init__()
         self.config = config
         self.max_cache_len = max_cache_len
         self.spec_tokens = spec_tokens
         self.name = name
-        self.fused = fused
+        self._fused = fused
+        self._model_config = model_config
         self.state: LayerState | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Whether ``update`` hands placeholders to the fused ``kvarn`` attention.
+
+        Unless fixed at construction, this follows the model config's *current* attention
+        implementation, so a cache built before :func:`use_kvarn_attention` (or a model switched
+        back to sdpa afterwards) still gets what its attention function can read.
+        """
+        if self._fused is not None:
+            return self._fused
+        return getattr(self._model_config, "_attn_implementation", None) == "kvarn"
 
     # -------------------------------------------------------------- CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -107,8 +120,9 @@ class KVarNLayer(CacheLayerMixin):
                 getattr(self.state, name).zero_()
 
     def crop(self, max_length: int) -> None:
-        """transformers calls crop(-n) to drop the newest n tokens, crop(n) to keep n."""
-        if not self.is_initialized:
+        """transformers calls crop(-n) to drop the newest n tokens (crop(0) drops none);
+        the legacy crop(n) with n > 0 keeps the first n."""
+        if not self.is_initialized or max_length == 0:
             return
         lengths = self.state.lengths
         new = lengths + max_length if max_length < 0 else torch.clamp(lengths, max=max_length)
@@ -151,14 +165,14 @@ class KVarNCache(Cache):
         self.kvarn_config = get_config(preset, **overrides)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n_layers = text.num_hidden_layers
-        fused = getattr(config, "_attn_implementation", None) == "kvarn"
         if getattr(text, "layer_types", None) and any(t != "full_attention" for t in text.layer_types):
             kinds = sorted(set(text.layer_types))
             raise NotImplementedError(
                 f"KVarNCache supports models whose layers are all full attention, but this model "
                 f"has layer types {kinds}. Use kvarn_backend, which reports and skips the others.")
+        check_method(self.kvarn_config.method)
         layers = [KVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
-                             name=f"layers.{i}", fused=fused) for i in range(n_layers)]
+                             name=f"layers.{i}", model_config=config) for i in range(n_layers)]
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
 

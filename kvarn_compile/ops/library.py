@@ -2,7 +2,8 @@
 
 Each op's default implementation is its pure-torch reference (:mod:`.reference`); CUDA
 tensors use the Triton kernels of :mod:`kvarn_compile.kernels` where they apply. The
-fake kernels only compute shapes, so the ops trace under torch.compile and FakeTensor.
+fake kernels compute shapes and check devices (they also serve the Meta dispatch key), so
+the ops trace under torch.compile and FakeTensor.
 
     kvarn::append_(Tensor(a!)[] buffers, Tensor k, Tensor v, Tensor start_pos, str method,
                    int iters, int recent, int hold, bool check_finite, str name) -> ()
@@ -30,8 +31,23 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                       hold=hold, check_finite=check_finite, name=name)
 
 
+def _check_devices(op: str, buffers: list[torch.Tensor], **tensors: torch.Tensor | None) -> None:
+    """The data-free part of the eager checks, for the fake kernels.
+
+    A fake kernel also serves the Meta dispatch key, so without this an op called with a
+    meta tensor next to a real cache would silently do nothing instead of failing like the
+    eager kernel does.
+    """
+    device = buffers[0].device
+    for label, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"KVarN {op}: expected {label} on {device} like the cache, but got "
+                             f"{t.device}. Move the cache or the model.")
+
+
 @append_.register_fake
 def _append_fake(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+    _check_devices("append", buffers, keys=k, values=v)
     return None
 
 
@@ -57,4 +73,5 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 
 @attention.register_fake
 def _attention_fake(q, buffers, mask, scale, causal, window):
+    _check_devices("attention", buffers, queries=q)
     return torch.empty_like(q)

@@ -31,7 +31,8 @@ from kvarn_compile.reference.quantize import NonFiniteError, quantize_kv, unpack
 from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import BUF, N_BASE_BUFFERS
 
-__all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append", "TILE_CHUNK"]
+__all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append",
+           "check_method", "TILE_CHUNK"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
 TILE_CHUNK = 64
@@ -54,6 +55,20 @@ def _geometry(buffers: list[torch.Tensor]) -> tuple[int, int, int, int]:
 
 
 # ------------------------------------------------------------------------------ append
+def check_method(method: str) -> None:
+    """Raise unless ``method`` fills tiles the runtime ops can read.
+
+    ``attention`` and ``materialize`` read every tile in the rotated frame (they rotate q
+    and un-rotate the output). ``kivi`` tiles are quantized in the original frame, so the
+    packed cache would silently decode them wrong; the buffers carry no method to tell.
+    """
+    if method not in ("kvarn", "hadamard"):
+        raise ValueError(
+            f"KVarN runtime cache: expected method 'kvarn' or 'hadamard', but got {method!r}. The "
+            "packed cache reads every tile in the rotated frame; evaluate KIVI with "
+            "kvarn_compile.reference.quantize_cache or fake_quantize instead.")
+
+
 def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  start_pos: torch.Tensor, recent: int, hold: int, name: str = "") -> None:
     """Raise a ValueError describing the first problem with an append; mutate nothing."""
@@ -91,7 +106,8 @@ def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
         end = p0 + t
         if end > capacity:
             raise ValueError(f"KVarN append{where}: batch row {row} would hold {end} tokens, but the "
-                             f"cache was allocated for {capacity}. Allocate it with a larger max_len.")
+                             f"cache was allocated for {capacity}. Allocate it with a larger max_len "
+                             "(KVarNCache: max_cache_len).")
         committed_after = max(done, p0, end - max(hold, 0))
         frozen_end = s + tiles * g
         tiles_after = tiles + max(committed_after - frozen_end - recent, 0) // g if end > s else tiles
@@ -156,12 +172,16 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
     frozen_end = s + tiles * g
     # tokens that belong after the frozen region: old tail tokens [frozen_end, p0) + new ones
     new_from = max(p0, s)
+    # New tokens are rounded to the tail's (high-precision) dtype before anything else, so a
+    # token quantizes to the same codes whether it reached its tile through the tail ring
+    # (decode) or straight from a prefill chunk: the packed state does not depend on chunking.
+    exact = _b(buffers, "tail_k").dtype
     old_k = _tail_tokens(buffers, row, frozen_end, max(new_from, frozen_end), "tail_k") \
-        if new_from > frozen_end else k_new[:, :0]
+        if new_from > frozen_end else k_new[:, :0].to(exact)
     old_v = _tail_tokens(buffers, row, frozen_end, max(new_from, frozen_end), "tail_v") \
-        if new_from > frozen_end else v_new[:, :0]
-    seg_k = torch.cat([old_k.to(k_new.dtype), k_new[:, new_from - p0:]], 1)
-    seg_v = torch.cat([old_v.to(v_new.dtype), v_new[:, new_from - p0:]], 1)
+        if new_from > frozen_end else v_new[:, :0].to(exact)
+    seg_k = torch.cat([old_k, k_new[:, new_from - p0:].to(exact)], 1)
+    seg_v = torch.cat([old_v, v_new[:, new_from - p0:].to(exact)], 1)
     done = min(max(int(committed[row]), commit_to), end)
     freeze = min(max(done - frozen_end - recent, 0) // g, n_max - tiles) if end > s else 0
     if freeze:
@@ -171,8 +191,8 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
     keep_k, keep_v = seg_k[:, freeze * g:], seg_v[:, freeze * g:]
     if keep_k.shape[1]:
         slots = (torch.arange(keep_from, end, device=keep_k.device) - s) % w
-        _b(buffers, "tail_k")[row][:, slots] = keep_k.to(_b(buffers, "tail_k").dtype)
-        _b(buffers, "tail_v")[row][:, slots] = keep_v.to(_b(buffers, "tail_v").dtype)
+        _b(buffers, "tail_k")[row][:, slots] = keep_k
+        _b(buffers, "tail_v")[row][:, slots] = keep_v
     lengths[row] = end
     committed[row] = done
     n_tiles[row] = tiles + freeze
@@ -182,6 +202,7 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             start_pos: torch.Tensor, method: str = "kvarn", iters: int = 8, recent: int = 0,
             hold: int = 0, check_finite: bool = False, name: str = "") -> None:
     """Write new K/V [B, H, T, D] at start_pos [B]; freeze complete committed tiles."""
+    check_method(method)
     check_append(buffers, k, v, start_pos, recent, hold, name)
     # validate every value before writing anything (check mode): nothing lost on error
     if check_finite and not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
@@ -199,6 +220,7 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
 def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str = "kvarn",
             iters: int = 8, recent: int = 0, check_finite: bool = False, name: str = "") -> None:
     """Commit tokens < upto[b] of every row (clamped to what is written) and freeze tiles."""
+    check_method(method)
     lengths = _b(buffers, "lengths")
     if tuple(upto.shape) != tuple(lengths.shape):
         raise ValueError(f"KVarN commit: expected upto shaped {tuple(lengths.shape)}, but got "
@@ -249,7 +271,7 @@ def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
     fp8 = len(buffers) > N_BASE_BUFFERS
     kb, vb = _bits(buffers)
     for kind, bits in (("k", kb), ("v", vb)):
-        full = torch.zeros(bsz, heads, cap + w, d)
+        full = torch.zeros(bsz, heads, cap + w, d, device=sink_k.device)
         parts = [_b(buffers, f"sink_{kind}").float()]
         if n_max:
             tiles = QuantizedTiles(

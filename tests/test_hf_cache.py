@@ -1,0 +1,453 @@
+"""kvarn_compile.hf: KVarNCache under transformers' generate, on tiny random-weight models.
+
+Models are built from configs on the spot (no hub access). G=32 tiles, so prompts of
+40-75 tokens already exercise the sink, frozen tiles and the tail.
+
+Two attention paths are checked against each other and against a manual computation:
+
+* sdpa (unmodified model): KVarNCache.update hands a transient dequantized K/V of the layer;
+* fused (``use_kvarn_attention``): the model's attention runs ``torch.ops.kvarn.attention``
+  over the packed state; nothing full precision is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers as T
+from transformers import AttentionInterface
+
+from kvarn_compile import hf
+from kvarn_compile.hf import KVarNCache, KVarNLayer, use_kvarn_attention
+from kvarn_compile.ops import reference as R
+from kvarn_compile.state import BUF
+
+G = 32
+VOCAB = 128
+LLAMA = dict(vocab_size=VOCAB, hidden_size=192, head_dim=32, num_attention_heads=6,
+             num_key_value_heads=2, num_hidden_layers=2, intermediate_size=256)
+HANDOFF_WARNING = "transient dequantized K/V"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add overhead (10x on a busy 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def build(kind="llama", **overrides):
+    """A tiny eval-mode model with sdpa attention and its own config object."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg, cls = T.LlamaConfig(**LLAMA, **overrides), T.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = T.Qwen2Config(**{k: v for k, v in LLAMA.items() if k != "head_dim"},
+                                 **overrides), T.Qwen2ForCausalLM
+    elif kind == "mistral":
+        cfg, cls = T.MistralConfig(**LLAMA, **overrides), T.MistralForCausalLM
+    elif kind == "gpt2":
+        cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=192, n_head=6, n_layer=2, n_positions=256,
+                           bos_token_id=0, eos_token_id=1, **overrides)
+        cls = T.GPT2LMHeadModel
+    else:
+        raise ValueError(kind)
+    cfg._attn_implementation = "sdpa"
+    model = cls(cfg).eval()
+    model.generation_config.eos_token_id = None           # always generate max_new_tokens
+    return model
+
+
+def fused_copy(model):
+    """The same weights with its own config object, switched to the fused kvarn attention."""
+    other = copy.deepcopy(model)
+    use_kvarn_attention(other)
+    assert model.config._attn_implementation == "sdpa"
+    return other
+
+
+def new_cache(model, max_len=128, preset="k4v2", **kw):
+    return KVarNCache(model.config, max_cache_len=max_len, preset=preset, group_size=G, **kw)
+
+
+def generate(model, ids, cache, n, **kw):
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                              **kw)
+
+
+def prompt(n, seed=1, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (batch, n), generator=g)
+
+
+@pytest.fixture()
+def fresh_warning(monkeypatch):
+    """The handoff warning is once per process; let this test see it."""
+    monkeypatch.setattr(KVarNLayer, "_warned", False, raising=False)
+
+
+@pytest.fixture()
+def checked_attention(monkeypatch):
+    """Wrap the ``kvarn`` attention function: every call is also computed by hand over
+    ``materialize`` in float64 and the largest relative difference recorded."""
+    original = hf.kvarn_attention_forward
+    diffs = []
+
+    def checking(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        out, w = original(module, query, key, value, attention_mask, scaling=scaling,
+                          dropout=dropout, **kw)
+        state = getattr(key, hf._STATE_ATTR)
+        ref = manual_attention(query, state.buffers, attention_mask, scaling,
+                               kw.get("sliding_window") or 0)
+        diffs.append(((out.double() - ref).abs().max() / ref.abs().max()).item())
+        return out, w
+
+    monkeypatch.setattr(hf, "kvarn_attention_forward", checking)  # use_kvarn_attention registers it
+    yield diffs
+    AttentionInterface.register("kvarn", original)
+
+
+def manual_attention(q, buffers, mask, scaling, window):
+    """Softmax attention in float64 over the dequantized cache: [B, Tq, Hq, D]."""
+    k, v = R.materialize(buffers, dtype=torch.float64)
+    bsz, hq, tq, d = q.shape
+    grp = hq // k.shape[1]
+    k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
+    cap = k.shape[2]
+    lengths = buffers[BUF["lengths"]]
+    kpos = torch.arange(cap)
+    qpos = lengths[:, None] - tq + torch.arange(tq)[None]
+    allowed = (kpos[None, None] < lengths[:, None, None]) & (kpos[None, None] <= qpos[..., None])
+    if window:
+        allowed = allowed & (kpos[None, None] > qpos[..., None] - window)
+    allowed = allowed[:, None]
+    if mask is not None:
+        allowed = allowed & mask[..., :cap].bool()
+    scores = (q.double() @ k.transpose(-1, -2)) * (scaling or d ** -0.5)
+    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------ generate
+def test_generate_sdpa_handoff_and_fused_paths_agree(fresh_warning, checked_attention):
+    sdpa = build()
+    fused = fused_copy(sdpa)
+    ids = prompt(40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out_sdpa = generate(sdpa, ids, new_cache(sdpa), 40)
+    handoff = [w for w in caught if HANDOFF_WARNING in str(w.message)]
+    assert len(handoff) == 1                            # once, not per layer or per step
+    assert "use_kvarn_attention" in str(handoff[0].message)
+
+    cache = new_cache(fused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out_fused = generate(fused, ids, cache, 40)
+    assert not [w for w in caught if HANDOFF_WARNING in str(w.message)]
+    assert torch.equal(out_sdpa.sequences, out_fused.sequences)
+    assert cache.get_seq_length() == 79                 # the last token is never fed back
+    assert [layer.state.n_tiles.tolist() for layer in cache.layers] == [[1], [1]]
+
+    # every fused attention call (prefill, 39 decode steps, 2 layers) equals softmax
+    # attention over the dequantized cache to float32 precision
+    assert len(checked_attention) == 2 * 40
+    assert max(checked_attention) < 1e-5
+    # Logits: identical until the first tile freezes. From then on the two paths' layer-0
+    # outputs differ by float32 noise (~1e-7), which can flip a 2-4 bit rounding when
+    # layer 1 freezes its tile, so they only agree to ~1e-4.
+    first_freeze = 64 - 40
+    for step, (a, b) in enumerate(zip(out_sdpa.logits, out_fused.logits)):
+        tol = 1e-5 if step < first_freeze else 1e-3
+        torch.testing.assert_close(a, b, rtol=0, atol=tol * a.abs().max().item())
+
+
+def test_fused_decode_matches_manual_attention_at_every_step(checked_attention):
+    """A manual prefill + decode loop (no generate), with a left-padded batch mask."""
+    fused = fused_copy(build())
+    cache = new_cache(fused, max_len=96)
+    ids = prompt(45, batch=2)
+    mask = torch.ones(2, 45, dtype=torch.long)
+    mask[0, :10] = 0
+    with torch.no_grad():
+        out = fused(ids, attention_mask=mask, cache=cache)
+        for _ in range(25):                             # 45 -> 70 crosses the 64 edge
+            nxt = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            out = fused(nxt, attention_mask=mask, cache=cache)
+    assert cache.layers[0].state.lengths.tolist() == [70, 70]
+    assert cache.layers[0].state.n_tiles.tolist() == [1, 1]
+    assert len(checked_attention) == 2 * 26 and max(checked_attention) < 1e-5
+
+
+def test_cache_built_before_use_kvarn_attention_follows_the_model(fresh_warning,
+                                                                  checked_attention):
+    """The handoff/fused choice is made per update from the model config, not at init."""
+    model = build()
+    cache = new_cache(model)                            # built while the model is on sdpa
+    use_kvarn_attention(model)
+    ids = prompt(40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = generate(model, ids, cache, 10).sequences
+    assert not [w for w in caught if HANDOFF_WARNING in str(w.message)]
+    assert len(checked_attention) == 2 * 10            # the fused attention ran every step
+    model.set_attn_implementation("sdpa")               # and back: the handoff path again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = generate(model, ids, new_cache(model), 10).sequences
+    assert [w for w in caught if HANDOFF_WARNING in str(w.message)]
+    assert len(checked_attention) == 2 * 10
+    assert torch.equal(fused, again)
+
+
+# ------------------------------------------------------------------------------ storage
+def _all_tensors(obj, seen=None):
+    """Every tensor reachable from obj's attributes, lists, tuples and dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, T.PretrainedConfig)):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _all_tensors(item, seen)]
+
+
+@pytest.mark.parametrize("path", ["sdpa", "fused"])
+def test_no_full_precision_cache_is_kept(path):
+    model = build()
+    if path == "fused":
+        model = fused_copy(model)
+    cache = new_cache(model, max_len=200)
+    generate(model, prompt(60), cache, 30)
+    buffers = [t for layer in cache.layers for t in layer.state.buffers]
+    held = _all_tensors(cache)
+    assert held and all(any(t is b for b in buffers) for t in held)
+    for layer in cache.layers:
+        assert layer.keys is None and layer.values is None
+        st = layer.state
+        exact = [st.buffers[BUF[n]] for n in ("sink_k", "sink_v", "tail_k", "tail_v")]
+        # the high-precision part is one sink tile + one tail tile, not max_cache_len tokens
+        assert sum(t.shape[2] for t in exact) == 4 * G
+    assert cache.nbytes == sum(t.numel() * t.element_size() for t in buffers)
+    fp16 = 2 * 2 * 2 * 200 * 32 * 2                      # layers * (K,V) * heads * tokens * D * 2 B
+    assert cache.nbytes < fp16
+
+
+def test_fused_update_returns_storage_free_placeholders():
+    model = fused_copy(build())
+    cache = new_cache(model, max_len=100)
+    k, v = torch.randn(1, 2, 7, 32), torch.randn(1, 2, 7, 32)
+    keys, values = cache.update(k, v, 0)
+    for t in (keys, values):
+        assert t.shape == (1, 2, 100, 32)
+        assert t.untyped_storage().nbytes() == t.element_size()
+        assert getattr(t, hf._STATE_ATTR) is cache.layers[0].state
+    assert cache.get_seq_length() == 7
+
+
+# ------------------------------------------------------------------------------ cache API
+def test_lengths_and_mask_sizes():
+    model = fused_copy(build())
+    cache = new_cache(model, max_len=100)
+    assert cache.get_seq_length() == 0
+    assert cache.get_max_length() == 100
+    assert cache.get_mask_sizes(5, 0) == (100, 0)
+    with torch.no_grad():
+        model(prompt(37), cache=cache)
+    assert cache.get_seq_length() == 37 == cache.get_seq_length(1)
+    assert cache.get_max_length() == 100 and cache.layers[0].get_max_length() == 100
+    assert cache.get_mask_sizes(1, 1) == (100, 0)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    with torch.no_grad():                                   # reusable after reset
+        model(prompt(5), cache=cache)
+    assert cache.get_seq_length() == 5
+
+
+def test_reorder_cache_permutes_rows_in_place():
+    model = fused_copy(build())
+    cache = new_cache(model, max_len=100)
+    with torch.no_grad():
+        model(prompt(70, batch=3), cache=cache)
+    before = [[t.clone() for t in layer.state.buffers] for layer in cache.layers]
+    ptrs = [[t.data_ptr() for t in layer.state.buffers] for layer in cache.layers]
+    idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(idx)
+    for layer, old, ptr in zip(cache.layers, before, ptrs):
+        assert [t.data_ptr() for t in layer.state.buffers] == ptr
+        for now, then in zip(layer.state.buffers, old):
+            assert torch.equal(now, then[idx])
+    # generate's batch expansion / selection helpers (new tensors, rows copied)
+    cache.batch_select_indices(torch.tensor([1, 2]))
+    cache.batch_repeat_interleave(2)
+    for layer, old in zip(cache.layers, before):
+        for now, then in zip(layer.state.buffers, old):
+            assert torch.equal(now, then[idx][[1, 2]][[0, 0, 1, 1]])
+    with torch.no_grad():                                   # and the cache keeps working
+        model(prompt(1, batch=4), cache=cache)
+    assert cache.get_seq_length() == 71
+
+
+def test_beam_search_reorders_in_place_and_paths_agree(monkeypatch):
+    sdpa = build()
+    fused = fused_copy(sdpa)
+    calls = []
+    original = KVarNLayer.reorder_cache
+
+    def spy(self, beam_idx):
+        ptrs = [t.data_ptr() for t in self.state.buffers]
+        original(self, beam_idx)
+        calls.append(ptrs == [t.data_ptr() for t in self.state.buffers])
+
+    monkeypatch.setattr(KVarNLayer, "reorder_cache", spy)
+    ids = prompt(40)
+    outs = [generate(m, ids, new_cache(m), 30, num_beams=2).sequences for m in (sdpa, fused)]
+    assert calls and all(calls)
+    assert outs[0].shape == (1, 70)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("path", ["sdpa", "fused"])
+def test_left_padded_batch_rows_match_single_prompts(path):
+    """Rows are independent. What is asserted:
+
+    * the unpadded row equals that prompt alone, token for token;
+    * the left-padded row equals the same padded prompt run alone (batch 1), token for token;
+    * against the *unpadded* prompt alone, the padded row agrees (logits to float noise,
+      tokens exactly) only while neither run has frozen a tile: the pad tokens occupy
+      cache positions (masked, but stored), so tile boundaries fall on different tokens
+      and the quantized caches legitimately differ afterwards.
+    """
+    model = build()
+    if path == "fused":
+        model = fused_copy(model)
+    a, b = prompt(30, seed=2), prompt(45, seed=3)
+    batch = torch.cat([torch.cat([torch.zeros(1, 15, dtype=torch.long), a], 1), b])
+    mask = torch.ones(2, 45, dtype=torch.long)
+    mask[0, :15] = 0
+    n = 25                                                # row 0 freezes a tile at step 19
+    both = generate(model, batch, new_cache(model), n, attention_mask=mask)
+    alone_b = generate(model, b, new_cache(model), n)
+    alone_padded_a = generate(model, batch[:1], new_cache(model), n, attention_mask=mask[:1])
+    alone_a = generate(model, a, new_cache(model), n)
+    assert torch.equal(both.sequences[1], alone_b.sequences[0])
+    assert torch.equal(both.sequences[0], alone_padded_a.sequences[0])
+    exact_steps = 64 - 45
+    assert torch.equal(both.sequences[0, 45:45 + exact_steps], alone_a.sequences[0, 30:30 + exact_steps])
+    for step in range(exact_steps):
+        torch.testing.assert_close(both.logits[step][0], alone_a.logits[step][0], rtol=0, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ crop
+def test_crop_in_the_tail_rolls_back_and_crop_into_tiles_raises():
+    model = fused_copy(build())
+    cache = new_cache(model, max_len=128, spec_tokens=8)
+    ref_cache = new_cache(model, max_len=128, spec_tokens=8)
+    ids = prompt(60)
+    draft = prompt(5, seed=4)
+    fix = prompt(2, seed=5)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model(draft, cache=cache)                          # 65 tokens; the draft is uncommitted
+        assert cache.layers[0].state.n_tiles.tolist() == [0]
+        cache.crop(0)                                      # transformers' "remove nothing"
+        assert cache.get_seq_length() == 65
+        cache.crop(-3)                                     # reject the last 3 draft tokens
+        assert cache.get_seq_length() == 62
+        got = model(fix, cache=cache).logits               # continue at position 62
+        model(ids, cache=ref_cache)                        # same tokens, never seeing the rejects
+        model(draft[:, :2], cache=ref_cache)
+        want = model(fix, cache=ref_cache).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    for layer, ref in zip(cache.layers, ref_cache.layers):
+        assert layer.state.lengths.tolist() == ref.state.lengths.tolist() == [64]
+        assert layer.state.committed.tolist() == ref.state.committed.tolist()
+
+    # without spec tokens everything is committed and tile [32, 64) is frozen at once
+    cache = new_cache(model, max_len=128)
+    with torch.no_grad():
+        model(prompt(70), cache=cache)
+    assert cache.layers[0].state.n_tiles.tolist() == [1]
+    cache.crop(-6)                                         # 64: still in the tail
+    assert cache.get_seq_length() == 64
+    before = [t.clone() for t in cache.layers[0].state.buffers]
+    with pytest.raises(ValueError, match="already quantized into tiles"):
+        cache.crop(-1)
+    assert all(torch.equal(a, b) for a, b in zip(cache.layers[0].state.buffers, before))
+    cache.crop(64)                                         # legacy "keep n" form
+    assert cache.get_seq_length() == 64
+
+
+def test_prompt_lookup_assisted_decoding_with_spec_tokens(monkeypatch):
+    """Assisted decoding writes drafts, crops rejected ones and continues."""
+    model = fused_copy(build(initializer_range=0.1))
+    ids = torch.cat([prompt(20)] * 2, 1)                  # repeated n-grams: drafts get proposed
+    greedy = generate(model, ids, new_cache(model, spec_tokens=8), 40).sequences
+    cache = new_cache(model, spec_tokens=8)
+    crops = []
+    original = KVarNLayer.crop
+
+    def spy(self, n):
+        crops.append(n)
+        original(self, n)
+
+    monkeypatch.setattr(KVarNLayer, "crop", spy)
+    assisted = generate(model, ids, cache, 40, prompt_lookup_num_tokens=4).sequences
+    assert any(n < 0 for n in crops)                       # some drafts were rejected
+    assert cache.get_seq_length() == assisted.shape[1] - 1
+    # held draft tokens stay exact until accepted, so tiles freeze at other moments than in
+    # plain decoding; before the first tile (position 64) both runs see the same cache
+    assert torch.equal(assisted[:, :64], greedy[:, :64])
+
+
+# ------------------------------------------------------------------------------ limits
+def test_generation_past_capacity_raises_a_clear_error():
+    model = fused_copy(build())
+    with pytest.raises(ValueError, match="would hold 61 tokens, but the cache was allocated for 60"):
+        generate(model, prompt(40), new_cache(model, max_len=60), 30)
+    cache = new_cache(model, max_len=30)
+    with pytest.raises(ValueError, match="allocated for 30"):
+        generate(model, prompt(40), cache, 5)
+    assert cache.get_seq_length() == 0                     # nothing was written
+
+
+def test_unsupported_configs_raise():
+    with pytest.raises(NotImplementedError, match="sliding_attention"):
+        KVarNCache(T.Gemma2Config(num_hidden_layers=2), max_cache_len=64)
+    with pytest.raises(NotImplementedError, match="sliding_attention"):
+        KVarNCache(T.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16,
+                                 max_window_layers=1), max_cache_len=64)
+    with pytest.raises(ValueError, match="kivi"):
+        KVarNCache(T.LlamaConfig(**LLAMA), max_cache_len=64, method="kivi")
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("qwen2", {}),                              # q/k/v bias, GQA
+    ("mistral", {"sliding_window": 24}),        # GQA + a window shorter than the sequence
+    ("gpt2", {}),                               # MHA, Conv1D projections, learned positions
+])
+def test_other_architectures_generate_the_same_on_both_paths(kind, extra, checked_attention):
+    sdpa = build(kind, **extra)
+    fused = fused_copy(sdpa)
+    ids = prompt(40)
+    a = generate(sdpa, ids, new_cache(sdpa), 28)
+    b = generate(fused, ids, new_cache(fused), 28)
+    assert torch.equal(a.sequences, b.sequences)
+    assert a.sequences.shape == (1, 68)
+    assert len(checked_attention) == 2 * 28 and max(checked_attention) < 1e-5
