@@ -75,3 +75,13 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 def _attention_fake(q, buffers, mask, scale, causal, window):
     _check_devices("attention", buffers, queries=q)
     return torch.empty_like(q)
+
+
+@attention.register_kernel("cuda")
+def _attention_cuda(q, buffers, mask, scale, causal, window):
+    from kvarn_compile.kernels import triton_available
+    from kvarn_compile.ops import triton_impl
+
+    if not triton_available():
+        return reference.attention(q, buffers, mask, scale, causal, window)
+    return triton_impl.attention(q, buffers, mask, scale, causal, window)

@@ -119,6 +119,12 @@ def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                              "Commit tokens, or allocate the cache with more spec_tokens.")
 
 
+def _use_triton() -> bool:
+    from kvarn_compile.kernels import triton_available
+
+    return triton_available()
+
+
 def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
             tokens_v: torch.Tensor, first_tile: int, method: str, iters: int,
             check: bool, name: str) -> None:
@@ -130,6 +136,11 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
     if _b(buffers, "k_row_scale").dtype == torch.float8_e4m3fn:
         scale_dtype = torch.float8_e4m3fn
     sl = slice(first_tile, first_tile + f)
+    if tokens_k.is_cuda and not check and _use_triton():
+        from kvarn_compile.ops.triton_impl import freeze_tiles
+
+        if freeze_tiles(buffers, row, tokens_k, tokens_v, first_tile, method, iters):
+            return
     for kind, bits, x in (("k", kb, tokens_k), ("v", vb, tokens_v)):
         try:
             q = quantize_kv(x, kind, method=method, bits=bits, group=g, iters=iters,
@@ -347,13 +358,18 @@ def _tile_values(buffers: list[torch.Tensor], p: torch.Tensor, sl: slice, vb: in
 
 
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None = None,
-              scale: float | None = None, causal: bool = True, window: int = 0) -> torch.Tensor:
+              scale: float | None = None, causal: bool = True, window: int = 0, *,
+              tiles: bool = True, return_lse: bool = False):
     """Attention of q [B, Hq, Tq, D] (the last Tq written tokens) over the packed cache.
 
     mask: optional bool (True = attend) or additive float, broadcastable to
     [B, Hq, Tq, M] and indexed by absolute key position (M must exceed every position).
     window > 0 keeps keys with position > query position - window (sliding window).
     Queries that can see no key get a zero output. Returns [B, Hq, Tq, D] in q's dtype.
+
+    ``tiles=False`` attends the exact regions (sink and tail) only and, with
+    ``return_lse``, also returns the fp32 log-sum-exp [B, Hq, Tq] of the scaled scores, so
+    a kernel over the packed tiles can be merged in (see ``ops/triton_impl.py``).
     """
     sink_k = _b(buffers, "sink_k")
     bsz, heads, _, d = sink_k.shape
@@ -366,7 +382,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     kb, vb = _bits(buffers)
     scale = d ** -0.5 if scale is None else scale
     lengths = _b(buffers, "lengths")
-    n_used = int(_b(buffers, "n_tiles").max()) if n_max else 0
+    n_used = int(_b(buffers, "n_tiles").max()) if n_max and tiles else 0
 
     qg = q.float().reshape(bsz, heads, grp, tq, d)
     q_rot = qg @ rotation_matrix(d, q.device)
@@ -404,6 +420,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     p = torch.exp(scores - peak)
     denom = p.sum(-1, keepdim=True)
+    lse = (torch.log(denom) + peak).squeeze(-1)                            # -inf where nothing is seen
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
 
     p_sink, p_tiles, p_tail = p.split([s, keep, w], -1)
@@ -413,4 +430,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
                                slice(start, min(start + TILE_CHUNK, n_used)), vb)
                   for start in range(0, n_used, TILE_CHUNK))
         out = out + rot @ rotation_matrix(d, q.device).T
-    return out.reshape(bsz, hq, tq, d).to(q.dtype)
+    out = out.reshape(bsz, hq, tq, d)
+    if return_lse:
+        return out, lse.reshape(bsz, hq, tq)
+    return out.to(q.dtype)
