@@ -68,13 +68,13 @@ def _commit_fake(buffers, upto, method, iters, recent, check_finite, name):
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
               scale: float, causal: bool, window: int) -> torch.Tensor:
     """Fused dual-scale dequant attention of q [B, Hq, Tq, D] over the packed cache."""
-    return reference.attention(q, buffers, mask, scale, causal, window)
+    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
 
 
 @attention.register_fake
 def _attention_fake(q, buffers, mask, scale, causal, window):
     _check_devices("attention", buffers, queries=q)
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)      # contiguous, whatever q's strides (as the kernels return)
 
 
 @attention.register_kernel("cuda")
@@ -83,5 +83,5 @@ def _attention_cuda(q, buffers, mask, scale, causal, window):
     from kvarn_compile.ops import triton_impl
 
     if not triton_available():
-        return reference.attention(q, buffers, mask, scale, causal, window)
-    return triton_impl.attention(q, buffers, mask, scale, causal, window)
+        return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+    return triton_impl.attention(q, buffers, mask, scale, causal, window).contiguous()
