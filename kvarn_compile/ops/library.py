@@ -15,6 +15,8 @@ the ops trace under torch.compile and FakeTensor.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvarn_compile.ops import reference
@@ -80,8 +82,21 @@ def _attention_fake(q, buffers, mask, scale, causal, window):
 @attention.register_kernel("cuda")
 def _attention_cuda(q, buffers, mask, scale, causal, window):
     from kvarn_compile.kernels import triton_available
-    from kvarn_compile.ops import triton_impl
+    from kvarn_compile.ops import kernel_impl
 
     if not triton_available():
         return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
-    return triton_impl.attention(q, buffers, mask, scale, causal, window).contiguous()
+    return kernel_impl.attention(q, buffers, mask, scale, causal, window).contiguous()
+
+
+@attention.register_kernel("cpu")
+def _attention_cpu(q, buffers, mask, scale, causal, window):
+    # The C++ tile kernel where it applies and builds (KVARN_CPU_KERNEL=0 turns it off);
+    # otherwise the pure-torch reference.
+    from kvarn_compile.kernels import cpu_attention
+    from kvarn_compile.ops import kernel_impl
+
+    if os.environ.get("KVARN_CPU_KERNEL", "1") != "0" and q.shape[2] <= 16 \
+            and kernel_impl.kernel_applies(q, buffers, mask) and cpu_attention.available():
+        return kernel_impl.attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
+    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()

@@ -137,7 +137,7 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
         scale_dtype = torch.float8_e4m3fn
     sl = slice(first_tile, first_tile + f)
     if tokens_k.is_cuda and not check and _use_triton():
-        from kvarn_compile.ops.triton_impl import freeze_tiles
+        from kvarn_compile.ops.kernel_impl import freeze_tiles
 
         if freeze_tiles(buffers, row, tokens_k, tokens_v, first_tile, method, iters):
             return
@@ -369,7 +369,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 
     ``tiles=False`` attends the exact regions (sink and tail) only and, with
     ``return_lse``, also returns the fp32 log-sum-exp [B, Hq, Tq] of the scaled scores, so
-    a kernel over the packed tiles can be merged in (see ``ops/triton_impl.py``).
+    a kernel over the packed tiles can be merged in (see ``ops/kernel_impl.py``).
     """
     sink_k = _b(buffers, "sink_k")
     bsz, heads, _, d = sink_k.shape

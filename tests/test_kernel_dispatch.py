@@ -1,15 +1,17 @@
-"""The CUDA implementations of the kvarn ops (Triton kernels + LSE merge), run on CPU
-tensors under TRITON_INTERPRET=1 and compared with the pure-torch reference."""
+"""The kernel implementations of the kvarn ops against the pure-torch reference: the CUDA
+path (Triton kernels + LSE merge) run on CPU tensors under TRITON_INTERPRET=1, and the
+C++ CPU tile kernel that the op dispatches to on CPU."""
 
 import pytest
 import torch
 
 from kvarn_compile.config import get_config
-from kvarn_compile.kernels import triton_available
-from kvarn_compile.ops import reference, triton_impl
+from kvarn_compile.kernels import cpu_attention, triton_available
+from kvarn_compile.ops import kernel_impl as triton_impl
+from kvarn_compile.ops import reference
 from kvarn_compile.state import allocate_layer
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here (no CUDA, no TRITON_INTERPRET=1)")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton cannot run here (no CUDA, no TRITON_INTERPRET=1)")
 
 G, D, H = 32, 32, 2
 
@@ -24,18 +26,42 @@ def _filled(lengths, preset="k4v2", **kw):
     return st
 
 
+@pytest.mark.parametrize("kernel", [pytest.param("triton", marks=needs_triton), "cpu"])
 @pytest.mark.parametrize("lengths", [[150, 97], [129, 40], [20, 200]])
 @pytest.mark.parametrize("group_q", [1, 3])
 @pytest.mark.parametrize("window", [0, 50])
-def test_attention_kernel_path_matches_reference(lengths, group_q, window):
-    st = _filled(lengths)
+@pytest.mark.parametrize("preset", ["k4v2", "k2v2", "k4v4"])
+def test_attention_kernel_path_matches_reference(kernel, lengths, group_q, window, preset):
+    if kernel == "cpu" and not cpu_attention.available():
+        pytest.skip("the C++ CPU kernel could not be built here")
+    if kernel == "triton" and preset != "k4v2":
+        pytest.skip("bit widths are covered by tests/test_kernels.py")
+    st = _filled(lengths, preset)
     q = torch.randn(len(lengths), H * group_q, 1, D)
     assert triton_impl.kernel_applies(q, st.buffers, None)
     ref = reference.attention(q, st.buffers, None, D ** -0.5, True, window)
-    out = triton_impl.attention(q, st.buffers, None, D ** -0.5, True, window)
+    out = triton_impl.attention(q, st.buffers, None, D ** -0.5, True, window, kernel=kernel)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_cpu_op_dispatches_to_the_kernel_and_matches_the_reference(monkeypatch):
+    if not cpu_attention.available():
+        pytest.skip("the C++ CPU kernel could not be built here")
+    st = _filled([200, 90])
+    q = torch.randn(2, 2 * H, 1, D)
+    calls = []
+    real = cpu_attention.tile_attention
+    monkeypatch.setattr(cpu_attention, "tile_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = torch.ops.kvarn.attention(q, st.buffers, None, 0.2, True, 0)
+    assert calls, "the CPU op did not use the C++ tile kernel"
+    torch.testing.assert_close(out, reference.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
+    monkeypatch.setenv("KVARN_CPU_KERNEL", "0")
+    calls.clear()
+    torch.ops.kvarn.attention(q, st.buffers, None, 0.2, True, 0)
+    assert not calls
+
+
+@needs_triton
 def test_attention_with_an_all_attend_mask_uses_the_kernel_and_a_masking_one_falls_back():
     st = _filled([170, 170])
     q = torch.randn(2, H, 1, D)
@@ -56,6 +82,7 @@ def test_prefill_chunk_overlapping_tiles_falls_back():
     assert not triton_impl.kernel_applies(q, st.buffers, None)
 
 
+@needs_triton
 def test_freeze_kernel_writes_the_reference_tiles():
     k, v = torch.randn(1, H, 3 * G, D), torch.randn(1, H, 3 * G, D)
     ref = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,

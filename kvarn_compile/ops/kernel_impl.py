@@ -1,7 +1,8 @@
-"""CUDA implementations of the kvarn ops on the Triton kernels of :mod:`kvarn_compile.kernels`.
+"""Kernel implementations of the kvarn ops: Triton on CUDA, C++ on CPU.
 
 ``attention``: the exact regions (sink and tail) are attended in torch with their
-log-sum-exp; the packed tiles go through the split-K decode kernel (in-register unpack,
+log-sum-exp; the packed tiles go through a tile kernel (the split-K Triton decode kernel
+on CUDA, the C++ kernel of ``kernels/cpu_attention.py`` on CPU: in-register unpack,
 dual-scale fold, rotated frame); the two parts are merged by log-sum-exp and the tile part
 is rotated back once. The kernel path is taken only where it is exact: every quantized
 token is older than every query (always true in decoding), no mask hides any position of
@@ -43,10 +44,28 @@ def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Ten
     return True
 
 
-def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
-              scale: float, causal: bool, window: int) -> torch.Tensor:
+def _triton_tiles(q_rot, buffers, scale, kv_start):
     from kvarn_compile.kernels import kvarn_decode_attention
 
+    return kvarn_decode_attention(
+        q_rot, *(buffers[BUF[n]] for n in (
+            "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
+            "v_codes", "v_row_scale", "v_row_zero", "v_col_scale")),
+        buffers[BUF["n_tiles"]], scale=float(scale), kv_start=kv_start)
+
+
+def _cpu_tiles(q_rot, buffers, scale, kv_start):
+    from kvarn_compile.kernels.cpu_attention import tile_attention
+
+    names = ("codes", "row_scale", "row_zero", "col_scale")
+    return tile_attention(q_rot, [buffers[BUF[f"k_{n}"]] for n in names],
+                          [buffers[BUF[f"v_{n}"]] for n in names], buffers[BUF["n_tiles"]],
+                          scale=float(scale), kv_start=kv_start)
+
+
+def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
+              scale: float, causal: bool, window: int, *, kernel: str = "triton") -> torch.Tensor:
+    """Fused attention with the tile part on ``kernel`` ("triton" or "cpu")."""
     if not kernel_applies(q, buffers, mask):
         return reference.attention(q, buffers, mask, scale, causal, window)
     out_e, lse_e = reference.attention(q, buffers, mask, scale, causal, window, tiles=False,
@@ -59,11 +78,8 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
         lengths = buffers[BUF["lengths"]]
         q_pos = lengths[:, None] - q.shape[2] + torch.arange(q.shape[2], device=q.device)[None, :]
         kv_start = (q_pos - window + 1 - s).clamp(min=0)
-    out_t, lse_t = kvarn_decode_attention(
-        (q.float() @ rot).contiguous(), *(buffers[BUF[n]] for n in (
-            "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
-            "v_codes", "v_row_scale", "v_row_zero", "v_col_scale")),
-        buffers[BUF["n_tiles"]], scale=float(scale), kv_start=kv_start)
+    tiles = _triton_tiles if kernel == "triton" else _cpu_tiles
+    out_t, lse_t = tiles((q.float() @ rot).contiguous(), buffers, scale, kv_start)
     peak = torch.maximum(lse_e, lse_t)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     w_e, w_t = torch.exp(lse_e - peak), torch.exp(lse_t - peak)
