@@ -16,7 +16,9 @@ The extension is compiled on first use with ``torch.utils.cpp_extension.load_inl
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import platform
 
 import torch
 
@@ -31,38 +33,14 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 
-// Scores of one query row against one K tile (codes packed along tokens).
+// Unpack a packed [rows, cols*BITS/8] code block into floats [rows, cols] (once per tile).
 template <int BITS>
-static inline void tile_scores(const float* qs, const uint8_t* codes, int D, int G, float* s) {
+static inline void unpack(const uint8_t* codes, int rows, int cols, float* out) {
   constexpr int PER = 8 / BITS;
   constexpr int MASK = (1 << BITS) - 1;
-  const int row_bytes = G / PER;
-  for (int t = 0; t < G; ++t) s[t] = 0.f;
-  for (int c = 0; c < D; ++c) {
-    const float w = qs[c];
-    const uint8_t* row = codes + (int64_t)c * row_bytes;
-    for (int i = 0; i < row_bytes; ++i) {
-      const int byte = row[i];
-      for (int k = 0; k < PER; ++k) s[i * PER + k] += w * (float)((byte >> (k * BITS)) & MASK);
-    }
-  }
-}
-
-// tmp[c] += sum_t w[t] * code[t, c] for one V tile (codes packed along channels).
-template <int BITS>
-static inline void tile_values(const float* w, const uint8_t* codes, int D, int G, float* tmp) {
-  constexpr int PER = 8 / BITS;
-  constexpr int MASK = (1 << BITS) - 1;
-  const int row_bytes = D / PER;
-  for (int t = 0; t < G; ++t) {
-    const float wt = w[t];
-    if (wt == 0.f) continue;
-    const uint8_t* row = codes + (int64_t)t * row_bytes;
-    for (int i = 0; i < row_bytes; ++i) {
-      const int byte = row[i];
-      for (int k = 0; k < PER; ++k) tmp[i * PER + k] += wt * (float)((byte >> (k * BITS)) & MASK);
-    }
-  }
+  const int64_t n = (int64_t)rows * cols / PER;
+  for (int k = 0; k < PER; ++k)
+    for (int64_t i = 0; i < n; ++i) out[i * PER + k] = (float)((codes[i] >> (k * BITS)) & MASK);
 }
 
 template <int KB, int VB>
@@ -74,6 +52,7 @@ static void run(const float* q, const uint8_t* kc, const float* krs, const float
   const int grp = HQ / H, R = grp * TQ;
   at::parallel_for(0, (int64_t)B * H * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(D), s(G), w(G), tmp(D), acc((size_t)R * D), m(R), l(R);
+    std::vector<float> kf((size_t)D * G), vf((size_t)G * D);
     for (int64_t task = begin; task < end; ++task) {
       const int sp = task % splits, bh = task / splits, b = bh / H, h = bh % H;
       const int tiles = (int)std::min<int64_t>(std::max<int64_t>(n_tiles[b], 0), N);
@@ -84,8 +63,8 @@ static void run(const float* q, const uint8_t* kc, const float* krs, const float
       std::fill(l.begin(), l.end(), 0.f);
       for (int j = j0; j < j1; ++j) {
         const int64_t tile = ((int64_t)bh * N + j);
-        const uint8_t* kcodes = kc + tile * D * (G * KB / 8);
-        const uint8_t* vcodes = vc + tile * G * (D * VB / 8);
+        unpack<KB>(kc + tile * D * (G * KB / 8), D, G, kf.data());
+        unpack<VB>(vc + tile * G * (D * VB / 8), G, D, vf.data());
         const float *ks = krs + tile * D, *kz = krz + tile * D, *kcol = kcs + tile * G;
         const float *vs = vrs + tile * G, *vz = vrz + tile * G, *vcol = vcs + tile * D;
         for (int r = 0; r < R; ++r) {
@@ -93,7 +72,13 @@ static void run(const float* q, const uint8_t* kc, const float* krs, const float
           const float* qr = q + (((int64_t)b * HQ + h * grp + gi) * TQ + tq) * D;
           float bias = 0.f;
           for (int c = 0; c < D; ++c) { qs[c] = qr[c] * ks[c]; bias += qr[c] * kz[c]; }
-          tile_scores<KB>(qs.data(), kcodes, D, G, s.data());
+          // s[t] = sum_c qs[c] * code[c, t]  (axpy over contiguous token rows)
+          for (int t = 0; t < G; ++t) s[t] = 0.f;
+          for (int c = 0; c < D; ++c) {
+            const float wc = qs[c];
+            const float* row = kf.data() + (int64_t)c * G;
+            for (int t = 0; t < G; ++t) s[t] += wc * row[t];
+          }
           const int64_t lo = has_start ? kv_start[(int64_t)b * TQ + tq] : 0;
           float mx = -std::numeric_limits<float>::infinity();
           for (int t = 0; t < G; ++t) {
@@ -110,8 +95,13 @@ static void run(const float* q, const uint8_t* kc, const float* krs, const float
             const float p = std::exp(s[t] - m_new);
             psum += p; zsum += p * vz[t]; w[t] = p * vs[t];
           }
+          // tmp[c] = sum_t w[t] * code[t, c]  (axpy over contiguous channel rows)
           std::fill(tmp.begin(), tmp.end(), 0.f);
-          tile_values<VB>(w.data(), vcodes, D, G, tmp.data());
+          for (int t = 0; t < G; ++t) {
+            const float wt = w[t];
+            const float* row = vf.data() + (int64_t)t * D;
+            for (int c = 0; c < D; ++c) tmp[c] += wt * row[c];
+          }
           float* ar = acc.data() + (int64_t)r * D;
           for (int c = 0; c < D; ++c) ar[c] = ar[c] * alpha + vcol[c] * (tmp[c] + zsum);
           l[r] = l[r] * alpha + psum;
@@ -169,8 +159,23 @@ SUPPORTED_BITS = {(4, 2), (4, 4), (2, 2), (8, 8), (2, 4), (8, 4), (4, 8)}
 def _module():
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline(name="kvarn_cpu_attention_v1", cpp_sources=[_CPP_DECL, _SOURCE],
-                       functions=["kvarn_tile_attention"], extra_cflags=["-O3"], verbose=False)
+    # -march=native: the extension is built on (and cached for) the machine that runs it;
+    # the CPU model is part of the name so a cache shared between machines never mixes them.
+    cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
+    return load_inline(name=f"kvarn_cpu_attention_v2_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
+                       functions=["kvarn_tile_attention"], extra_cflags=["-O3", "-march=native"],
+                       verbose=False)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=1)
