@@ -1,11 +1,13 @@
 """The table of model spellings the KVarN pass recognizes, on Dynamo (torch-IR) graphs.
 
-Three tables, each a list of ``(name, matcher)`` rows; a matcher takes one node and returns
+Four tables, each a list of ``(name, matcher)`` rows; a matcher takes one node and returns
 a description of what it found or ``None``. Every row says which model code it covers.
 
 * ``CACHE_WRITES``: how a layer appends its new K or V rows to a cache.
 * ``KV_READS``: how the attention reads the cache (optionally expanding KV heads for GQA).
 * ``ATTENTIONS``: the attention computation itself.
+* ``WINDOW_CACHES``: caches that keep only the newest tokens (sliding-window layers); an
+  attention over one is refused with a reason (it stays in full precision).
 
 The rewrite (``rewrite.py``) pairs an attention with the writes that feed its K and V and
 replaces them with ``kvarn::append_`` + ``kvarn::attention``. Anything that does not match
@@ -24,7 +26,7 @@ import torch.fx as fx
 from kvarn_compile.passes.fx_utils import arg, example, is_op, single_user
 
 __all__ = ["CacheWrite", "KVRead", "AttentionSite", "CACHE_WRITES", "KV_READS", "ATTENTIONS",
-           "Unsupported"]
+           "WINDOW_CACHES", "Unsupported"]
 
 
 class Unsupported(Exception):
@@ -159,10 +161,63 @@ def _repeat_interleave(n: fx.Node) -> KVRead | None:
     return KVRead(f"repeat_interleave({n.args[1]}, dim=1)", n.args[0], [n])
 
 
+def _written_tokens(cache: fx.Node) -> set[Any]:
+    """Token counts T of the in-place writes (index_copy_ / setitem) into ``cache``."""
+    counts = set()
+    for user in cache.users:
+        if is_op(user, "index_copy_") and user.args[0] is cache:
+            new = user.args[3]
+        elif is_op(user, "setitem") and user.args[0] is cache:
+            new = user.args[2]
+        else:
+            continue
+        val = example(new)
+        if val is not None and val.dim() == 4:
+            counts.add(val.shape[2])
+    return counts
+
+
+def _prefix_slice(n: fx.Node) -> KVRead | None:
+    # transformers sdpa_attention_forward, prefill of an empty StaticCache (Qwen2, Qwen3):
+    #   key = key[:, :, :q_length, :]     (after repeat_kv when it ran)
+    #   sdpa(q, key, value, attn_mask=None, is_causal=True)
+    # transformers only emits it when the mask was skipped because the cache is empty
+    # (q_offset == 0, a Python int Dynamo guards on); then the first q_length slots are
+    # exactly the tokens this step wrote, so attending the whole packed cache is the same.
+    # Matched only in that exact form: the slice length equals the token count (> 1) written
+    # into that cache, and its one user is a causal, mask-free sdpa.
+    if not (is_op(n, "getitem") and single_user(n)):
+        return None
+    index = n.args[1]
+    if not (isinstance(index, tuple) and len(index) in (3, 4) and _full_slices(index, 2)
+            and (len(index) == 3 or index[3] == slice(None))):
+        return None
+    sl = index[2]
+    if not (isinstance(sl, slice) and sl.start in (None, 0) and sl.step in (None, 1)
+            and isinstance(sl.stop, int) and sl.stop > 1):
+        return None
+    att = next(iter(n.users))
+    if not (is_op(att, "sdpa") and arg(att, 5, "is_causal", False) is True
+            and arg(att, 3, "attn_mask") is None):
+        return None
+    src, inner = n.args[0], None
+    if isinstance(src, fx.Node):
+        inner = _repeat_kv(src)
+        if inner is not None and not single_user(src):
+            return None
+    cache = inner.source if inner is not None else src
+    if not isinstance(cache, fx.Node) or _written_tokens(cache) != {sl.stop}:
+        return None
+    if inner is None:
+        return KVRead(f"prefix slice [:, :, :{sl.stop}]", cache, [n])
+    return KVRead(f"repeat_kv + prefix slice [:, :, :{sl.stop}]", cache, [n, *inner.nodes])
+
+
 #: How attention reads the cache, outermost first; a direct read needs no row.
 KV_READS: list[tuple[str, Callable[[fx.Node], KVRead | None]]] = [
     ("repeat_kv", _repeat_kv),
     ("repeat_interleave", _repeat_interleave),
+    ("prefix_slice", _prefix_slice),   # transformers sdpa, empty-StaticCache prefill: k[:, :, :T]
 ]
 
 
@@ -180,6 +235,73 @@ class AttentionSite:
     nodes: list[fx.Node]       # nodes replaced
 
 
+def _last_rows(n: fx.Node) -> int | None:
+    """N when ``n`` is ``x[:, :, -N:]`` / ``x[:, :, -N:, :]`` (keep the newest N positions)."""
+    if not is_op(n, "getitem"):
+        return None
+    index = n.args[1]
+    if not (isinstance(index, tuple) and len(index) in (3, 4) and _full_slices(index, 2)
+            and (len(index) == 3 or index[3] == slice(None))):
+        return None
+    sl = index[2]
+    if isinstance(sl, slice) and isinstance(sl.start, int) and sl.start < 0 \
+            and sl.stop is None and sl.step in (None, 1):
+        return -sl.start
+    return None
+
+
+def _window_slice(keys: fx.Node) -> str | None:
+    # transformers DynamicSlidingWindowLayer:  self.keys = cat([past, k])[:, :, -W + 1:]
+    # transformers StaticSlidingWindowLayer, prefill past the window:
+    #   self.keys.copy_(k[:, :, -W:])   /   self.keys.copy_(cat((keys[:, :, 1:], k))[:, :, -W:])
+    for user in keys.users:
+        rows = _last_rows(user)
+        if rows is not None:
+            return f"keeps only the newest {rows} positions (keys[:, :, -{rows}:])"
+    return None
+
+
+def _window_roll(keys: fx.Node) -> str | None:
+    # transformers StaticSlidingWindowLayer, window full:
+    #   new = self.keys.roll(-1, dims=-2); new[:, :, tensor([-1])] = k; self.keys.copy_(new)
+    for user in keys.users:
+        if user.op == "call_method" and user.target == "roll":
+            val = example(keys)
+            length = val.shape[2] if val is not None and val.dim() == 4 else "?"
+            return f"rolls a {length}-slot window (keys.roll(-1, dims=-2) + copy_)"
+    return None
+
+
+#: Caches that keep only a window of the newest tokens (matched on the attention's K, reads
+#: stripped). Such a site is refused: see ``_refuse_sliding_window``.
+WINDOW_CACHES: list[tuple[str, Callable[[fx.Node], str | None]]] = [
+    ("window_slice", _window_slice),   # transformers Dynamic/StaticSlidingWindowLayer: k[:, :, -W:]
+    ("window_roll", _window_roll),     # transformers StaticSlidingWindowLayer: roll + copy_
+]
+
+
+def _refuse_sliding_window(k: Any) -> None:
+    # A sliding-window cache forgets old tokens and its attention mask counts positions inside
+    # the window, not from the start of the sequence; the KVarN cache keeps every token and
+    # its attention takes absolute positions. Rewriting would attend outside the window.
+    if not isinstance(k, fx.Node):
+        return
+    src = k
+    for _, matcher in KV_READS:
+        read = matcher(k)
+        if read is not None:
+            src = read.source
+            break
+    if not isinstance(src, fx.Node):
+        return
+    for _, matcher in WINDOW_CACHES:
+        spelling = matcher(src)
+        if spelling is not None:
+            raise Unsupported(f"sliding-window attention: its cache {spelling}; "
+                              "KVarN compresses full-attention caches only, so this layer keeps "
+                              "its full-precision cache and attention")
+
+
 def _sdpa(n: fx.Node) -> AttentionSite | None:
     # F.scaled_dot_product_attention(q, k, v, attn_mask=None|bool|float, dropout_p=0.0,
     #                                is_causal=False, scale=None, enable_gqa=False)
@@ -192,6 +314,7 @@ def _sdpa(n: fx.Node) -> AttentionSite | None:
     scale = arg(n, 6, "scale")
     if isinstance(scale, fx.Node):
         raise Unsupported("a scale computed at run time")
+    _refuse_sliding_window(k)
     return AttentionSite("scaled_dot_product_attention", n, q, k, v, arg(n, 3, "attn_mask"),
                          scale, bool(arg(n, 5, "is_causal", False)), [n])
 
@@ -251,6 +374,7 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
         scale = 1.0                   # no scaling op in the chain: the scores are q·k
     if qv is not None and not math.isfinite(scale):
         return None
+    _refuse_sliding_window(kt.args[0])
     return AttentionSite("matmul-softmax-matmul", n, q, kt.args[0], v, mask, scale, False, chain)
 
 
