@@ -1,0 +1,107 @@
+"""Arguments and entry point of ``kvarn-compile eval`` (wired into :mod:`kvarn_compile.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["add_eval_arguments", "eval_main"]
+
+EVAL_HELP = "quality evaluation: static vs pseudo-decode KL, diagnostics, product path, retrieval"
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the eval subcommand. Flags left unset take the full-run or --quick defaults."""
+    from kvarn_compile.config import PRESETS
+
+    from .harness import ALL_METHODS, RULES
+
+    p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--corpus", default=None, help="text corpus: lee (default) or enwiki")
+    p.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS),
+                   help="default: k2v2 k4v2 k4v4 (--quick: k2v2)")
+    p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS,
+                   help="default: none kivi hadamard kvarn")
+    p.add_argument("--lengths", nargs="+", type=int, default=None,
+                   help="context lengths L (default: 512 1024 2048; --quick: 512 1024)")
+    p.add_argument("--windows", type=int, default=None, help="text windows averaged (default 3; --quick 1)")
+    p.add_argument("--block", type=int, default=None, help="pseudo-decode block size b (default 128)")
+    p.add_argument("--offset", type=int, default=None, help="token offset of the first window (default 0)")
+    p.add_argument("--rule", default=None, choices=RULES,
+                   help="pseudo-decode freezing rule (default after_block: a block sees itself exact)")
+    p.add_argument("--out", default="kvarn-eval", help="output folder (default ./kvarn-eval)")
+    p.add_argument("--quick", action="store_true", help="the ~2-minute smoke run")
+    p.add_argument("--held-out", action="store_true",
+                   help="evaluate held-out text: the corpus past the tuning windows, and enwiki")
+    p.add_argument("--held-out-offset", type=int, default=None, help="token offset of held-out text (default 40000)")
+    p.add_argument("--no-diagnostics", action="store_true")
+    p.add_argument("--diag-length", type=int, default=None)
+    p.add_argument("--diag-windows", type=int, default=None)
+    p.add_argument("--no-product", action="store_true", help="skip the packed-cache (product path) check")
+    p.add_argument("--product-length", type=int, default=None)
+    p.add_argument("--generate", type=int, default=None, metavar="N",
+                   help="also compare N greedy tokens through KVarNCache with the fp model")
+    p.add_argument("--no-retrieval", action="store_true")
+    p.add_argument("--retrieval-lines", nargs="+", type=int, default=None,
+                   help="record lengths in lines (default 100 300; --quick 40)")
+    p.add_argument("--retrieval-prompts", type=int, default=None)
+    p.add_argument("--retrieval-questions", type=int, default=None)
+    p.add_argument("--retrieval-presets", nargs="+", default=None, choices=sorted(PRESETS))
+    p.add_argument("--outlier-fractions", nargs="+", type=float, default=None,
+                   help="fractions of worst entries restored in the outlier experiment (default 0.01 0.05 0.1)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 can be faster on a busy machine)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def settings_from_args(args: argparse.Namespace):
+    from .suite import EvalSettings, quick_settings
+
+    over = {}
+    pairs = {"model": "model", "corpus": "corpus", "presets": "presets", "methods": "methods",
+             "lengths": "lengths", "windows": "windows", "block": "block", "offset": "offset_tokens",
+             "rule": "rule", "held_out_offset": "held_out_offset", "diag_length": "diag_length",
+             "diag_windows": "diag_windows", "product_length": "product_length", "generate": "generate",
+             "retrieval_lines": "retrieval_lines", "retrieval_prompts": "retrieval_prompts",
+             "retrieval_questions": "retrieval_questions", "retrieval_presets": "retrieval_presets",
+             "outlier_fractions": "outlier_fractions", "seed": "seed"}
+    for arg, field in pairs.items():
+        value = getattr(args, arg)
+        if value is not None:
+            over[field] = tuple(value) if isinstance(value, list) else value
+    if args.held_out:
+        over["held_out"] = True
+    if args.no_diagnostics:
+        over["diagnostics"] = False
+    if args.no_product:
+        over["product"] = False
+    if args.no_retrieval:
+        over["retrieval"] = False
+    return quick_settings(**over) if args.quick else EvalSettings(**over)
+
+
+def eval_main(args: argparse.Namespace) -> int:
+    from .report import markdown_summary, write_outputs
+    from .suite import FaithfulnessError, run_eval
+
+    import torch
+
+    settings = settings_from_args(args)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    status = 0
+    try:
+        result = run_eval(settings, progress=not args.no_progress)
+    except FaithfulnessError as err:
+        result, status = err.result, 3
+        print(f"error: {err}", file=sys.stderr)
+    finally:
+        torch.set_num_threads(threads)
+    paths = write_outputs(result, args.out)
+    print(markdown_summary(result))
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s")
+    return status
