@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import pathlib
+import platform
+import types
 from typing import Any
 
 import torch
 
 __all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn_sources_hash",
-           "KVarNUUIDPass"]
+           "KVarNUUIDPass", "inductor", "triton_version", "device_identity", "has_triton_gpu"]
 
 TESTED_TORCH = ((2, 13), (2, 14))   # inclusive range of minor versions
 
@@ -36,16 +38,26 @@ def check_torch_version() -> None:
 
 
 # ------------------------------------------------------------------------------ sources hash
-@functools.lru_cache(maxsize=1)
-def kvarn_sources_hash() -> str:
-    """sha256 over every source file of the package (passes, ops, kernels, templates)."""
-    root = pathlib.Path(__file__).parent
+#: Suffixes of the files that make up kvarn's compiled behaviour: Python sources (passes,
+#: ops, kernels, lowerings) and the Triton templates (``templates/*.py.jinja``).
+SOURCE_SUFFIXES = (".py", ".jinja")
+
+
+def _hash_sources(root: pathlib.Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*")):
-        if path.suffix in (".py", ".jinja") and "__pycache__" not in path.parts:
+        if path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts and path.is_file():
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def kvarn_sources_hash() -> str:
+    """sha256 over every source file of the package (passes, ops, kernels, lowerings and
+    the ``templates/*.py.jinja`` Triton templates). Cached for the process; tests that edit
+    a source call ``kvarn_sources_hash.cache_clear()``."""
+    return _hash_sources(pathlib.Path(__file__).parent)
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,7 +75,9 @@ def _uuid_pass_class() -> type:
             return None
 
         def uuid(self) -> Any:
-            return kvarn_sources_hash()
+            from kvarn_compile import lowering
+
+            return f"{kvarn_sources_hash()};{lowering.cache_salt()}"
 
     return _KVarNUUIDPass
 
@@ -73,13 +87,114 @@ def KVarNUUIDPass() -> Any:  # noqa: N802  (a factory that reads like the class)
 
 
 # ------------------------------------------------------------------------------ compile
-def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str | None = None):
-    """Inductor's compile_fx with the kvarn uuid pass (and the options of ``mode``)."""
+def fakify_static(tensors: list[Any]) -> list[Any]:
+    """Pre-register static-shape fakes of ``tensors`` in the current compile's fake mode.
+
+    Graph inputs a backend adds (the packed states) are unknown to Dynamo, so AOTAutograd
+    would fakify them with fresh symbolic sizes; Inductor then sees symbolic shapes and the
+    kvarn lowerings fall back. The fake-tensor converter memoizes per tensor, so a static
+    fake made first is the one AOTAutograd picks up. The memo holds its fakes weakly: keep
+    the returned list alive until the compile is done. Outside a compile: [].
+    """
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode()
+    if fake_mode is None:
+        return []
+    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor)]
+
+
+def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str | None = None,
+                         static_inputs: list[Any] | None = None):
+    """Inductor's compile_fx with the kvarn uuid pass (and the options of ``mode``).
+
+    ``static_inputs``: backend-added inputs whose shapes never change (see fakify_static).
+    """
     check_torch_version()
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
+
+    keep_alive = fakify_static(static_inputs or [])  # noqa: F841  (held during compile_fx)
 
     patches: dict[str, Any] = {"post_grad_custom_post_pass": KVarNUUIDPass()}
     if mode:
         patches.update(list_mode_options(mode))
     return compile_fx(gm, inputs, config_patches=patches)
+
+
+# ------------------------------------------------------------------------------ inductor
+@functools.lru_cache(maxsize=1)
+def inductor() -> types.SimpleNamespace:
+    """The private Inductor pieces the lowerings use, imported once behind the version gate.
+
+    Attributes: ``user_lowerings`` (op -> lowering, checked before the built-in table; a
+    lowering may return None to fall back), ``lowerings`` (the built-in table),
+    ``ExternKernelChoice``, ``TritonTemplate``, ``SymbolicGridFn``,
+    ``autotune_select_algorithm``, ``add_feedback_saver``, ``AlgorithmSelectorCache``,
+    ``SubgraphTemplate``, ``inline_subgraph_to_ir_nodes``, ``realize_inputs``, ``ir``
+    (``torch._inductor.ir``: FixedLayout, FallbackKernel, TensorBox, ...), ``V``,
+    ``config`` (``torch._inductor.config``), ``make_fx``, ``select_decomp_table``.
+
+    Verified on torch 2.13 (CPU). TritonTemplate needs a GPU driver even to render.
+    """
+    check_torch_version()
+    import torch._inductor.config as config
+    import torch._inductor.ir as ir
+    from torch._inductor.codegen.subgraph import SubgraphTemplate, inline_subgraph_to_ir_nodes
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings, user_lowerings
+    from torch._inductor.select_algorithm import (
+        AlgorithmSelectorCache, ExternKernelChoice, SymbolicGridFn, TritonTemplate,
+        add_feedback_saver, autotune_select_algorithm, realize_inputs,
+    )
+    from torch._inductor.virtualized import V
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return types.SimpleNamespace(
+        user_lowerings=user_lowerings, lowerings=lowerings, ExternKernelChoice=ExternKernelChoice,
+        TritonTemplate=TritonTemplate, SymbolicGridFn=SymbolicGridFn,
+        autotune_select_algorithm=autotune_select_algorithm, add_feedback_saver=add_feedback_saver,
+        AlgorithmSelectorCache=AlgorithmSelectorCache, SubgraphTemplate=SubgraphTemplate,
+        inline_subgraph_to_ir_nodes=inline_subgraph_to_ir_nodes, realize_inputs=realize_inputs,
+        ir=ir, V=V, config=config, make_fx=make_fx, select_decomp_table=select_decomp_table)
+
+
+def static_ints(values: Any) -> list[int] | None:
+    """Sizes/strides of an IR node as Python ints, or None when any is symbolic."""
+    out = []
+    for v in values:
+        try:
+            out.append(int(v))
+        except TypeError:
+            return None
+    return out
+
+
+# ------------------------------------------------------------------------------ identity
+def triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:  # not installed, or a broken install
+        return None
+    return getattr(triton, "__version__", None)
+
+
+def has_triton_gpu(device: torch.device | str) -> bool:
+    """True when Triton templates can be rendered and run for ``device`` (CUDA + triton)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+def device_identity(device: torch.device | str) -> tuple[str, str]:
+    """(device name, capability) keying autotune results, e.g. ("NVIDIA H100", "sm90")."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return torch.cuda.get_device_name(index), f"sm{major}{minor}"
+    return (platform.processor() or platform.machine() or device.type), device.type

@@ -79,7 +79,7 @@ class KVarNBackend:
 
     def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
                  release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
-                 mode: str | None = None):
+                 mode: str | None = None, tune_knobs: Any = None):
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"Expected compiler 'inductor' or 'eager', but got {compiler!r}.")
         if not isinstance(max_cache_len, int) or max_cache_len < 1:
@@ -95,6 +95,18 @@ class KVarNBackend:
         #: (before, after) normalized graph text of every compiled graph (see testing.py)
         self.graph_log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        if compiler == "inductor":   # Inductor lowerings (templates, autotuning) of the kvarn ops
+            from kvarn_compile import lowering
+
+            lowering.register()
+        #: per-layer Sinkhorn-iteration tuning at the first tile (kvarn_compile.autotune)
+        self.knob_tuner = None
+        if tune_knobs is not None:
+            from kvarn_compile.autotune import KnobTuner, KnobTuning
+
+            if tune_knobs is True:
+                tune_knobs = KnobTuning()
+            self.knob_tuner = KnobTuner(config, tune_knobs)
 
     # ------------------------------------------------------------------ states
     def _get_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
@@ -151,19 +163,29 @@ class KVarNBackend:
                 log.info("kvarn: %s", r.line().strip())
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched
             return self._compile(gm, list(example_inputs), mode)
-        compiled = self._compile(new_gm, list(example_inputs) + extra, mode)
+        if self.knob_tuner is not None:
+            tuned = self.knob_tuner.wrap(new_gm, list(example_inputs) + extra,
+                                         lambda g, i: self._compile(g, i, mode, extra),
+                                         self.report.notes)
+            return lambda *args: tuned(*args, *extra)
+        compiled = self._compile(new_gm, list(example_inputs) + extra, mode, extra)
 
         def run(*args: Any) -> Any:
             return compiled(*args, *extra)
 
         return run
 
-    def _compile(self, gm: fx.GraphModule, inputs: list[Any], mode: str | None):
+    def _compile(self, gm: fx.GraphModule, inputs: list[Any], mode: str | None,
+                 static: list[Any] | None = None):
         if self.compiler == "eager":
             return gm.forward
+        from kvarn_compile import lowering
         from kvarn_compile._torch_compat import compile_fx_with_pass
 
-        return compile_fx_with_pass(gm, inputs, mode)
+        first = len(lowering.DECISIONS)
+        compiled = compile_fx_with_pass(gm, inputs, mode, static_inputs=static)
+        self.report.notes.extend(d.line() for d in lowering.DECISIONS[first:])
+        return compiled
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -176,7 +198,8 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 8192,
                   release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
-                  mode: str | None = None, **config_overrides: Any) -> KVarNBackend:
+                  mode: str | None = None, tune_knobs: Any = None,
+                  **config_overrides: Any) -> KVarNBackend:
     """A torch.compile backend that stores every attention's KV cache KVarN-packed.
 
     Args:
@@ -191,7 +214,10 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
         spec_tokens: newest tokens of each write kept uncommitted (speculative decoding).
         compiler: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is).
         mode: a torch.compile mode; also accepted as the keyword torch.compile/transformers pass.
+        tune_knobs: ``True`` or a :class:`kvarn_compile.autotune.KnobTuning`: choose the
+            Sinkhorn iteration count per layer at its first tile, under the quality rule of
+            :func:`kvarn_compile.autotune.select_quant_knobs` (decisions in ``report.notes``).
     """
     return KVarNBackend(get_config(preset, **config_overrides), max_cache_len=max_cache_len,
                         release_buffers=release_buffers, spec_tokens=spec_tokens,
-                        compiler=compiler, mode=mode)
+                        compiler=compiler, mode=mode, tune_knobs=tune_knobs)

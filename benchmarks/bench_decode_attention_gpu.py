@@ -1,0 +1,219 @@
+"""GPU decode attention: KVarN (compiled, autotuned templates) vs fp16 SDPA and FlexDecoding.
+
+    python benchmarks/bench_decode_attention_gpu.py [--lengths 4096 16384 32768 131072]
+        [--batches 1 8 32] [--preset k4v2] [--quick]
+
+For every (batch, context length) at head_dim 128 and GQA 4:1 (32 query / 8 KV heads) it
+prints, as JSON, the median time of one decode step (one query token) and the achieved
+bandwidth (bytes of the cache read / time) of:
+
+* ``sdpa_fp16``: ``F.scaled_dot_product_attention(enable_gqa=True)`` over an fp16 cache;
+* ``flex_decoding``: ``flex_attention`` under ``torch.compile`` over the same fp16 cache;
+* ``kvarn``: ``torch.ops.kvarn.attention`` compiled by Inductor with the kvarn lowering
+  (split path: the ``kvarn_decode`` template autotuned against the standalone kernel and
+  the torch implementation; the chosen config is reported) over a packed cache of the
+  same length (random valid codes and positive scales: speed, not quality);
+
+plus, per case, the time to quantize one tile per (batch row, kv head) with
+``kernels.quantize_tiles_into`` (what a decode step that completes a tile adds) against G
+decode steps, and the ``kvarn_decode`` template body with its dual column scales against a
+single-scale proxy (every tile reads tile 0's column scales, so those loads stay in cache:
+the memory traffic of a format without per-tile column scales).
+
+Without a CUDA device it prints ``{"skipped": "no CUDA device"}`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+
+import torch
+
+GQA_Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def _bench_ms(fn) -> dict:
+    import triton
+
+    p50, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=50)
+    return {"ms_median": p50, "ms_p20": p20, "ms_p80": p80}
+
+
+def _with_gbps(row: dict, nbytes: int) -> dict:
+    row["bytes"] = nbytes
+    row["gb_per_s"] = nbytes / (row["ms_median"] * 1e-3) / 1e9
+    return row
+
+
+def _random_packed_state(cfg, batch: int, tokens: int, device: str):
+    """A packed state holding ``tokens`` tokens of random valid content (no quantization run)."""
+    from kvarn_compile.state import allocate_layer
+
+    st = allocate_layer(cfg, batch=batch, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                        max_len=tokens + cfg.group_size, dtype=torch.float16, device=device)
+    s, g = st.sink_len, cfg.group_size
+    n = (tokens - s) // g
+    tail = tokens - s - n * g
+    for name in ("k_codes", "v_codes"):
+        getattr(st, name).random_(0, 256)
+    for name in ("k_row_scale", "v_row_scale"):
+        getattr(st, name).uniform_(0.01, 0.1)
+    for name in ("k_col_scale", "v_col_scale"):
+        getattr(st, name).uniform_(0.75, 2.0)
+    for name in ("k_row_zero", "v_row_zero", "sink_k", "sink_v", "tail_k", "tail_v"):
+        getattr(st, name).normal_()
+    st.lengths.fill_(tokens)
+    st.committed.fill_(tokens)
+    st.n_tiles.fill_(n)
+    used = st.used_bytes()
+    return st, n, tail, sum(used.values())
+
+
+def _kvarn_compiled(st, scale: float):
+    from kvarn_compile import lowering
+
+    lowering.register()
+
+    def attend(q, *buffers):
+        return torch.ops.kvarn.attention(q, list(buffers), None, scale, True, 0)
+
+    return torch.compile(attend, fullgraph=True, dynamic=False)
+
+
+def _single_vs_dual(st, n_tiles: int, scale: float) -> dict:
+    """The decode template rendered standalone: dual column scales vs the single-scale proxy."""
+    from kvarn_compile.lowering.decompose import tile_inputs
+    from kvarn_compile.lowering.templates import launch_standalone, render_standalone
+    from kvarn_compile.reference.rotation import rotation_matrix
+
+    b = st.batch
+    q = torch.randn(b, GQA_Q_HEADS, 1, HEAD_DIM, device=st.sink_k.device, dtype=torch.float16)
+    ins = tile_inputs(q, st.buffers, None, True, 0, rotation_matrix(HEAD_DIM, q.device))
+    q_rot, kc, krs, krz, kcs, vc, vrs, vrz, vcs, nt, lo, hi, _ = ins
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    split = max(1, min(-(-2 * sms // (b * KV_HEADS)), max(n_tiles, 1), 64))
+    g = kcs.shape[-1]
+    ce = dict(GROUP_Q=GQA_Q_HEADS // KV_HEADS, D=HEAD_DIM, BLOCK_D=HEAD_DIM, G=g,
+              BLOCK_N=min(64, g), K_BITS=8 * kc.shape[-1] // g, V_BITS=8 * vc.shape[-1] // HEAD_DIM,
+              SPLIT=split, SPLIT_MAX=split, BLOCK_M=16, HAS_BIAS=False, INPUT_PRECISION="tf32",
+              SM_SCALE=scale, KVARN_SRC=0)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        kernel = render_standalone("kvarn_decode.py.jinja", {
+            "Q": q_rot, "KC": kc, "KRS": krs, "KRZ": krz, "KCS": kcs, "VC": vc, "VRS": vrs,
+            "VRZ": vrz, "VCS": vcs, "NT": nt, "KVLO": lo, "KVHI": hi,
+            "LSE": torch.empty(b, GQA_Q_HEADS, 1, split, device=q.device)}, ce, tmp)
+        grid = (b * KV_HEADS, split, 1)
+        for label, cols in (("dual_scale", (kcs, vcs)),
+                            ("single_scale_proxy", (kcs[:, :, :1].expand_as(kcs),
+                                                    vcs[:, :, :1].expand_as(vcs)))):
+            tensors = {"Q": q_rot, "KC": kc, "KRS": krs, "KRZ": krz, "KCS": cols[0], "VC": vc,
+                       "VRS": vrs, "VRZ": vrz, "VCS": cols[1], "NT": nt, "KVLO": lo, "KVHI": hi,
+                       "LSE": torch.full((b, GQA_Q_HEADS, 1, split), float("-inf"), device=q.device)}
+            o = torch.empty(b, GQA_Q_HEADS, 1, split, HEAD_DIM, device=q.device)
+            out[label] = _bench_ms(lambda: launch_standalone(kernel, tensors, o, grid, ce))
+    out["dual_over_single"] = out["dual_scale"]["ms_median"] / out["single_scale_proxy"]["ms_median"]
+    out["config"] = {k: ce[k] for k in ("BLOCK_N", "BLOCK_M", "SPLIT")}
+    return out
+
+
+def _tile_quantize(cfg, batch: int, device: str) -> dict:
+    """Quantizing one completed tile per (batch row, kv head), K and V, with the Triton kernel."""
+    from kvarn_compile.kernels import quantize_tiles_into
+    from kvarn_compile.state import allocate_layer
+
+    g = cfg.group_size
+    st = allocate_layer(cfg, batch=batch, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_len=3 * g,
+                        dtype=torch.float16, device=device)
+    x = torch.randn(batch, KV_HEADS, g, HEAD_DIM, device=device, dtype=torch.float16)
+    dst = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+
+    def run():
+        for kind, bits in (("k", cfg.key_bits), ("v", cfg.value_bits)):
+            quantize_tiles_into(x, getattr(st, f"{kind}_codes"), getattr(st, f"{kind}_row_scale"),
+                                getattr(st, f"{kind}_row_zero"), getattr(st, f"{kind}_col_scale"),
+                                kind=kind, bits=bits, rotate=True, normalize=True,
+                                iters=cfg.sinkhorn_iters, dst_tile=dst)
+    return _bench_ms(run)
+
+
+def run_case(cfg, batch: int, tokens: int, device: str = "cuda") -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kvarn_compile import lowering
+
+    torch.manual_seed(0)
+    scale = HEAD_DIM ** -0.5
+    row = {"batch": batch, "tokens": tokens, "head_dim": HEAD_DIM, "q_heads": GQA_Q_HEADS,
+           "kv_heads": KV_HEADS, "preset": cfg.short()}
+    q16 = torch.randn(batch, GQA_Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.float16)
+    fp16_bytes = 2 * batch * KV_HEADS * tokens * HEAD_DIM * 2
+    try:
+        k16 = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.float16)
+        v16 = torch.randn_like(k16)
+        row["sdpa_fp16"] = _with_gbps(_bench_ms(lambda: F.scaled_dot_product_attention(
+            q16, k16, v16, enable_gqa=True, scale=scale)), fp16_bytes)
+        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        row["flex_decoding"] = _with_gbps(_bench_ms(lambda: flex(q16, k16, v16, scale=scale,
+                                                                 enable_gqa=True)), fp16_bytes)
+        del k16, v16
+    except Exception as err:  # noqa: BLE001  (e.g. out of memory at 128k x 32)
+        row["fp16_error"] = f"{type(err).__name__}: {err}"[:300]
+    torch.cuda.empty_cache()
+    try:
+        st, n_tiles, _, packed_bytes = _random_packed_state(cfg, batch, tokens, device)
+        first = len(lowering.DECISIONS)
+        fn = _kvarn_compiled(st, scale)
+        fn(q16, *st.buffers)
+        row["kvarn"] = _with_gbps(_bench_ms(lambda: fn(q16, *st.buffers)), packed_bytes)
+        row["kvarn"]["lowering"] = [d.line() for d in lowering.DECISIONS[first:]]
+        if "sdpa_fp16" in row:
+            row["kvarn"]["speedup_vs_sdpa_fp16"] = row["sdpa_fp16"]["ms_median"] / row["kvarn"]["ms_median"]
+        if "flex_decoding" in row:
+            row["kvarn"]["speedup_vs_flex"] = row["flex_decoding"]["ms_median"] / row["kvarn"]["ms_median"]
+        row["scales"] = _single_vs_dual(st, n_tiles, scale)
+        quant = _tile_quantize(cfg, batch, device)
+        row["tile_quantize"] = quant
+        row["tile_quantize_share_of_G_decode_steps"] = quant["ms_median"] / (
+            cfg.group_size * row["kvarn"]["ms_median"])
+        del st
+    except Exception as err:  # noqa: BLE001  (report and go on with the next case)
+        row["kvarn_error"] = f"{type(err).__name__}: {err}"[:500]
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--preset", default="k4v2")
+    p.add_argument("--quick", action="store_true", help="only 4k and 32k at batch 1 and 8")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    from kvarn_compile.config import get_config
+
+    torch.set_grad_enabled(False)
+    cfg = get_config(args.preset)
+    lengths, batches = args.lengths, args.batches
+    if args.quick:
+        lengths, batches = [4096, 32768], [1, 8]
+    rows = [run_case(cfg, b, n) for b in batches for n in lengths]
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__,
+           "device": torch.cuda.get_device_name(), "capability": "sm%d%d" % torch.cuda.get_device_capability()}
+    print(json.dumps({"benchmark": "decode_attention_gpu", "env": env, "rows": rows}, indent=1,
+                     default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The Inductor lowering of ``kvarn::attention`` (see the package docstring for the paths).
+
+Choices, all bound to the same flattened inputs ``[q, *buffers(, mask), rot]`` (``rot``: the
+head-dim rotation as a graph constant):
+
+* ``reference`` - :data:`REFERENCE`, an ``ExternKernelChoice`` created at import under the
+  unique name ``kvarn_attention_reference``: generated code calls
+  ``extern_kernels.kvarn_attention_reference(q, *buffers, n_buffers=…, …)``, i.e. the op's
+  own device implementation. Always offered (the fallback).
+* ``dense`` - ``decompose.attention_dense`` through Inductor's ``SubgraphTemplate``: traced
+  with make_fx, benchmarked as a compiled subgraph, and inlined when it wins, so the
+  output code holds Inductor-generated kernels (C++ on CPU) and no extern call.
+* ``split`` - ``decompose.attention_split``: like ``dense``, but the tile region is the
+  ``kvarn_lowering::tile_partials_`` op, lowered by ``lowering/tiles.py`` (templates).
+
+Benchmark inputs (``input_gen_fns``) are a realistic packed cache: valid codes, positive
+scales, lengths/committed/n_tiles consistent with each other and within capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn_compile.lowering import decompose
+from kvarn_compile.state import BUF, N_BASE_BUFFERS
+
+__all__ = ["lower_attention", "externs", "attention_input_gen_fns", "ATTENTION_OP_NAME"]
+
+ATTENTION_OP_NAME = "kvarn_attention"
+
+
+def _reference_flat(*args: torch.Tensor, n_buffers: int, has_mask: bool, scale: float,
+                    causal: bool, window: int) -> torch.Tensor:
+    """The eager op with flattened tensor arguments (the extern kernel's calling convention).
+
+    ``args`` = ``(q, *buffers[, mask], rot)``; the rotation (shared with the decompositions'
+    inputs) is not needed here: the op rotates by itself.
+    """
+    q, buffers = args[0], list(args[1:1 + n_buffers])
+    mask = args[1 + n_buffers] if has_mask else None
+    return torch.ops.kvarn.attention.default(q, buffers, mask, scale, causal, window).contiguous()
+
+
+_EXTERNS: dict[str, object] = {}
+
+
+def externs() -> dict[str, object]:
+    """The extern choices of this lowering, created once (ExternKernelChoice names are global)."""
+    if not _EXTERNS:
+        from kvarn_compile._torch_compat import inductor
+
+        ind = inductor()
+        name = "kvarn_attention_reference"
+        _EXTERNS["reference"] = ind.ExternKernelChoice.lookup(name) or ind.ExternKernelChoice(
+            _reference_flat, name=name, has_out_variant=False)
+    return _EXTERNS
+
+
+def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
+                            mask_dtype: torch.dtype | None,
+                            mask_length: int | None = None) -> dict[int, object]:
+    """Realistic benchmark inputs for ``[q, *buffers(, mask), rot]`` (index -> fn(ir node)).
+
+    Valid codes (random bytes), positive scales, and counters that agree with each other:
+    n_tiles between half and full tile capacity, lengths = sink + tiles + a partial tail,
+    never beyond the capacity or the mask (the reference op rejects such a cache, and an
+    empty cache would benchmark nothing).
+    """
+    from kvarn_compile.lowering.tiles import fake_tile_fill
+
+    bsz, _, s, _ = buffer_shapes[BUF["sink_k"]]
+    n_max = buffer_shapes[BUF["k_codes"]][2]
+    g = buffer_shapes[BUF["k_col_scale"]][-1]
+    w = buffer_shapes[BUF["tail_k"]][2]
+    tiles = fake_tile_fill(n_max, g, bsz)
+    capacity = s + n_max * g        # the smallest max_len these buffers can come from
+    # a partly filled tail after the tiles, all within capacity (and within the mask)
+    lengths = [min(s + n * g + (w // 2 if n < n_max else 0), capacity) for n in tiles]
+    if mask_length is not None:
+        lengths = [min(n, mask_length) for n in lengths]
+        tiles = [min(t, max(n - s, 0) // g) for t, n in zip(tiles, lengths)]
+
+    def like(node, values):
+        return torch.tensor(values, dtype=node.get_dtype(), device=node.get_device())
+
+    def uniform(lo: float, hi: float):
+        def gen(node):
+            t = torch.empty(*node.get_size(), dtype=torch.float32, device=node.get_device())
+            return t.uniform_(lo, hi).to(node.get_dtype())
+        return gen
+
+    def normal(node):
+        return torch.randn(*node.get_size(), device=node.get_device()).to(node.get_dtype())
+
+    def codes(node):
+        return torch.randint(0, 256, tuple(node.get_size()), dtype=torch.uint8,
+                             device=node.get_device())
+
+    fns: dict[int, object] = {}
+    for name, i in BUF.items():
+        if i >= len(buffer_shapes):
+            continue
+        if name.endswith("codes"):
+            fn = codes
+        elif name in ("k_row_scale", "v_row_scale"):
+            fn = uniform(0.01, 0.1)
+        elif name in ("k_col_scale", "v_col_scale"):
+            fn = uniform(0.75, 2.0)
+        elif name in ("k_row_zero", "v_row_zero"):
+            fn = uniform(-0.2, 0.2)
+        elif name in ("lengths", "committed"):
+            fn = lambda node: like(node, lengths)  # noqa: E731
+        elif name == "n_tiles":
+            fn = lambda node: like(node, tiles)  # noqa: E731
+        elif name == "capacity":
+            fn = lambda node: like(node, [capacity] * bsz)  # noqa: E731
+        elif i >= N_BASE_BUFFERS:
+            fn = uniform(0.5, 1.5)     # fp8 per-vector factors
+        else:
+            fn = normal                # sink / tail rows
+        fns[1 + i] = fn
+    if has_mask:
+        def mask_fn(node):
+            if mask_dtype == torch.bool:
+                return torch.ones(*node.get_size(), dtype=torch.bool, device=node.get_device())
+            return torch.zeros(*node.get_size(), dtype=node.get_dtype(), device=node.get_device())
+        fns[1 + len(buffer_shapes)] = mask_fn
+    from kvarn_compile.reference.rotation import rotation_matrix
+
+    # Python data, not a tensor: the generators also run under fake mode (layout inference)
+    rot_values = rotation_matrix(buffer_shapes[BUF["sink_k"]][-1]).tolist()
+
+    def rot_fn(node):
+        return torch.tensor(rot_values, dtype=torch.float32, device=node.get_device())
+    fns[1 + len(buffer_shapes) + int(has_mask)] = rot_fn
+    return fns
+
+
+def _decomposition_choice(label: str, fn, inputs: list, kwargs: dict, gen_fns: dict):
+    """A SubgraphTemplate choice running ``fn(*inputs, **kwargs)`` as an Inductor subgraph.
+
+    Like ``SubgraphTemplate.generate_custom_op_choices``, but traces symbolically only when
+    the compile has a shape environment: ``compile_fx`` called from a custom backend with
+    real example inputs (``kvarn_backend``) runs with a fake mode without one.
+    """
+    import functools
+
+    from kvarn_compile._torch_compat import inductor
+
+    ind = inductor()
+
+    def make_fx_graph(*args):
+        mode = "symbolic" if ind.V.fake_mode.shape_env is not None else "fake"
+        return ind.make_fx(functools.partial(fn, **kwargs),
+                           decomposition_table=ind.select_decomp_table(), tracing_mode=mode)(*args)
+
+    with ind.V.fake_mode:
+        example = [ind.ir.ir_node_to_tensor(n) for n in inputs]
+        out = fn(*example, **kwargs)
+    layout = ind.ir.FixedLayout(out.device, out.dtype, list(out.shape), list(out.stride()))
+    choice = ind.SubgraphTemplate(name=ATTENTION_OP_NAME).generate(
+        name=f"{ATTENTION_OP_NAME}_{label}", input_nodes=inputs, layout=layout,
+        make_fx_graph=make_fx_graph, description=f"kvarn decomposition {fn.__name__}",
+        input_gen_fns=gen_fns)
+    choice.kvarn_spec = {"choice": label}
+    return choice
+
+
+def lower_attention(q, buffers, mask, scale, causal, window):
+    """User lowering of ``torch.ops.kvarn.attention.default``; None falls back to the op."""
+    from kvarn_compile import autotune
+    from kvarn_compile._torch_compat import has_triton_gpu, inductor, static_ints
+    from kvarn_compile.lowering import current_path, finish_decision, record_decision, tune_key
+    from kvarn_compile.lowering.tiles import split_max_for
+
+    ind = inductor()
+    buffers = list(buffers)
+    has_mask = mask is not None
+    nodes = [q, *buffers, *([mask] if has_mask else [])]
+    shapes = [static_ints(n.get_size()) for n in nodes]
+    if any(s is None for s in shapes) or len(buffers) not in (N_BASE_BUFFERS, N_BASE_BUFFERS + 4):
+        return None        # symbolic shapes: the op itself (a fallback kernel)
+    device = q.get_device()
+    d = shapes[0][-1]
+    from kvarn_compile.reference.rotation import rotation_matrix
+
+    rot = ind.V.graph.add_tensor_constant(rotation_matrix(d, device), name="kvarn_rotation")
+    inputs = list(ind.realize_inputs(*nodes, rot))
+    path = current_path()
+    b_shapes = shapes[1:1 + len(buffers)]
+    bsz, heads = b_shapes[BUF["k_codes"]][:2]
+    n_max = b_shapes[BUF["k_codes"]][2]
+    kwargs = dict(n_buffers=len(buffers), has_mask=has_mask, scale=float(scale),
+                  causal=bool(causal), window=int(window))
+    key = tune_key(ATTENTION_OP_NAME, q=q, k_codes=buffers[BUF["k_codes"]],
+                   k_col_scale=buffers[BUF["k_col_scale"]], v_codes=buffers[BUF["v_codes"]],
+                   row_scale=buffers[BUF["k_row_scale"]])
+    if path == "auto" and has_triton_gpu(device):
+        path = "split"
+    replay = autotune.DB.lookup(key) if key is not None and path == "auto" else None
+    wanted = {"auto": ("reference", "dense"), "reference": ("reference",), "dense": ("dense",),
+              "split": ("split",)}[path]
+    if replay is not None:
+        wanted = tuple(c for c in wanted if c == replay.get("choice")) or wanted
+        if wanted != (replay.get("choice"),):
+            replay = None
+
+    gen_fns = attention_input_gen_fns(b_shapes, has_mask, mask.get_dtype() if has_mask else None,
+                                      shapes[-1][-1] if has_mask else None)
+    choices: list = []
+    if "dense" in wanted:
+        choices.append(_decomposition_choice("dense", decompose.attention_dense, inputs, kwargs,
+                                             gen_fns))
+    if "split" in wanted:
+        split_max = split_max_for(device, bsz * heads, n_max)
+        choices.append(_decomposition_choice("split", decompose.attention_split, inputs,
+                                             dict(kwargs, split_max=split_max), gen_fns))
+    if "reference" in wanted:
+        layout = choices[0].layout if choices else ind.ir.FixedLayout(
+            device, q.get_dtype(), list(q.get_size()))
+        ref = externs()["reference"].bind(inputs, layout, **kwargs)
+        ref.kvarn_spec = {"choice": "reference"}
+        choices.append(ref)
+    layout = choices[0].layout
+    decision = record_decision(ATTENTION_OP_NAME, key, choices, inputs, replayed=replay is not None)
+    if len(choices) == 1:          # forced or replayed: no benchmark, no extra subgraph compile
+        choice, node = choices[0], None
+    else:
+        node, choice = ind.autotune_select_algorithm(ATTENTION_OP_NAME, choices, inputs, layout,
+                                                     input_gen_fns=gen_fns)
+    finish_decision(decision, choice)
+    if getattr(choice, "gm", None) is not None:   # a decomposition won: inline its IR
+        # (with the lowering's own TensorBoxes: pointwise lowerings need boxes, not storages)
+        return ind.inline_subgraph_to_ir_nodes(choice.gm, [*nodes, rot], ATTENTION_OP_NAME)
+    return node if node is not None else choice.output_node()

@@ -1,0 +1,126 @@
+"""Tile configurations of the KVarN Triton templates: small dataclasses and their lists.
+
+Each template has one always-present default config, a short autotune list (used when
+Inductor runs with ``max_autotune``) and a generated exhaustive list (``KVARN_AUTOTUNE=
+exhaustive``). Configs that do not fit a shape (BLOCK_N > G, more splits than tiles) are
+filtered here, never raised on: the lowering always keeps the extern fallback.
+
+Shape buckets key the autotune database (``kvarn_compile.autotune``): the cache capacity
+in tokens rounded up to a power of two, and the query length ("decode" rows fit in one
+BLOCK_M of packed GQA heads, otherwise "prefill").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+__all__ = ["DecodeConfig", "PrefillConfig", "decode_configs", "prefill_configs", "tune_mode",
+           "length_bucket", "query_bucket", "split_max", "DECODE_ROWS_MAX"]
+
+#: Up to this many query rows (GQA heads x query tokens) a program packs them all (decode).
+DECODE_ROWS_MAX = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Split-K decode template (``templates/kvarn_decode.py.jinja``)."""
+
+    block_n: int      # tokens per inner step (divides G)
+    block_m: int      # query rows per program (>= 16 for tl.dot)
+    split: int        # tile-range splits walked in parallel (<= split_max)
+    num_warps: int
+    num_stages: int
+
+    def template_kwargs(self) -> dict[str, int]:
+        return {"BLOCK_N": self.block_n, "BLOCK_M": self.block_m, "SPLIT": self.split,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Multi-token template (``templates/kvarn_prefill.py.jinja``); one split."""
+
+    block_m: int      # query positions per program
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def template_kwargs(self) -> dict[str, int]:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "SPLIT": 1,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def tune_mode() -> str:
+    """"default" | "autotune" | "exhaustive": how many template configs to offer.
+
+    ``KVARN_AUTOTUNE`` (default/autotune/exhaustive) wins; otherwise Inductor's
+    ``max_autotune`` selects "autotune".
+    """
+    env = os.environ.get("KVARN_AUTOTUNE", "").strip().lower()
+    if env in ("default", "autotune", "exhaustive"):
+        return env
+    from kvarn_compile._torch_compat import inductor
+
+    return "autotune" if inductor().config.max_autotune else "default"
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def length_bucket(tokens: int) -> int:
+    """The cache capacity rounded up to a power of two (>= 1024)."""
+    return _pow2_at_least(tokens, 1024)
+
+
+def query_bucket(q_heads: int, kv_heads: int, q_len: int) -> str:
+    rows = (q_heads // max(kv_heads, 1)) * q_len
+    return "decode" if rows <= DECODE_ROWS_MAX else f"prefill{_pow2_at_least(q_len, 16)}"
+
+
+def split_max(batch_kv_heads: int, tiles: int, sms: int) -> int:
+    """Split slots of the partial outputs: about two waves of programs, <= tiles, <= 64."""
+    want = -(-2 * sms // max(batch_kv_heads, 1))
+    return max(1, min(want, tiles, 64))
+
+
+def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[DecodeConfig]:
+    block_m = _pow2_at_least(rows)
+    default = DecodeConfig(block_n=min(64, group), block_m=block_m, split=max_split,
+                           num_warps=4, num_stages=1)
+    if mode == "default":
+        candidates = [default]
+    elif mode == "autotune":
+        splits = sorted({max_split, max(1, max_split // 2), max(1, max_split // 4)})
+        candidates = [default] + [
+            DecodeConfig(bn, block_m, s, w, 1)
+            for bn, s, w in itertools.product((32, 64, 128), splits, (4, 8))]
+    else:
+        splits = sorted({max(1, max_split >> k) for k in range(6)})
+        candidates = [default] + [
+            DecodeConfig(bn, block_m, s, w, st)
+            for bn, s, w, st in itertools.product((16, 32, 64, 128), splits, (2, 4, 8), (1, 2, 3))]
+    keep = [c for c in candidates if c.block_n <= group and group % c.block_n == 0
+            and 1 <= c.split <= max_split]
+    return list(dict.fromkeys(keep))
+
+
+def prefill_configs(mode: str, *, group: int, q_len: int) -> list[PrefillConfig]:
+    block_m = min(64, _pow2_at_least(q_len))
+    default = PrefillConfig(block_m=block_m, block_n=min(64, group), num_warps=4, num_stages=1)
+    if mode == "default":
+        candidates = [default]
+    elif mode == "autotune":
+        candidates = [default] + [PrefillConfig(bm, bn, w, 1) for bm, bn, w in
+                                  itertools.product((32, 64, 128), (32, 64), (4, 8))]
+    else:
+        candidates = [default] + [PrefillConfig(bm, bn, w, st) for bm, bn, w, st in
+                                  itertools.product((16, 32, 64, 128), (16, 32, 64, 128),
+                                                    (2, 4, 8), (1, 2, 3))]
+    keep = [c for c in candidates if c.block_n <= group and group % c.block_n == 0]
+    return list(dict.fromkeys(keep))

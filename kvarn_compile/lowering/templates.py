@@ -1,0 +1,137 @@
+"""The KVarN Triton templates (CUDA only): sources, grid functions, TritonTemplate objects.
+
+The template sources are package data (``kvarn_compile/templates/*.py.jinja``) loaded with
+``importlib.resources``. The ``TritonTemplate`` objects are built lazily, on the first
+CUDA lowering: Inductor cannot even render a template without a GPU driver, so nothing
+here runs on a CPU-only machine (see docs/torch-notes.md section 4b).
+
+How the templates share the kernels' bodies: a template is only the *driver* of one
+program (its grid position, the query rows it packs, the split range, the loads of
+q/kv bounds/bias, the stores). The per-tile math, i.e. the in-register unpack of the
+codes, the dual-scale fold into the scores and the values and the online-softmax step,
+is the ``@triton.jit`` helpers of :mod:`kvarn_compile.kernels.attention`
+(``_load_k_tile_scores``, ``_accumulate_v_tile``, ``_online_softmax_step``), which the
+rendered module imports (the last lines of each template). Triton inlines them at
+compile time and includes their source in its own cache key; Inductor's cache key (the
+rendered text) gets ``KVARN_SRC``, a hash of kvarn's sources, so an edited helper is never
+served from a stale cache. The standalone ``_kvarn_decode_attn_kernel`` calls the very same
+helpers, and its tests (tests/test_kernels.py, interpreter on CPU) cover them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+
+__all__ = ["template_source", "decode_template", "prefill_template", "TEMPLATE_FILES",
+           "render_standalone", "launch_standalone"]
+
+TEMPLATE_FILES = ("kvarn_decode.py.jinja", "kvarn_prefill.py.jinja")
+
+
+def template_source(name: str) -> str:
+    """The text of ``kvarn_compile/templates/<name>`` (package data)."""
+    return (importlib.resources.files("kvarn_compile") / "templates" / name).read_text()
+
+
+def kvarn_decode_grid(batch_kv_heads, rows, meta, *, cdiv):
+    """How is this kernel parallelized?
+
+    Grid (B * H, SPLIT, cdiv(GROUP_Q * TQ, BLOCK_M)). Program (b * H + h, s, mb) packs the
+    query rows m = hg * TQ + t of kv head h (all GROUP_Q query heads hg and TQ positions t,
+    block mb), so each packed K/V tile of a kv head is read from memory once for all of its
+    query heads. The tiles the block can see, [min kv_lo // G, cdiv(max kv_hi, G)) clamped
+    to n_tiles[b], are cut into SPLIT contiguous ranges; split s walks its range BLOCK_N
+    tokens at a time with an online softmax and writes its normalized partial and its lse
+    to slot s. The caller merges the slots by log-sum-exp (Inductor-generated code).
+    """
+    return (batch_kv_heads, meta["SPLIT"], cdiv(rows, meta["BLOCK_M"]))
+
+
+def kvarn_prefill_grid(batch_q_heads, q_len, meta, *, cdiv):
+    """How is this kernel parallelized?
+
+    Grid (cdiv(TQ, BLOCK_M), B * Hq). Program (mb, b * Hq + hq) owns BLOCK_M consecutive
+    query positions of one query head and walks, in one split, every tile any of them can
+    see (causal tile skip: up to the largest kv_hi of its rows), BLOCK_N tokens at a time.
+    Many query positions keep the GPU busy without splitting the key range, so the output
+    has a single split slot.
+    """
+    return (cdiv(q_len, meta["BLOCK_M"]), batch_q_heads, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_template():
+    from kvarn_compile._torch_compat import inductor
+
+    ind = inductor()
+    return ind.TritonTemplate(name="kvarn_decode", grid=ind.SymbolicGridFn(kvarn_decode_grid),
+                              source=template_source("kvarn_decode.py.jinja"),
+                              always_freeze_layout=True)
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_template():
+    from kvarn_compile._torch_compat import inductor
+
+    ind = inductor()
+    return ind.TritonTemplate(name="kvarn_prefill", grid=ind.SymbolicGridFn(kvarn_prefill_grid),
+                              source=template_source("kvarn_prefill.py.jinja"),
+                              always_freeze_layout=True)
+
+
+# ------------------------------------------------------------------------------ standalone
+def render_standalone(name: str, tensors: dict, constexprs: dict, directory, out_rank: int = 5):
+    """Render a template into a plain ``@triton.jit`` function, without Inductor.
+
+    Stand-ins for Inductor's jinja hooks: ``def_kernel`` becomes a ``def`` taking every
+    input (in ``tensors`` order), the output ``OUT``, the strides and sizes of each and the
+    ``constexprs``; ``stride``/``size`` read those arguments; ``store_output`` is a
+    ``tl.store`` at the dot product of its indices with OUT's strides. The kernel body is
+    the template's own text, so this runs the template's logic under ``TRITON_INTERPRET=1``
+    on CPU (tests/test_lowering.py) and outside a compiled graph on a GPU (the benchmark).
+    Launch it with :func:`launch_standalone`. ``directory``: where the module file goes
+    (Triton reads the source of a jit function from its file).
+    """
+    import importlib.util
+    import pathlib
+
+    import jinja2
+
+    names = list(tensors)
+    ranks = {n: t.dim() for n, t in tensors.items()} | {"OUT": out_rank}
+    params = names + ["OUT"]
+    for n in names + ["OUT"]:
+        params += [f"{n}_stride_{i}" for i in range(ranks[n])]
+        params += [f"{n}_size_{i}" for i in range(ranks[n])]
+    params += [f"{k}: tl.constexpr" for k in constexprs]
+
+    def def_kernel(*argnames):
+        if list(argnames) != names:
+            raise ValueError(f"Expected the template's inputs {list(argnames)}, but got {names}.")
+        return "@triton.jit\ndef kvarn_kernel(" + ", ".join(params) + "):"
+
+    def store_output(indices, val, mask=None, val_shape=None):
+        addr = " + ".join(f"({ix}) * OUT_stride_{k}" for k, ix in enumerate(indices))
+        return f"tl.store(OUT + {addr}, {val}, mask={mask})"
+
+    text = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(
+        template_source(name)).render(
+        def_kernel=def_kernel, store_output=store_output,
+        stride=lambda n: ", ".join(f"{n}_stride_{k}" for k in range(ranks[n])),
+        size=lambda n, i: f"{n}_size_{i % ranks[n]}", **constexprs)
+    stem = "kvarn_standalone_" + name.split(".")[0]
+    path = pathlib.Path(directory) / f"{stem}.py"
+    path.write_text("import triton\nimport triton.language as tl\n" + text)
+    spec = importlib.util.spec_from_file_location(stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kvarn_kernel
+
+
+def launch_standalone(kernel, tensors: dict, out, grid, constexprs: dict) -> None:
+    """Run a :func:`render_standalone` kernel: tensors, OUT, then every stride and size."""
+    args = [*tensors.values(), out]
+    for t in (*tensors.values(), out):
+        args += [*t.stride(), *t.shape]
+    kernel[grid](*args, **constexprs)

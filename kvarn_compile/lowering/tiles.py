@@ -1,0 +1,322 @@
+"""``kvarn_lowering::tile_partials_``: the packed-tile region of the attention, and its lowering.
+
+The op exists only inside the lowering of ``kvarn::attention`` (the ``split`` path, see
+``lowering/decompose.py``): it isolates the hot part, the dual-scale attention over the
+packed tiles, so that Triton templates can compete for it while everything around it
+(rotation, the exact sink/tail, the merges) stays Inductor-generated code.
+
+    kvarn_lowering::tile_partials_(Tensor q_rot, Tensor k_codes, Tensor k_row_scale,
+        Tensor k_row_zero, Tensor k_col_scale, Tensor v_codes, Tensor v_row_scale,
+        Tensor v_row_zero, Tensor v_col_scale, Tensor n_tiles, Tensor kv_lo, Tensor kv_hi,
+        Tensor? bias, Tensor(a!) lse_part, float scale, int split_max) -> Tensor o_part
+
+It writes the per-split lse into ``lse_part`` [B, Hq, Tq, SPLIT_MAX] (filled with -inf by
+the caller; a kernel may leave unused split slots alone) and returns the normalized
+per-split outputs o_part [B, Hq, Tq, SPLIT_MAX, D] (flash-decoding partials).
+
+Choices of its lowering (every list ends with the torch implementation as an extern
+fallback):
+
+* CUDA, static shapes, tiles contiguous inside, power-of-two G, 2/4/8-bit codes: the
+  ``kvarn_decode`` template (split-K, GQA heads packed) for decode-sized row counts, the
+  ``kvarn_prefill`` template otherwise, one choice per tile config of
+  :mod:`~kvarn_compile.lowering.heuristics`; plus the standalone Triton kernel
+  (``kernels.kvarn_decode_attention``) as an extern choice for one-token decode without a
+  mask;
+* always: ``kvarn_tile_partials_torch``, the torch implementation.
+
+A winner recorded in :mod:`kvarn_compile.autotune` for the same key is replayed as the only
+choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvarn_compile.lowering.decompose import tile_partials_torch
+
+__all__ = ["tile_partials_", "lower_tile_partials", "TILE_OP_NAME"]
+
+TILE_OP_NAME = "kvarn_tile_partials"
+
+
+@torch.library.custom_op("kvarn_lowering::tile_partials_", mutates_args=("lse_part",))
+def tile_partials_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
+                   k_row_zero: torch.Tensor, k_col_scale: torch.Tensor, v_codes: torch.Tensor,
+                   v_row_scale: torch.Tensor, v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
+                   n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+                   bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
+                   split_max: int) -> torch.Tensor:
+    """Per-split partials over the packed tiles (torch implementation; see module doc)."""
+    o, lse = tile_partials_torch(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                                 v_codes, v_row_scale, v_row_zero, v_col_scale, n_tiles,
+                                 kv_lo, kv_hi, bias, scale, split_max)
+    lse_part.copy_(lse)
+    return o
+
+
+@tile_partials_.register_fake
+def _tile_partials_fake(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
+                        v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi, bias,
+                        lse_part, scale, split_max):
+    b, hq, tq, d = q_rot.shape
+    return q_rot.new_empty(b, hq, tq, split_max, d, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------ extern choices
+def _assemble(tensors, has_bias: bool):
+    """Flat extern arguments -> the op's (…, bias, lse_part) positional arguments."""
+    if has_bias:
+        *head, bias, lse = tensors
+    else:
+        *head, lse = tensors
+        bias = None
+    return (*head, bias, lse)
+
+
+def _tile_partials_torch_flat(*tensors: torch.Tensor, has_bias: bool, scale: float,
+                              split_max: int) -> torch.Tensor:
+    return torch.ops.kvarn_lowering.tile_partials_.default(*_assemble(tensors, has_bias),
+                                                           scale, split_max)
+
+
+@torch.library.custom_op("kvarn_lowering::tile_partials_triton_", mutates_args=("lse_part",))
+def tile_partials_triton_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
+                          k_row_zero: torch.Tensor, k_col_scale: torch.Tensor,
+                          v_codes: torch.Tensor, v_row_scale: torch.Tensor,
+                          v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
+                          n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+                          bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
+                          split_max: int) -> torch.Tensor:
+    """The standalone split-K Triton kernel (kernels/attention.py) behind the same contract.
+
+    Offered (CUDA) only for one query token without a bias: there kv_hi equals the filled
+    length (the query is the newest token), so the kernel's kv_start bound is the only
+    mask. The kernel merges its own splits; the result goes to split slot 0.
+    """
+    from kvarn_compile.kernels.attention import kvarn_decode_attention
+
+    out, lse = kvarn_decode_attention(q_rot.contiguous(), k_codes, k_row_scale, k_row_zero,
+                                      k_col_scale, v_codes, v_row_scale, v_row_zero,
+                                      v_col_scale, n_tiles, scale=scale, kv_start=kv_lo,
+                                      input_precision="tf32")
+    b, hq, tq, d = q_rot.shape
+    o_part = out.new_zeros(b, hq, tq, split_max, d)
+    o_part[:, :, :, 0] = out
+    lse_part.fill_(float("-inf"))
+    lse_part[..., 0] = lse
+    return o_part
+
+
+tile_partials_triton_.register_fake(_tile_partials_fake)
+
+
+def _tile_partials_triton_flat(*tensors: torch.Tensor, has_bias: bool, scale: float,
+                               split_max: int) -> torch.Tensor:
+    return torch.ops.kvarn_lowering.tile_partials_triton_.default(
+        *_assemble(tensors, has_bias), scale, split_max)
+
+
+def _creator(op_name: str):
+    def create(*nodes, has_bias: bool, scale: float, split_max: int):
+        """IR of an extern choice: a FallbackKernel of the mutable op (tracks the lse write)."""
+        from kvarn_compile._torch_compat import inductor
+
+        op = getattr(torch.ops.kvarn_lowering, op_name).default
+        return inductor().ir.FallbackKernel.create(op, *_assemble(nodes, has_bias), scale, split_max)
+    return create
+
+
+_EXTERNS: dict[str, object] = {}
+
+
+def _externs() -> dict[str, object]:
+    """The extern choices, created once at import of the lowering (unique names)."""
+    if not _EXTERNS:
+        from kvarn_compile._torch_compat import inductor
+
+        ind = inductor()
+        for name, fn, creator in (
+                ("kvarn_tile_partials_torch", _tile_partials_torch_flat, _creator("tile_partials_")),
+                ("kvarn_tile_partials_triton", _tile_partials_triton_flat,
+                 _creator("tile_partials_triton_"))):
+            _EXTERNS[name] = ind.ExternKernelChoice.lookup(name) or ind.ExternKernelChoice(
+                fn, name=name, has_out_variant=False, kernel_creator=creator)
+    return _EXTERNS
+
+
+# ------------------------------------------------------------------------------ autotune inputs
+def fake_tile_fill(n_max: int, group: int, batch: int) -> list[int]:
+    """n_tiles per row for benchmarking: a deterministic fill between half and full capacity."""
+    gen = torch.Generator().manual_seed(1234 + n_max * 7 + batch)
+    lo = max(1, n_max // 2) if n_max else 0
+    return torch.randint(lo, n_max + 1, (batch,), generator=gen).tolist() if n_max else [0] * batch
+
+
+def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, has_bias: bool
+                       ) -> dict[int, object]:
+    """Realistic inputs for benchmarking the tile kernels (index -> fn(ir node) -> tensor).
+
+    Random bytes are valid packed codes at 2/4/8 bits; row/column scales are positive
+    (fp16, like a real cache), zero points centred; n_tiles fills the cache between half
+    and full capacity (all zeros would benchmark empty loops: bogus winners); kv_lo = 0 and
+    kv_hi = n_tiles * G (the decode visibility); the bias is 0 (attend everywhere).
+    """
+    batch, n_max = shapes["k_codes"][0], shapes["k_codes"][2]
+    fill = fake_tile_fill(n_max, group, batch)
+
+    def positive(lo: float, hi: float):
+        def gen(node):
+            t = torch.empty(*node.get_size(), dtype=torch.float32, device=node.get_device())
+            return t.uniform_(lo, hi).to(node.get_dtype())
+        return gen
+
+    def centred(node):
+        return (torch.randn(*node.get_size(), device=node.get_device()) * 0.1).to(node.get_dtype())
+
+    def tiles_filled(node):
+        return torch.tensor(fill, dtype=node.get_dtype(), device=node.get_device())
+
+    def bounds(hi: bool):
+        def gen(node):
+            tq = node.get_size()[1]
+            vals = [[f * group if hi else 0] * int(tq) for f in fill]
+            return torch.tensor(vals, dtype=node.get_dtype(), device=node.get_device())
+        return gen
+
+    def zeros(node):
+        return torch.zeros(*node.get_size(), dtype=node.get_dtype(), device=node.get_device())
+
+    def neg_inf(node):
+        return torch.full(node.get_size(), float("-inf"), dtype=node.get_dtype(),
+                          device=node.get_device())
+
+    fns = {2: positive(0.01, 0.1), 3: centred, 4: positive(0.75, 2.0),
+           6: positive(0.01, 0.1), 7: centred, 8: positive(0.75, 2.0),
+           9: tiles_filled, 10: bounds(False), 11: bounds(True)}
+    if has_bias:
+        fns[12] = zeros
+        fns[13] = neg_inf
+    else:
+        fns[12] = neg_inf
+    return fns
+
+
+# ------------------------------------------------------------------------------ lowering
+def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
+                        v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi, bias,
+                        lse_part, scale, split_max):
+    """User lowering of ``kvarn_lowering::tile_partials_.default`` (see the module doc)."""
+    from kvarn_compile import autotune
+    from kvarn_compile._torch_compat import has_triton_gpu, inductor, static_ints
+    from kvarn_compile.lowering import finish_decision, heuristics, record_decision, tune_key
+
+    ind = inductor()
+    tensors = [q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_scale,
+               v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi]
+    has_bias = bias is not None
+    inputs = ind.realize_inputs(*tensors, *([bias] if has_bias else []), lse_part)
+    device = q_rot.get_device()
+    sizes = static_ints(q_rot.get_size())
+    b, hq, tq, d = sizes if sizes is not None else (None,) * 4
+    layout = ind.ir.FixedLayout(device, torch.float32, [*q_rot.get_size()[:3], split_max,
+                                                        q_rot.get_size()[3]])
+    kwargs = {"has_bias": has_bias, "scale": float(scale), "split_max": int(split_max)}
+    externs = _externs()
+    key = tune_key(TILE_OP_NAME, q=q_rot, k_codes=k_codes, k_col_scale=k_col_scale,
+                   v_codes=v_codes, row_scale=k_row_scale)
+    replay = autotune.DB.lookup(key) if key is not None else None
+
+    choices: list = []
+
+    def offer(spec: dict, make) -> None:
+        if replay is not None and spec != replay:
+            return
+        before = len(choices)
+        make()
+        for c in choices[before:]:
+            c.kvarn_spec = spec
+
+    offer({"choice": "torch"}, lambda: choices.append(
+        externs["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs)))
+
+    shapes = {"k_codes": static_ints(k_codes.get_size()) or [0, 0, 0]}
+    template_ok = (has_triton_gpu(device) and sizes is not None and key is not None
+                   and all(static_ints(t.get_size()) is not None for t in tensors))
+    if template_ok:
+        from kvarn_compile.lowering import templates
+        from kvarn_compile._torch_compat import kvarn_sources_hash
+
+        heads, n_max = shapes["k_codes"][1], shapes["k_codes"][2]
+        group = int(k_col_scale.get_size()[-1])
+        kb, vb = 8 * int(k_codes.get_size()[-1]) // group, 8 * int(v_codes.get_size()[-1]) // d
+        contiguous = all(_tile_contiguous(t) for t in tensors[1:9])
+        if contiguous and group >= 16 and group & (group - 1) == 0 and kb in (2, 4, 8) \
+                and vb in (2, 4, 8) and k_row_scale.get_dtype() != torch.float8_e4m3fn:
+            grp = hq // heads
+            rows = grp * tq
+            common = dict(GROUP_Q=grp, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), G=group,
+                          K_BITS=kb, V_BITS=vb, SPLIT_MAX=int(split_max), HAS_BIAS=has_bias,
+                          INPUT_PRECISION="'tf32'", SM_SCALE=float(scale),
+                          KVARN_SRC=int(kvarn_sources_hash()[:12], 16))
+            mode = heuristics.tune_mode()
+            if rows <= heuristics.DECODE_ROWS_MAX:
+                for cfg in heuristics.decode_configs(mode, group=group, rows=rows,
+                                                     max_split=int(split_max)):
+                    opts = cfg.template_kwargs()
+                    offer({"choice": "decode", "config": opts}, lambda opts=opts:
+                          templates.decode_template().maybe_append_choice(
+                              choices, input_nodes=inputs, layout=layout,
+                              mutated_inputs=[inputs[-1]], call_sizes=[b * heads, rows],
+                              **common, **opts))
+                if tq == 1 and not has_bias:
+                    offer({"choice": "triton_kernel"}, lambda: choices.append(
+                        externs["kvarn_tile_partials_triton"].bind(inputs, layout, **kwargs)))
+            else:
+                for cfg in heuristics.prefill_configs(mode, group=group, q_len=tq):
+                    opts = cfg.template_kwargs()
+                    offer({"choice": "prefill", "config": opts}, lambda opts=opts:
+                          templates.prefill_template().maybe_append_choice(
+                              choices, input_nodes=inputs, layout=layout,
+                              mutated_inputs=[inputs[-1]], call_sizes=[b * hq, tq],
+                              **common, **opts))
+    if not choices:   # a replayed winner that cannot be built here: benchmark afresh
+        replay = None
+        choices.append(externs["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs))
+        choices[-1].kvarn_spec = {"choice": "torch"}
+    gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), has_bias) \
+        if len(choices) > 1 else None
+    decision = record_decision(TILE_OP_NAME, key, choices, inputs, replayed=replay is not None)
+    node, choice = ind.autotune_select_algorithm(TILE_OP_NAME, choices, inputs, layout,
+                                                 input_gen_fns=gen_fns)
+    finish_decision(decision, choice)
+    return node
+
+
+def _tile_contiguous(node) -> bool:
+    """Contiguous inside one tile (what the shared helpers assume); B/H/N strides are free."""
+    from kvarn_compile._torch_compat import static_ints
+
+    size, stride = static_ints(node.get_size()), static_ints(node.get_stride())
+    if size is None or stride is None:
+        return False
+    inner = 2 if len(size) == 5 else 1          # codes: [.., rows, bytes]; scales: [.., n]
+    expect = 1
+    for s, st in list(zip(reversed(size), reversed(stride)))[:inner]:
+        if s != 1 and st != expect:
+            return False
+        expect *= s
+    return True
+
+
+def split_max_for(device: torch.device, batch_kv_heads: int, tiles: int) -> int:
+    """SPLIT_MAX for a lowering: 1 on CPU (no templates), about two waves of programs on CUDA."""
+    from kvarn_compile.lowering.heuristics import split_max
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return split_max(batch_kv_heads, max(tiles, 1), sms) if not math.isnan(sms) else 1

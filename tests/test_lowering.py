@@ -1,0 +1,322 @@
+"""The Inductor lowering of ``kvarn::attention``: decompositions, paths, templates.
+
+CPU: the static-shape decompositions equal the eager reference; each lowering path
+(extern reference, Inductor-generated C++ from the dense decomposition, the split path with
+the tile op) registers, is selected and matches the reference in the output code; the
+Triton templates' kernel bodies are rendered with stand-ins for Inductor's hooks and run
+under ``TRITON_INTERPRET=1`` against the torch tile implementation; ``kvarn_backend``
+registers the lowering and reports its decisions. GPU (``@pytest.mark.gpu``): the real
+TritonTemplate renders, compiles, matches the reference, and autotuning picks a config.
+
+Every compile runs without the FX/AOT graph caches (a cache hit would skip the lowering).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+
+from kvarn_compile import autotune, lowering
+from kvarn_compile.config import get_config
+from kvarn_compile.lowering import decompose
+from kvarn_compile.ops import reference
+from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.state import allocate_layer
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def no_graph_caches():
+    """Compile for real (a graph-cache hit would skip the lowering) but keep the kernel
+    cache: unlike force_disable_caches, compiled C++/Triton kernels are reused across tests."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
+
+
+@pytest.fixture(autouse=True)
+def _isolated_autotune_db(tmp_path, monkeypatch):
+    """Each test starts from an empty in-memory autotune DB persisted under tmp_path."""
+    monkeypatch.setenv("KVARN_AUTOTUNE_DB", str(tmp_path / "autotune.json"))
+    autotune.DB.clear()
+    lowering.register()
+    yield
+    autotune.DB.clear()
+
+
+def packed_cache(*, batch=2, kv_heads=2, head_dim=16, max_len=200, prompt=150, new=1, group=32,
+                 preset="k4v2", scale_dtype="float16", device=DEV, seed=0):
+    """A packed cache holding ``prompt`` tokens, the last ``new`` written by a second append."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = get_config(preset, group_size=group, scale_dtype=scale_dtype)
+    st = allocate_layer(cfg, batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
+                        dtype=torch.float32, device=device)
+    first = prompt - new
+    for start, n in ((0, first), (first, new)):
+        if n:
+            k = torch.randn(batch, kv_heads, n, head_dim, generator=g).to(device)
+            v = torch.randn(batch, kv_heads, n, head_dim, generator=g).to(device)
+            reference.append_(st.buffers, k, v, torch.full((batch,), start, device=device))
+    return st
+
+
+CASES = {
+    "decode": dict(),
+    "bool_mask": dict(mask="bool"),
+    "float_mask": dict(mask="float"),
+    "window": dict(window=40),
+    "multi_token": dict(tq=5, new=5),
+    "prefill_frozen_in_same_step": dict(tq=150, new=150),
+    "no_tiles_yet": dict(prompt=20),
+    "fp8_scales": dict(scale_dtype="float8_e4m3fn"),
+    "k2v2_mask_window": dict(preset="k2v2", mask="bool", window=70, tq=3, new=3),
+    "not_causal": dict(causal=False, tq=4, new=4),
+}
+
+
+def _case(mask=None, window=0, tq=1, causal=True, **cache):
+    st = packed_cache(device="cpu", **cache)
+    b, h, _, d = st.sink_k.shape
+    q = torch.randn(b, 2 * h, tq, d)
+    m = None
+    if mask == "bool":
+        m = torch.rand(b, 1, tq, st.max_len) > 0.2
+    elif mask == "float":
+        m = torch.randn(b, 1, tq, st.max_len)
+    return st, q, m, dict(scale=0.3, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decompositions_match_the_eager_reference(name):
+    st, q, mask, opts = _case(**CASES[name])
+    ref = reference.attention(q, st.buffers, mask, opts["scale"], opts["causal"], opts["window"])
+    args = (q, *st.buffers, *([mask] if mask is not None else []), rotation_matrix(q.shape[-1]))
+    kw = dict(n_buffers=len(st.buffers), has_mask=mask is not None, **opts)
+    dense = decompose.attention_dense(*args, **kw)
+    split = decompose.attention_split(*args, **kw, split_max=3)
+    torch.testing.assert_close(dense, ref, atol=2e-5, rtol=1e-5, msg=f"dense, case {name}")
+    torch.testing.assert_close(split, ref, atol=2e-5, rtol=1e-5, msg=f"split, case {name}")
+
+
+def _attend(q, *buffers):
+    return torch.ops.kvarn.attention(q, list(buffers), None, 0.3, True, 0) * 2.0
+
+
+def _attend_masked(q, mask, *buffers):
+    return torch.ops.kvarn.attention(q, list(buffers), mask, 0.3, True, 40) + 1.0
+
+
+def _compile_and_run(fn, *args):
+    torch._dynamo.reset()
+    with no_graph_caches():
+        return run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), *args)
+
+
+@pytest.mark.parametrize("path", ["reference", "dense", "split"])
+def test_each_lowering_path_is_selected_and_matches_the_reference(path):
+    st = packed_cache(device="cpu")
+    q = torch.randn(2, 4, 1, 16)
+    mask = torch.rand(2, 1, 1, st.max_len) > 0.2
+    first = len(lowering.DECISIONS)
+    with lowering.use_path(path):
+        if path == "dense":      # the masked + windowed variant goes through one path
+            out, code = _compile_and_run(_attend_masked, q, mask, *st.buffers)
+            expected = reference.attention(q, st.buffers, mask, 0.3, True, 40) + 1.0
+        else:
+            out, code = _compile_and_run(_attend, q, *st.buffers)
+            expected = 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    source = "\n".join(code)
+    decisions = lowering.DECISIONS[first:]
+    assert decisions[0].op == "kvarn_attention" and decisions[0].winner == path, decisions
+    calls_reference = "extern_kernels.kvarn_attention_reference(" in source
+    calls_tile_op = "torch.ops.kvarn_lowering.tile_partials_.default(" in source
+    generated_cpp = source.count("cpp_fused")
+    if path == "reference":
+        assert calls_reference and not calls_tile_op
+    elif path == "dense":   # everything is Inductor-generated C++: no kvarn call left
+        assert not calls_reference and not calls_tile_op and generated_cpp >= 3
+        assert "torch.ops.kvarn.attention" not in source
+    else:                   # rotation/sink/tail/merges generated, the tile region an op call
+        assert calls_tile_op and not calls_reference and generated_cpp >= 2
+        assert [d.winner for d in decisions if d.op == "kvarn_tile_partials"] == ["torch"]
+
+
+def test_symbolic_shapes_fall_back_to_the_op_itself():
+    st = packed_cache(device="cpu")
+    q = torch.randn(2, 4, 1, 16)
+    torch._dynamo.reset()
+    first = len(lowering.DECISIONS)
+    with no_graph_caches():
+        out, code = run_and_get_code(torch.compile(_attend, backend="inductor", dynamic=True),
+                                     q, *st.buffers)
+    torch.testing.assert_close(out, 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0))
+    assert "torch.ops.kvarn.attention.default(" in "\n".join(code)
+    assert len(lowering.DECISIONS) == first, "no choice is offered for symbolic shapes"
+    with pytest.raises(ValueError, match="Expected a lowering path"):
+        with lowering.use_path("fast"):
+            pass
+
+
+# ------------------------------------------------------------------------------ templates
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs TRITON_INTERPRET=1 (tests/conftest.py sets it) or a GPU")
+@pytest.mark.parametrize("template, tq, mask, window, split, block_n, shared_cols", [
+    ("kvarn_decode.py.jinja", 1, True, 80, 2, 16, False),   # 2 splits of 3 slots, BLOCK_N < G, bias
+    ("kvarn_decode.py.jinja", 3, False, 0, 1, 32, True),    # GQA x 3 tokens; stride-0 col scales
+    ("kvarn_prefill.py.jinja", 20, False, 0, 1, 16, False),  # causal inside the tiles
+])
+def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
+        template, tq, mask, window, split, block_n, shared_cols, tmp_path):
+    """The template text itself (rendered standalone, see templates.render_standalone)."""
+    import triton
+
+    from kvarn_compile.lowering.templates import launch_standalone, render_standalone
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    st = packed_cache(prompt=170, new=tq, device=device)
+    b, h, _, d = st.sink_k.shape
+    q = torch.randn(b, 2 * h, tq, d, device=device)
+    m = (torch.rand(b, 1, tq, st.max_len, device=device) > 0.3) if mask else None
+    ins = decompose.tile_inputs(q, st.buffers, m, True, window, rotation_matrix(d, device))
+    q_rot, kc, krs, krz, kcs, vc, vrs, vrz, vcs, nt, lo, hi, bias = ins
+    if shared_cols:   # every tile reads tile 0's column scales (the single-scale proxy)
+        kcs = kcs[:, :, :1].expand_as(kcs)
+        vcs = vcs[:, :, :1].expand_as(vcs)
+        ins = (q_rot, kc, krs, krz, kcs, vc, vrs, vrz, vcs, nt, lo, hi, bias)
+    split_max = split + 1
+    tensors = dict(Q=q_rot, KC=kc, KRS=krs, KRZ=krz, KCS=kcs, VC=vc, VRS=vrs, VRZ=vrz, VCS=vcs,
+                   NT=nt, KVLO=lo, KVHI=hi)
+    if bias is not None:
+        tensors["BIAS"] = bias.contiguous()
+    tensors["LSE"] = torch.full((b, 2 * h, tq, split_max), float("-inf"), device=device)
+    out = torch.full((b, 2 * h, tq, split_max, d), float("nan"), device=device)
+    block_m = 16
+    ce = dict(GROUP_Q=2, D=d, BLOCK_D=16, G=kcs.shape[-1], BLOCK_N=block_n, K_BITS=4, V_BITS=2,
+              SPLIT=split, SPLIT_MAX=split_max, BLOCK_M=block_m, HAS_BIAS=bias is not None,
+              INPUT_PRECISION="ieee", SM_SCALE=0.3, KVARN_SRC=1)
+    kernel = render_standalone(template, tensors, ce, tmp_path)
+    if template.startswith("kvarn_decode"):
+        grid = (b * h, split, triton.cdiv(2 * tq, block_m))
+    else:
+        grid = (triton.cdiv(tq, block_m), b * 2 * h, 1)
+    launch_standalone(kernel, tensors, out, grid, ce)
+    ref_o, ref_lse = decompose.tile_partials_torch(*ins, 0.3, 1)
+    got_o, got_lse = decompose.combine_splits_torch(out, tensors["LSE"])
+    torch.testing.assert_close(got_o, ref_o[:, :, :, 0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, ref_lse[..., 0], atol=2e-5, rtol=1e-5)
+    assert torch.isinf(tensors["LSE"][..., split:]).all(), "unused split slots must stay -inf"
+
+
+def test_templates_open_with_a_glossary_and_import_the_shared_helpers():
+    from kvarn_compile.kernels import attention as kernels
+    from kvarn_compile.lowering import templates
+
+    for name in templates.TEMPLATE_FILES:
+        text = templates.template_source(name)
+        assert text.startswith("# KVarN"), name
+        glossary = text.split("{{def_kernel")[0]
+        for constexpr in ("GROUP_Q", "BLOCK_N", "BLOCK_M", "SPLIT", "SPLIT_MAX", "G", "K_BITS",
+                          "HAS_BIAS", "INPUT_PRECISION"):
+            assert f"#   {constexpr}" in glossary, (name, constexpr)
+        for helper in ("_load_k_tile_scores", "_accumulate_v_tile", "_online_softmax_step"):
+            assert helper in text.split("from kvarn_compile.kernels.attention import")[1]
+            assert hasattr(kernels, helper)
+    for grid in (templates.kvarn_decode_grid, templates.kvarn_prefill_grid):
+        assert grid.__doc__.startswith("How is this kernel parallelized?")
+
+
+# ------------------------------------------------------------------------------ backend
+B, H, HQ, D, L = 1, 2, 4, 16, 160
+
+
+def _repeat_kv(x, n):
+    b, h, t, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, t, d).reshape(b, h * n, t, d)
+
+
+def static_cache_attention(q, k, v, pos, kc, vc, mask):
+    # transformers StaticCache + sdpa with repeat_kv and a bool mask
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    return F.scaled_dot_product_attention(q, _repeat_kv(kc, HQ // H), _repeat_kv(vc, HQ // H),
+                                          attn_mask=mask, scale=0.25)
+
+
+def test_backend_registers_the_lowering_tunes_T_and_reports_both():
+    from kvarn_compile import kvarn_backend
+    from kvarn_compile.autotune import KnobTuning
+
+    torch._dynamo.reset()
+    lowering.unregister()
+    tuning = KnobTuning(tolerance=0.05, iters=(0, 8), timer=lambda knobs, fn: 1.0 + knobs.iters)
+    be = kvarn_backend("k4v2", group_size=32, compiler="inductor", tune_knobs=tuning)
+    eager = kvarn_backend("k4v2", group_size=32, compiler="eager")
+    assert lowering.registered()
+    results = []
+    for backend in (be, eager):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        kc, vc = torch.zeros(B, H, L, D), torch.zeros(B, H, L, D)
+        causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+        fn = torch.compile(static_cache_attention, backend=backend, fullgraph=True)
+        outs, p = [], 0
+        with no_graph_caches(), lowering.use_path("reference"):
+            for n in (70, 1):
+                q, k, v = torch.randn(B, HQ, n, D), torch.randn(B, H, n, D), torch.randn(B, H, n, D)
+                k[:, :, ::9] *= 30.0          # token-magnitude outliers: T=0 breaks the bound
+                outs.append(fn(q, k, v, torch.arange(p, p + n), kc, vc, causal[None, None, p:p + n]))
+                p += n
+        results.append(outs)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    notes = "\n".join(be.report.notes)
+    assert "lowering kvarn_attention: reference" in notes
+    assert "quant-knob rule:" in notes and "tolerance 0.05" in notes
+    (decision,) = be.knob_tuner.decisions.values()
+    assert decision.chosen.iters == 8 and decision.rejected[0].knobs.iters == 0
+    assert "rejected: K err" in notes
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq", [1, 40])
+def test_gpu_templates_render_compile_match_and_autotune(tq, monkeypatch):
+    monkeypatch.setenv("KVARN_AUTOTUNE", "autotune")
+    st = packed_cache(batch=2, kv_heads=2, head_dim=128, max_len=2048, prompt=1500, new=tq,
+                      group=128, device="cuda")
+    q = torch.randn(2, 8, tq, 128, device="cuda")
+    first = len(lowering.DECISIONS)
+    out, code = _compile_and_run(_attend, q, *st.buffers)
+    source = "\n".join(code)
+    expected = 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0)
+    torch.testing.assert_close(out, expected, atol=5e-3, rtol=5e-3)   # tf32 code matmuls
+    tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
+    assert tiles and len(tiles[0].offered) > 2, tiles
+    template = "decode" if tq == 1 else "prefill"
+    assert any(o.startswith(template + "[") for o in tiles[0].offered)
+    assert tiles[0].timings_ms, "the tile choices were benchmarked"
+    if tiles[0].winner.startswith(template):
+        assert "triton_tem_fused" in source or f"kvarn_{template}" in source
+    entries = autotune.DB.to_json()["entries"]
+    assert any(e["key"]["op"] == "kvarn_tile_partials" for e in entries)
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_template_config_is_the_only_choice():
+    st = packed_cache(batch=1, kv_heads=2, head_dim=128, max_len=1024, prompt=900, group=128,
+                      device="cuda")
+    q = torch.randn(1, 8, 1, 128, device="cuda")
+    _compile_and_run(_attend, q, *st.buffers)
+    first = len(lowering.DECISIONS)
+    _compile_and_run(_attend, q, *st.buffers)
+    tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
+    assert tiles and tiles[0].replayed and len(tiles[0].offered) == 1
