@@ -126,6 +126,31 @@ class KVarNBackend:
         """Bytes held by all packed states of this backend (live tensors)."""
         return sum(s.nbytes for s in self.states.values())
 
+    def _check_consistent(self, reports: list[SiteReport]) -> None:
+        """Refuse a graph that leaves unchanged a site an earlier graph rewrote.
+
+        A transformers static sliding-window layer is written with ``index_copy_`` (it
+        looks like a full-attention cache and is rewritten) until its window fills, then
+        with roll + copy_ (refused): its tokens would then live in two places. Stop with a
+        clear error instead of computing on a cache that lost them.
+        """
+        seen = self.__dict__.setdefault("_rewritten_sites", set())
+        for r in reports:
+            if r.rewritten:
+                seen.add(r.name)
+            elif r.name in seen:
+                raise RuntimeError(
+                    f"kvarn_backend: attention site {r.name} was rewritten in an earlier graph but "
+                    f"is left unchanged now ({r.reason}); its KV cache would be split between the "
+                    "packed state and the model's buffers. Sliding-window layers are not supported; "
+                    "compile a model whose sliding layers keep a full cache, or pass "
+                    "release_buffers=False and leave such models uncompiled.")
+
+    def __deepcopy__(self, memo: dict) -> "KVarNBackend":
+        # transformers deep-copies CompileConfig(backend=...); the backend owns the packed
+        # states and a lock, and every copy must keep using the same ones.
+        return self
+
     def reset(self) -> None:
         """Forget every sequence (the states stay allocated)."""
         for state in self.states.values():
@@ -153,6 +178,7 @@ class KVarNBackend:
                                  max_cache_len=self.max_cache_len,
                                  release_buffers=self.release_buffers)
             extra, reports = rewrite_graph(new_gm, list(example_inputs), ctx, graph_id)
+            self._check_consistent(reports)
             self.report.sites.extend(reports)
             from kvarn_compile.testing import normalize_graph
 

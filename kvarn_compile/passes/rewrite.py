@@ -145,7 +145,9 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
     if qv is None or kn is None or vn is None or kn.dim() != 4 or tuple(kn.shape) != tuple(vn.shape):
         raise Unsupported("the new keys/values are not [batch, kv_heads, tokens, head_dim] of one shape")
     if any(not isinstance(s, int) for s in (*kn.shape[:2], kn.shape[3], qv.shape[1])):
-        raise Unsupported("dynamic batch, head or head_dim sizes")
+        raise Unsupported("dynamic batch, head or head_dim sizes (e.g. the same compiled model ran "
+                          "with a second batch size); this graph runs in full precision - compile "
+                          "a fresh model per batch size to keep the cache compressed")
     if qv.shape[-1] != kn.shape[-1] or qv.shape[1] % kn.shape[1]:
         raise Unsupported(f"query heads {qv.shape[1]} / head_dim {qv.shape[-1]} do not fit "
                           f"kv heads {kn.shape[1]} / head_dim {kn.shape[-1]}")
