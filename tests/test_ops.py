@@ -654,7 +654,7 @@ def test_opcheck_attention(preset):
     q = torch.randn(2, 6, 1, D, requires_grad=True)
     _opcheck(op, (q, st.buffers, None, 0.2, True, 0),
              tuple(u for u in utils if u != "test_aot_dispatch_dynamic"))
-    with pytest.raises(RuntimeError, match="no autograd formula"):
+    with pytest.raises(RuntimeError, match="no autograd formula|does not require grad"):
         op(q, st.buffers, None, 0.2, True, 0).sum().backward()
 
 
