@@ -219,9 +219,10 @@ def test_run_eval_writes_json_markdown_and_plots(tiny, tmp_path):
         g = torch.Generator().manual_seed(offset_tokens + len(corpus))
         return torch.randint(0, 300, (n, length), generator=g)
 
-    s = EvalSettings(presets=("k2v2",), lengths=(96, 160), windows=1, block=32, diag_length=128,
-                     product_length=128, retrieval_lines=(3,), retrieval_questions=1,
-                     retrieval_max_new_tokens=2, held_out=True)
+    s = EvalSettings(presets=("k2v2",), methods=("none", "kivi", "kvarn"), lengths=(96, 160), windows=1,
+                     block=32, diag_length=128, product_length=128, retrieval_lines=(3,),
+                     retrieval_questions=1, retrieval_max_new_tokens=2, held_out=True,
+                     outlier_fractions=(0.05,))
     # G = 128 presets would leave no quantized tile in 160 tokens: use the g32 variant
     import kvarn_compile.eval.suite as suite
     from kvarn_compile.config import PRESETS

@@ -40,6 +40,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diag-windows", type=int, default=None)
     p.add_argument("--no-product", action="store_true", help="skip the packed-cache (product path) check")
     p.add_argument("--product-length", type=int, default=None)
+    p.add_argument("--product-presets", nargs="+", default=None, choices=sorted(PRESETS),
+                   help="presets of the product-path check (default: the first two presets)")
     p.add_argument("--generate", type=int, default=None, metavar="N",
                    help="also compare N greedy tokens through KVarNCache with the fp model")
     p.add_argument("--no-retrieval", action="store_true")
@@ -51,8 +53,10 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outlier-fractions", nargs="+", type=float, default=None,
                    help="fractions of worst entries restored in the outlier experiment (default 0.01 0.05 0.1)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 can be faster on a busy machine)")
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads, or 'auto' (default): 1 when the machine is already busy "
+                        "(load average >= cores - 1; several multi-threaded processes on few cores "
+                        "slow each other down several times), else torch's choice")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -63,7 +67,8 @@ def settings_from_args(args: argparse.Namespace):
     pairs = {"model": "model", "corpus": "corpus", "presets": "presets", "methods": "methods",
              "lengths": "lengths", "windows": "windows", "block": "block", "offset": "offset_tokens",
              "rule": "rule", "held_out_offset": "held_out_offset", "diag_length": "diag_length",
-             "diag_windows": "diag_windows", "product_length": "product_length", "generate": "generate",
+             "diag_windows": "diag_windows", "product_length": "product_length", "product_presets": "product_presets",
+             "generate": "generate",
              "retrieval_lines": "retrieval_lines", "retrieval_prompts": "retrieval_prompts",
              "retrieval_questions": "retrieval_questions", "retrieval_presets": "retrieval_presets",
              "outlier_fractions": "outlier_fractions", "seed": "seed"}
@@ -82,6 +87,28 @@ def settings_from_args(args: argparse.Namespace):
     return quick_settings(**over) if args.quick else EvalSettings(**over)
 
 
+def _threads(value: str | int | None) -> int | None:
+    """Threads to use: an explicit count, or for 'auto' 1 on a busy machine and None otherwise."""
+    if value is None or value == "":
+        return None
+    if str(value) != "auto":
+        n = int(value)
+        if n < 1:
+            raise SystemExit(f"kvarn-compile eval: expected --threads >= 1 or 'auto', but got {value!r}.")
+        return n
+    import os
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+    if cores > 1 and load >= cores - 1:
+        print(f"kvarn-compile eval: load average {load:.1f} on {cores} cores, using 1 torch thread "
+              "(pass --threads N to override)", file=sys.stderr)
+        return 1
+    return None
+
+
 def eval_main(args: argparse.Namespace) -> int:
     from .report import markdown_summary, write_outputs
     from .suite import FaithfulnessError, run_eval
@@ -90,8 +117,9 @@ def eval_main(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    wanted = _threads(args.threads)
+    if wanted:
+        torch.set_num_threads(wanted)
     t0 = time.perf_counter()
     status = 0
     try:

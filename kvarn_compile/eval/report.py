@@ -196,7 +196,7 @@ def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> path
 
 
 def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
-    """Pseudo-decode KL of each block against its position, one subplot per preset."""
+    """Pseudo-decode KL of each block against its position, one subplot per preset (first source)."""
     plt = _plt()
     g = result["datasets"][0]
     presets = list(g["results"])
@@ -208,8 +208,10 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
             if method == "none":
                 continue
             cur = res["block_curve"]
-            xs = [x for x in cur["block_start"] if x >= sink]
-            ys = [y for x, y in zip(cur["block_start"], cur["kl"]) if x >= sink]
+            # blocks that read no quantized token (the sink, and with after_block the first block
+            # after it) have KL ~1e-11; they are left out of the log plot
+            pts = [(x, y) for x, y in zip(cur["block_start"], cur["kl"]) if x >= sink and y > 1e-9]
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             ax.plot(xs, ys, "-", marker=".", color=_COLORS.get(method), label=method)
         ax.set_yscale("log")
         ax.set_xlabel("block start position")
@@ -224,35 +226,43 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
 
 
 def plot_error_quantiles(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
-    """Share of the total squared error per error-rank bucket, split into magnitude and direction."""
+    """Magnitude vs direction split of the squared error inside each error-rank bucket.
+
+    Each bar is one bucket of tokens ranked by error (worst first); it is split into the
+    magnitude part (solid) and the direction part (hatched) of that bucket's error, and the
+    label above it is the bucket's share of all the error.
+    """
     plt = _plt()
     d = result["diagnostics"]["by_config"]
     presets = list(d)
     buckets = ("top 1%", "top 1-5%", "rest 95%")
-    fig, axes = plt.subplots(2, len(presets), figsize=(4.6 * len(presets), 6.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(presets), figsize=(4.6 * len(presets), 6.8), squeeze=False)
     for c, preset in enumerate(presets):
         for r, kind in enumerate(("k", "v")):
             ax = axes[r][c]
-            x, labels = 0, []
+            x, ticks, labels = 0.0, [], []
             for method, res in d[preset].items():
                 bk = {b["bucket"]: b for b in res["error_split"][kind]["buckets"]}
                 for name in buckets:
                     b = bk[name]
-                    mag = b["error_share"] * b["magnitude_share"]
-                    dirn = b["error_share"] * b["direction_share"]
+                    mag, dirn = b["magnitude_share"], b["direction_share"]
                     ax.bar(x, mag, color=_COLORS.get(method), edgecolor="black",
-                           label="magnitude" if x == 0 else None)
+                           label="magnitude" if not ticks else None)
                     ax.bar(x, dirn, bottom=mag, color=_COLORS.get(method), alpha=0.35, hatch="//",
-                           edgecolor="black", label="direction" if x == 0 else None)
+                           edgecolor="black", label="direction" if not ticks else None)
+                    ax.text(x, 1.01, f"{b['error_share']:.0%}", ha="center", va="bottom", fontsize=6)
+                    ticks.append(x)
                     labels.append(f"{method}\n{name}")
                     x += 1
                 x += 0.5
-            ax.set_xticks([i + 0.5 * (i // len(buckets)) for i in range(len(labels))])
+            ax.set_xticks(ticks)
             ax.set_xticklabels(labels, fontsize=6, rotation=90)
-            ax.set_ylabel("share of total squared error")
+            ax.set_ylim(0, 1.12)
+            ax.set_ylabel("share of the bucket's squared error")
             ax.set_title(f"{'keys' if kind == 'k' else 'values'} — {preset}")
-            ax.legend(fontsize=7)
-    fig.suptitle("error by rank bucket: magnitude (solid) vs direction (hatched)")
+            ax.legend(fontsize=7, loc="center right")
+    fig.suptitle("per-token error by rank bucket: magnitude (solid) vs direction (hatched); "
+                 "label = bucket's share of all error")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
