@@ -55,7 +55,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads, or 'auto' (default): 1 when the machine is already busy "
-                        "(load average >= cores - 1; several multi-threaded processes on few cores "
+                        "(load average >= cores - 0.5; several multi-threaded processes on few cores "
                         "slow each other down several times), else torch's choice")
     p.add_argument("--no-progress", action="store_true")
 
@@ -102,7 +102,7 @@ def _threads(value: str | int | None) -> int | None:
         load = os.getloadavg()[0]
     except OSError:  # not available on this platform
         return None
-    if cores > 1 and load >= cores - 1:
+    if cores > 1 and load >= cores - 0.5:
         print(f"kvarn-compile eval: load average {load:.1f} on {cores} cores, using 1 torch thread "
               "(pass --threads N to override)", file=sys.stderr)
         return 1
