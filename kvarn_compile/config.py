@@ -32,6 +32,9 @@ Method = Literal["kvarn", "kivi", "hadamard"]
 #:   kivi     - RTN only (per-channel K, per-token V; no rotation, no normalization)
 METHODS: tuple[str, ...] = ("kvarn", "kivi", "hadamard")
 
+#: Frames a K tile may be stored in (``KVarNConfig.key_frame``).
+KEY_FRAMES: tuple[str, ...] = ("rotated", "auto")
+
 #: Storage dtypes allowed for the folded scales. float16 is the reference format;
 #: float8_e4m3fn stores every scale vector as fp8 codes times one fp16 factor per vector
 #: (the paper's ~2.25 bpe accounting); bfloat16/float32 are for models whose K/V exceed
@@ -68,6 +71,12 @@ class KVarNConfig:
             "float32" keeps fp32 models' sink and tail in fp32.
         check_finite: raise a ValueError naming the layer and token when a NaN/inf reaches
             the quantizer, instead of storing the token as NaN (see README "Limits").
+        key_frame: "rotated" (reference: every K tile through the method's rotation) or
+            "auto": a K tile whose largest |k| is >= 16x the median channel range is
+            stored plain (per-channel RTN, as KIVI), every other tile rotated; one
+            flag byte per tile and head. Protects keys with a few huge channels (a k_proj
+            bias after RoPE) that rotation would spread over every channel. Values are
+            always rotated.
     """
 
     key_bits: int = 4
@@ -80,6 +89,7 @@ class KVarNConfig:
     method: str = "kvarn"
     check_finite: bool = False
     exact_dtype: str = "auto"
+    key_frame: str = "rotated"
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, allowed: str, fix: str = "") -> ValueError:
@@ -117,6 +127,9 @@ class KVarNConfig:
             raise bad("exact_dtype", self.exact_dtype, "'auto' or 'float32'")
         if not isinstance(self.check_finite, bool):
             raise bad("check_finite", self.check_finite, "a bool")
+        if self.key_frame not in KEY_FRAMES:
+            raise bad("key_frame", self.key_frame, f"one of {KEY_FRAMES}",
+                      "'auto' chooses rotated or plain per K tile.")
 
     # ----------------------------------------------------------------------------------
     @property
@@ -146,6 +159,8 @@ class KVarNConfig:
             extra += f"-r{self.recent_window}"
         if self.method == "kvarn" and self.sinkhorn_iters != 8:
             extra += f"-t{self.sinkhorn_iters}"
+        if self.key_frame == "auto" and self.method != "kivi":
+            extra += "-kauto"
         return f"{self.method}-k{self.key_bits}v{self.value_bits}-g{self.group_size}{extra}"
 
 

@@ -39,6 +39,24 @@ BUF = {name: i for i, name in enumerate((
     "k_row_factor", "k_col_factor", "v_row_factor", "v_col_factor",  # [B,H,n,1] fp16 (fp8 scales only)
 ))}
 N_BASE_BUFFERS = BUF["k_row_factor"]
+#: Count of the fp8 scale factors that follow the base buffers when scales are fp8.
+N_FP8_FACTORS = 4
+
+__all__ += ["N_BASE_BUFFERS", "has_fp8_factors", "key_plain"]
+
+
+def has_fp8_factors(buffers: list[torch.Tensor]) -> bool:
+    """True when the state stores its scales as fp8 (the four factor buffers follow)."""
+    return len(buffers) >= N_BASE_BUFFERS + N_FP8_FACTORS
+
+
+def key_plain(buffers: list[torch.Tensor]) -> torch.Tensor | None:
+    """The per-tile key-frame flags (uint8 [B, H, n]; 1 = tile stored un-rotated), if any.
+
+    Only states of a ``key_frame="auto"`` config have them: they are the last buffer, after
+    the fp8 factors when scales are fp8.
+    """
+    return buffers[-1] if (len(buffers) - N_BASE_BUFFERS) % N_FP8_FACTORS == 1 else None
 
 
 @dataclasses.dataclass
@@ -55,9 +73,14 @@ class LayerState:
         if index is None:
             raise AttributeError(item)
         buffers = self.__dict__["buffers"]
-        if index >= len(buffers):
+        if index >= len(buffers) or (index >= N_BASE_BUFFERS and not has_fp8_factors(buffers)):
             raise AttributeError(f"{item} is only allocated for float8_e4m3fn scales")
         return buffers[index]
+
+    @property
+    def k_plain(self) -> torch.Tensor | None:
+        """Per-tile key-frame flags (``key_frame="auto"`` states only), else None."""
+        return key_plain(self.buffers)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -101,7 +124,7 @@ class LayerState:
                        for n in ("k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
                                  "v_codes", "v_row_scale", "v_row_zero", "v_col_scale"))
         per_tile += sum(self.buffers[i][0, :, 0].numel() * self.buffers[i].element_size()
-                        for i in range(N_BASE_BUFFERS, len(self.buffers)))
+                        for i in range(N_BASE_BUFFERS, len(self.buffers)))  # fp8 factors, frames
         exact = lambda t: t[0].numel() * t.element_size()  # noqa: E731
         return {
             "sink": self.batch * (exact(self.sink_k) + exact(self.sink_v)),
@@ -170,7 +193,9 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
         torch.full((batch,), max_len, dtype=torch.int64, device=device),
     ]
     if sdt == torch.float8_e4m3fn:
-        buffers += [new(tiles, 1, dt=torch.float16) for _ in range(4)]
+        buffers += [new(tiles, 1, dt=torch.float16) for _ in range(N_FP8_FACTORS)]
+    if config.key_frame == "auto" and config.method != "kivi":
+        buffers.append(new(tiles, dt=torch.uint8))   # k_plain: 1 = tile stored un-rotated
     return LayerState(config=config, buffers=buffers, max_len=max_len, name=name)
 
 

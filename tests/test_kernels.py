@@ -428,3 +428,38 @@ def test_kernels_package_exports():
         assert callable(getattr(kernels, name))
     with pytest.raises(AttributeError):
         kernels.not_a_kernel  # noqa: B018
+
+
+def test_decode_attention_per_tile_key_frames():
+    """key_frame="auto" tiles: plain K tiles are scored with the un-rotated query."""
+    from kvarn_compile.reference.quantize import dequantize_kv
+    from kvarn_compile.reference.rotation import rotation_matrix
+
+    b, h, n, g, d, group_q, tq = 2, 2, 3, 32, 64, 3, 2
+    x = torch.randn(b, h, n * g, d)
+    pos = torch.arange(n * g, dtype=torch.float32)
+    x[:, 0, :, 7] += 120 * torch.cos(0.4 * pos)          # a dominant, turning channel in head 0
+    x[1, 1, g:2 * g, 40] += 150.0 * torch.sin(0.2 * pos[:g])   # one dominant tile in head 1
+    k = quantize_kv(x.to(DEV), "k", bits=4, group=g, key_frame="auto")
+    v = quantize_kv(torch.randn(b, h, n * g, d, device=DEV), "v", bits=2, group=g)
+    assert k.plain is not None and 0 < int(k.plain.sum()) < k.plain.numel()
+    q = torch.randn(b, h * group_q, tq, d, device=DEV)
+    rot = rotation_matrix(d, q.device)
+    n_tiles = torch.tensor([3, 2], device=DEV)
+    out_rot, lse = kvarn_decode_attention_tiles(q @ rot, k, v, n_tiles, scale=0.125,
+                                                q_plain=q.contiguous(), num_splits=2)
+    kd = dequantize_kv(k, "k", rotated=True).double().cpu()      # original frame, every tile
+    vd = dequantize_kv(v, "v", rotated=True).double().cpu()
+    for row in range(b):
+        length = int(n_tiles[row]) * g
+        kk = kd[row].repeat_interleave(group_q, 0)[:, :length]
+        vv = vd[row].repeat_interleave(group_q, 0)[:, :length]
+        s = q[row].double().cpu() @ kk.transpose(-1, -2) * 0.125
+        ref = torch.softmax(s, -1) @ vv
+        got = out_rot[row].double().cpu() @ rot.double().cpu().T
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+        torch.testing.assert_close(lse[row].double().cpu(), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="q_plain and k_plain together"):
+        kvarn_decode_attention(q @ rot, k.codes, k.row_scale, k.row_zero, k.col_scale, v.codes,
+                               v.row_scale, v.row_zero, v.col_scale, n_tiles, scale=0.1,
+                               k_plain=k.plain)

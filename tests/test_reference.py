@@ -339,3 +339,56 @@ def test_cache_split_keeps_sink_and_tail_exact(tokens, recent):
     if n_q:
         torch.testing.assert_close(k_hat[..., sink:sink + n_q, :],
                                    fake_quantize(k[..., sink:sink + n_q, :], kind="k", bits=4))
+
+
+# ------------------------------------------------------------------------- key frames
+def _bias_outlier_keys(tokens=256, d=64):
+    """Post-RoPE keys whose k_proj bias left two huge channels turning with position."""
+    x = kv_like(1, 2, tokens=tokens, d=d)
+    pos = torch.arange(tokens, dtype=torch.float32)
+    x[:, 0, :, 10] += 200 * torch.cos(0.05 * pos)
+    x[:, 0, :, 42] += 200 * torch.sin(0.05 * pos)
+    return x
+
+
+def test_key_frame_auto_keeps_natural_tiles_rotated_and_bit_identical():
+    x = kv_like(2, 3, tokens=512)
+    ref = quantize_kv(x, "k", bits=4, group=128)
+    auto = quantize_kv(x, "k", bits=4, group=128, key_frame="auto")
+    assert auto.plain is not None and not auto.plain.any()
+    for name in ("codes", "row_scale", "row_zero", "col_scale"):
+        assert torch.equal(getattr(ref, name), getattr(auto, name)), name
+    assert auto.nbytes == ref.nbytes + auto.plain.numel()      # one flag byte per tile
+
+
+def test_key_frame_auto_stores_bias_outlier_tiles_plain():
+    from kvarn_compile.reference.quantize import DOMINANCE_THRESHOLD, key_dominance
+
+    x = _bias_outlier_keys()
+    q = quantize_kv(x, "k", bits=4, group=128, key_frame="auto")
+    assert q.plain[:, 0].all() and not q.plain[:, 1].any()
+    tiles = x.reshape(1, 2, 2, 128, 64)
+    assert (key_dominance(tiles[:, 0]) >= DOMINANCE_THRESHOLD).all()
+    assert (key_dominance(tiles[:, 1]) < DOMINANCE_THRESHOLD).all()
+    kivi = quantize_kv(x, "k", method="kivi", bits=4, group=128)
+    plain = dequantize_kv(q, "k", rotated=True)
+    # plain tiles are exactly KIVI's, rotated ones exactly the method's
+    torch.testing.assert_close(plain[:, 0], dequantize_kv(kivi, "k", rotated=False)[:, 0])
+    rot = dequantize_kv(quantize_kv(x, "k", bits=4, group=128), "k", rotated=True)
+    torch.testing.assert_close(plain[:, 1], rot[:, 1])
+    rest = [c for c in range(64) if c not in (10, 42)]
+    err = lambda y: rel_err(y[:, 0][..., rest], x[:, 0][..., rest])  # noqa: E731
+    assert err(plain) < 0.25 * err(rot)        # rotation spreads the outlier's rounding noise
+    y = fake_quantize(x, kind="k", bits=4, group=128, key_frame="auto")
+    torch.testing.assert_close(y, plain)
+    # values never change frame
+    torch.testing.assert_close(fake_quantize(x, kind="v", bits=2, key_frame="auto"),
+                               fake_quantize(x, kind="v", bits=2))
+
+
+def test_key_frame_is_validated():
+    with pytest.raises(ValueError, match="key_frame"):
+        get_config("k4v2", key_frame="sometimes")
+    with pytest.raises(ValueError, match="key_frame"):
+        quantize_kv(torch.randn(1, 128, 64), "k", key_frame="plain")
+    assert get_config("k4v2", key_frame="auto").short().endswith("-kauto")

@@ -145,6 +145,8 @@ def _kvarn_decode_attn_kernel(
     v_col_scale_ptr,  # [B, H, N, D] per-channel scale s_ch (cs_v), contiguous
     n_tiles_ptr,      # int32/int64 [B]: valid tiles of each batch row (clamped to [0, N])
     kv_start_ptr,     # int32/int64 [B, Tq]: first visible quantized token per query (HAS_KV_START)
+    q_plain_ptr,      # un-rotated queries, same strides as q (HAS_K_PLAIN)
+    k_plain_ptr,      # uint8 [B, H, N]: 1 = that K tile is stored un-rotated (HAS_K_PLAIN)
     o_ptr,            # fp32 [B, Hq, Tq, SPLIT, D]: per-split output, normalized by its own l
     lse_ptr,          # fp32 [B, Hq, Tq, SPLIT]: per-split natural-log lse (-inf when empty)
     qk_scale,         # softmax scale * log2(e)
@@ -160,6 +162,7 @@ def _kvarn_decode_attn_kernel(
     SPLIT: tl.constexpr,            # splits of the tile range (grid axis 1)
     BLOCK_M: tl.constexpr,          # query rows per program, a power of two >= 16 (tl.dot)
     HAS_KV_START: tl.constexpr,     # a constexpr so the common decode case has no mask math
+    HAS_K_PLAIN: tl.constexpr,      # per-tile key frames (key_frame="auto" caches)
     INPUT_PRECISION: tl.constexpr,  # "ieee" (exact fp32) or "tf32" (faster, ~1e-3 rel. error)
 ):
     """Flash-decoding partials of one (batch row, kv head, split, query block).
@@ -189,6 +192,10 @@ def _kvarn_decode_attn_kernel(
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
                 + tq[:, None] * stride_qt + offs_d[None, :],
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    if HAS_K_PLAIN:
+        q_plain = tl.load(q_plain_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
+                          + tq[:, None] * stride_qt + offs_d[None, :],
+                          mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
 
     # ---- this split's tile range
     n = tl.minimum(tl.maximum(tl.load(n_tiles_ptr + b).to(tl.int32), 0), N)
@@ -211,7 +218,10 @@ def _kvarn_decode_attn_kernel(
     head = (b.to(tl.int64) * H + h) * N  # flat index of tile 0 of (b, h)
     for j in range(start, end):
         tile = head + j
-        s = _load_k_tile_scores(q, k_codes_ptr + tile * (D * K_ROW_BYTES),
+        q_t = q
+        if HAS_K_PLAIN:   # this tile's keys are stored un-rotated: score with the plain query
+            q_t = tl.where(tl.load(k_plain_ptr + tile) != 0, q_plain, q)
+        s = _load_k_tile_scores(q_t, k_codes_ptr + tile * (D * K_ROW_BYTES),
                                 k_row_scale_ptr + tile * D, k_row_zero_ptr + tile * D,
                                 k_col_scale_ptr + tile * G,
                                 offs_d, offs_g, d_mask, qk_scale, D, G, K_BITS, INPUT_PRECISION)
@@ -333,6 +343,8 @@ def kvarn_decode_attention(
     block_m: int | None = None,
     input_precision: str = "ieee",
     return_partials: bool = False,
+    q_plain: torch.Tensor | None = None,
+    k_plain: torch.Tensor | None = None,
 ):
     """Attention of rotated queries over the packed quantized region of a KVarN cache.
 
@@ -353,6 +365,10 @@ def kvarn_decode_attention(
             min(64, next_pow2(g * Tq)) with g = Hq // H.
         input_precision: "ieee" (default, exact fp32 dots) or "tf32" (GPU speed).
         return_partials: also return the per-split (o [B, Hq, Tq, SPLIT, D], lse [..., SPLIT]).
+        q_plain, k_plain: per-tile key frames (``key_frame="auto"`` caches): k_plain uint8
+            [B, H, N], 1 where a K tile is stored un-rotated; those tiles are scored with
+            q_plain (the un-rotated queries, fp32, same shape and strides as q_rot). Values
+            are always rotated, so the output stays in the rotated frame.
 
     Returns:
         (out_rot fp32 [B, Hq, Tq, D] normalized over the quantized region only,
@@ -423,6 +439,20 @@ def kvarn_decode_attention(
         if kv_start.device != q_rot.device:
             raise ValueError(f"Expected kv_start on {q_rot.device}, but got {kv_start.device}.")
         kv_start = kv_start.contiguous()
+    if (q_plain is None) != (k_plain is None):
+        raise ValueError("Expected q_plain and k_plain together (per-tile key frames), or neither.")
+    if k_plain is not None:
+        if tuple(k_plain.shape) != (bsz, heads, cap) or k_plain.dtype != torch.uint8:
+            raise ValueError(f"Expected k_plain uint8 of shape [{bsz}, {heads}, {cap}], but got "
+                             f"{k_plain.dtype} {list(k_plain.shape)}.")
+        if q_plain.shape != q_rot.shape or q_plain.stride() != q_rot.stride() \
+                or q_plain.dtype != torch.float32:
+            raise ValueError(f"Expected q_plain fp32 with the shape and strides of q_rot "
+                             f"{list(q_rot.shape)} {q_rot.stride()}, but got {q_plain.dtype} "
+                             f"{list(q_plain.shape)} {q_plain.stride()}.")
+        if k_plain.device != q_rot.device or q_plain.device != q_rot.device:
+            raise ValueError(f"Expected q_plain and k_plain on {q_rot.device}.")
+        k_plain = k_plain.contiguous()
     if input_precision not in ("ieee", "tf32"):
         raise ValueError(f"Expected input_precision 'ieee' or 'tf32', but got {input_precision!r}.")
     g = hq // heads
@@ -446,11 +476,13 @@ def kvarn_decode_attention(
             k_codes, k_row_scale, k_row_zero, k_col_scale,
             v_codes, v_row_scale, v_row_zero, v_col_scale,
             n_tiles, kv_start if kv_start is not None else n_tiles,
+            q_plain if q_plain is not None else q_rot, k_plain if k_plain is not None else n_tiles,
             o_part, lse_part,
             float(scale) * math.log2(math.e), heads, cap, tq,
             GROUP_Q=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), G=group,
             K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m,
-            HAS_KV_START=kv_start is not None, INPUT_PRECISION=input_precision,
+            HAS_KV_START=kv_start is not None, HAS_K_PLAIN=k_plain is not None,
+            INPUT_PRECISION=input_precision,
             num_warps=4,
         )
     out, lse = combine_splits(o_part, lse_part)
@@ -467,6 +499,8 @@ def kvarn_decode_attention_tiles(q_rot: torch.Tensor, k: QuantizedTiles, v: Quan
             raise NotImplementedError(
                 f"Expected {name} tiles with fp16/bf16/fp32 scales, but got fp8 scales with "
                 "per-vector factors; the kernel does not apply them yet (use the reference).")
+    if k.plain is not None and "k_plain" not in kwargs:
+        kwargs["k_plain"] = k.plain
     return kvarn_decode_attention(q_rot, k.codes, k.row_scale, k.row_zero, k.col_scale,
                                   v.codes, v.row_scale, v.row_zero, v.col_scale, n_tiles,
                                   scale=scale, k_bits=k.bits, v_bits=v.bits, **kwargs)

@@ -29,7 +29,7 @@ import torch
 
 from kvarn_compile.reference.quantize import NonFiniteError, quantize_kv, unpack_codes
 from kvarn_compile.reference.rotation import rotation_matrix
-from kvarn_compile.state import BUF, N_BASE_BUFFERS
+from kvarn_compile.state import BUF, has_fp8_factors, key_plain
 
 __all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append",
            "check_method", "TILE_CHUNK"]
@@ -135,6 +135,7 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
     scale_dtype = _b(buffers, "k_row_scale").dtype
     if _b(buffers, "k_row_scale").dtype == torch.float8_e4m3fn:
         scale_dtype = torch.float8_e4m3fn
+    frames = key_plain(buffers)
     sl = slice(first_tile, first_tile + f)
     if tokens_k.is_cuda and not check and _use_triton():
         from kvarn_compile.ops.kernel_impl import freeze_tiles
@@ -144,7 +145,8 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
     for kind, bits, x in (("k", kb, tokens_k), ("v", vb, tokens_v)):
         try:
             q = quantize_kv(x, kind, method=method, bits=bits, group=g, iters=iters,
-                            scale_dtype=scale_dtype, check_finite=check)
+                            scale_dtype=scale_dtype, check_finite=check,
+                            key_frame="auto" if frames is not None else "rotated")
         except NonFiniteError as err:
             raise NonFiniteError(f"{name or 'KVarN cache'}, batch row {row}, tokens of tiles "
                                  f"{first_tile}..{first_tile + f - 1}: {err}") from None
@@ -152,9 +154,11 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
         _b(buffers, f"{kind}_row_scale")[row, :, sl] = q.row_scale
         _b(buffers, f"{kind}_row_zero")[row, :, sl] = q.row_zero
         _b(buffers, f"{kind}_col_scale")[row, :, sl] = q.col_scale
-        if len(buffers) > N_BASE_BUFFERS:
+        if has_fp8_factors(buffers):
             _b(buffers, f"{kind}_row_factor")[row, :, sl] = q.row_scale_factor
             _b(buffers, f"{kind}_col_factor")[row, :, sl] = q.col_scale_factor
+        if kind == "k" and frames is not None:
+            frames[row, :, sl] = q.plain
 
 
 def _tail_tokens(buffers: list[torch.Tensor], row: int, start: int, end: int, which: str) -> torch.Tensor:
@@ -279,7 +283,7 @@ def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
     cap = int(_b(buffers, "capacity")[0])
     pos, ok, _ = _positions(buffers)
     out = []
-    fp8 = len(buffers) > N_BASE_BUFFERS
+    fp8 = has_fp8_factors(buffers)
     kb, vb = _bits(buffers)
     for kind, bits in (("k", kb), ("v", vb)):
         full = torch.zeros(bsz, heads, cap + w, d, device=sink_k.device)
@@ -289,7 +293,8 @@ def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
                 codes=_b(buffers, f"{kind}_codes"), row_scale=_b(buffers, f"{kind}_row_scale"),
                 row_zero=_b(buffers, f"{kind}_row_zero"), col_scale=_b(buffers, f"{kind}_col_scale"),
                 bits=bits, row_scale_factor=_b(buffers, f"{kind}_row_factor") if fp8 else None,
-                col_scale_factor=_b(buffers, f"{kind}_col_factor") if fp8 else None)
+                col_scale_factor=_b(buffers, f"{kind}_col_factor") if fp8 else None,
+                plain=key_plain(buffers) if kind == "k" else None)
             parts.append(dequantize_kv(tiles, kind, rotated=not rotated_tiles))
         parts.append(_b(buffers, f"tail_{kind}").float())
         vals = torch.cat(parts, 2)                                          # [B,H,L,D]
@@ -324,22 +329,29 @@ def _positions(buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
 def _scales(buffers: list[torch.Tensor], kind: str, sl: slice) -> tuple[torch.Tensor, ...]:
     rs = _b(buffers, f"{kind}_row_scale")[:, :, sl].float()
     cs = _b(buffers, f"{kind}_col_scale")[:, :, sl].float()
-    if len(buffers) > N_BASE_BUFFERS:
+    if has_fp8_factors(buffers):
         rs = rs * _b(buffers, f"{kind}_row_factor")[:, :, sl].float()
         cs = cs * _b(buffers, f"{kind}_col_factor")[:, :, sl].float()
     return rs, _b(buffers, f"{kind}_row_zero")[:, :, sl].float(), cs
 
 
-def _tile_scores(buffers: list[torch.Tensor], q_rot: torch.Tensor, sl: slice, kb: int) -> torch.Tensor:
+def _tile_scores(buffers: list[torch.Tensor], q_rot: torch.Tensor, sl: slice, kb: int,
+                 q_plain: torch.Tensor) -> torch.Tensor:
     """Scores of rotated queries [B,H,g,Tq,D] against tiles sl: [B,H,g,Tq,n*G].
 
     s[t] = col_scale[t] * (sum_c (q[c] * row_scale[c]) * code[c, t] + sum_c q[c] * row_zero[c])
+    with q the rotated query, or the un-rotated ``q_plain`` for tiles stored plain.
     """
     codes = unpack_codes(_b(buffers, "k_codes")[:, :, sl], kb).float()    # [B,H,n,D,G]
     rs, rz, cs = _scales(buffers, "k", sl)                                # [B,H,n,D] x2, [B,H,n,G]
-    qs = q_rot.unsqueeze(-2) * rs[:, :, None, None]                       # [B,H,g,Tq,n,D]
+    q_t = q_rot.unsqueeze(-2)                                             # [B,H,g,Tq,1,D]
+    frames = key_plain(buffers)
+    if frames is not None:                                                # per-tile frame
+        plain = frames[:, :, sl].bool()[:, :, None, None, :, None]        # [B,H,1,1,n,1]
+        q_t = torch.where(plain, q_plain.unsqueeze(-2), q_t)              # [B,H,g,Tq,n,D]
+    qs = q_t * rs[:, :, None, None]                                       # [B,H,g,Tq,n,D]
     dot = torch.einsum("bhgqnd,bhndt->bhgqnt", qs, codes)
-    bias = torch.einsum("bhgqd,bhnd->bhgqn", q_rot, rz).unsqueeze(-1)
+    bias = torch.einsum("bhgqnd,bhnd->bhgqn", q_t.expand_as(qs), rz).unsqueeze(-1)
     out = (dot + bias) * cs[:, :, None, None]
     return out.flatten(-2)
 
@@ -393,7 +405,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 
     scores = [qg @ sink_k.float().unsqueeze(2).transpose(-1, -2)]
     for start in range(0, n_used, TILE_CHUNK):
-        scores.append(_tile_scores(buffers, q_rot, slice(start, min(start + TILE_CHUNK, n_used)), kb))
+        scores.append(_tile_scores(buffers, q_rot, slice(start, min(start + TILE_CHUNK, n_used)), kb, qg))
     scores.append(qg @ _b(buffers, "tail_k").float().unsqueeze(2).transpose(-1, -2))
     scores = torch.cat(scores, -1) * scale                                 # [B,H,g,Tq,L]
 

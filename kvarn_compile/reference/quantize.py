@@ -32,13 +32,14 @@ import math
 
 import torch
 
-from kvarn_compile.config import METHODS, SCALE_DTYPES
+from kvarn_compile.config import KEY_FRAMES, METHODS, SCALE_DTYPES
 from kvarn_compile.reference.rotation import rotate, unrotate
 
 __all__ = [
     "normalize_variance", "imbalance", "rtn_rows", "pack_codes", "unpack_codes",
     "store_scales", "load_scales", "QuantizedTiles", "quantize_tiles", "dequantize_tiles",
-    "quantize_kv", "dequantize_kv", "fake_quantize", "NonFiniteError",
+    "quantize_kv", "dequantize_kv", "fake_quantize", "NonFiniteError", "KEY_FRAMES",
+    "choose_key_frame", "key_dominance", "DOMINANCE_THRESHOLD",
 ]
 
 # Clip constants of the reference normalization (docs/kvarn-method.md, step 3).
@@ -198,10 +199,12 @@ class QuantizedTiles:
     bits: int
     row_scale_factor: torch.Tensor | None = None  # fp16 [..., 1]
     col_scale_factor: torch.Tensor | None = None  # fp16 [..., 1]
+    plain: torch.Tensor | None = None             # uint8 [...]: 1 = tile stored un-rotated
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.row_scale, self.row_zero, self.col_scale,
-                            self.row_scale_factor, self.col_scale_factor) if t is not None]
+                            self.row_scale_factor, self.col_scale_factor, self.plain)
+                if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -283,16 +286,25 @@ def _sanitize(x: torch.Tensor, group: int, check: bool, what: str
 
 def quantize_kv(x: torch.Tensor, kind: str, *, method: str = "kvarn", bits: int = 4,
                 group: int = 128, iters: int = 8, scale_dtype: torch.dtype = torch.float16,
-                check_finite: bool = False) -> QuantizedTiles:
+                check_finite: bool = False, key_frame: str = "rotated") -> QuantizedTiles:
     """Quantize token-major K or V [..., tokens, head_dim] into tiles of ``group`` tokens.
 
     Returns tiles shaped [..., n_tiles, D, G] for K and [..., n_tiles, G, D] for V, in the
     rotated frame for the rotating methods. A token holding any NaN/inf is stored as NaN
     (its token scale is NaN, so every channel of it reads back NaN) while the rest of its
     tile is quantized from the finite tokens only; with ``check_finite`` it raises instead.
+
+    ``key_frame="auto"`` (keys of a rotating method only): a K tile whose largest channels
+    dominate (:func:`choose_key_frame`) is stored plain (KIVI: no rotation, no
+    normalization), every other tile with the method's transform; ``plain`` marks the
+    tiles stored un-rotated. Values are always rotated.
     """
     _check_kind(kind)
+    _check_key_frame(key_frame)
     rotate_, normalize = _method_flags(method)
+    if kind == "k" and key_frame == "auto" and rotate_:
+        return _quantize_keys_auto(x, method=method, bits=bits, group=group, iters=iters,
+                                   scale_dtype=scale_dtype, check_finite=check_finite)
     t, d = x.shape[-2:]
     if t % group:
         raise ValueError(f"Expected the token count to be a multiple of group={group}, but got "
@@ -321,13 +333,16 @@ def dequantize_kv(q: QuantizedTiles, kind: str, *, rotated: bool) -> torch.Tenso
     tiles = dequantize_tiles(q)
     if kind == "k":
         tiles = tiles.transpose(-1, -2)
-    out = tiles.reshape(*tiles.shape[:-3], tiles.shape[-3] * tiles.shape[-2], tiles.shape[-1])
-    return unrotate(out) if rotated else out
+    if rotated:
+        back = unrotate(tiles)
+        tiles = back if q.plain is None else torch.where(q.plain.bool()[..., None, None], tiles, back)
+    return tiles.reshape(*tiles.shape[:-3], tiles.shape[-3] * tiles.shape[-2], tiles.shape[-1])
 
 
 def fake_quantize(x: torch.Tensor, *, kind: str, method: str = "kvarn", bits: int = 4,
                   group: int = 128, iters: int = 8,
-                  scale_dtype: torch.dtype | str = torch.float16) -> torch.Tensor:
+                  scale_dtype: torch.dtype | str = torch.float16,
+                  key_frame: str = "rotated") -> torch.Tensor:
     """Quantize then dequantize K or V ``x`` [..., tokens, head_dim]; same frame and dtype.
 
     ``tokens`` must be a multiple of ``group``. For evaluation and tests only: the runtime
@@ -340,5 +355,61 @@ def fake_quantize(x: torch.Tensor, *, kind: str, method: str = "kvarn", bits: in
     if not x.is_floating_point():
         raise TypeError(f"Expected a floating-point K/V tensor, but got {x.dtype}.")
     q = quantize_kv(x, kind, method=method, bits=bits, group=group, iters=iters,
-                    scale_dtype=scale_dtype)
+                    scale_dtype=scale_dtype, key_frame=key_frame)
     return dequantize_kv(q, kind, rotated=method != "kivi").to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# Per-tile key frame (key_frame="auto")
+# ------------------------------------------------------------------------------------------
+def _check_key_frame(key_frame: str) -> None:
+    if key_frame not in KEY_FRAMES:
+        raise ValueError(f"Expected key_frame in {KEY_FRAMES}, but got {key_frame!r}.")
+
+
+#: A K tile is stored plain when its largest |k| is at least this many times the median
+#: channel range (over the tile's tokens). Measured on SmolLM2-135M keys (news text, all 30
+#: layers): natural tiles reach 1.0-9.6; k_proj-bias-like offsets of 100-150 in two channels
+#: give 17.7-52.6, whether the offset turns with RoPE or stays constant.
+DOMINANCE_THRESHOLD = 16.0
+
+
+def key_dominance(tiles: torch.Tensor) -> torch.Tensor:
+    """max |k| / median per-channel range of token-major K tiles [..., G, D] -> [...]."""
+    rng = (tiles.amax(-2) - tiles.amin(-2)).sort(-1).values
+    median = rng[..., rng.shape[-1] // 2]
+    peak = tiles.abs().amax((-1, -2))
+    return peak / median.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def choose_key_frame(tiles: torch.Tensor) -> torch.Tensor:
+    """Per K tile [..., G, D] (token-major, un-rotated, finite): True = store it plain.
+
+    A tile with a few channels far larger than the rest (a learned k_proj bias: |k| > 100
+    against ~1, constant or turning with RoPE) is what rotation handles badly: it spreads
+    those channels over every channel, so every channel's range (or, after the variance
+    normalization, every token's scale) is set by the outlier and the informative part
+    gets its rounding noise. Per-channel RTN in the plain frame (KIVI's K) gives the outlier
+    channels their own range and zero point: a constant offset then costs only the
+    rounding of its zero point. Every other tile keeps the method's rotation, where
+    rotation is what makes KVarN better than KIVI.
+    """
+    return key_dominance(tiles) >= DOMINANCE_THRESHOLD
+
+
+def _quantize_keys_auto(x: torch.Tensor, *, method: str, bits: int, group: int, iters: int,
+                        scale_dtype: torch.dtype, check_finite: bool) -> QuantizedTiles:
+    opts = dict(bits=bits, group=group, iters=iters, scale_dtype=scale_dtype,
+                check_finite=check_finite)
+    rot = quantize_kv(x, "k", method=method, **opts)
+    plain = quantize_kv(x, "k", method="kivi", **opts)
+    ref, _ = _sanitize(x.float(), group, False, "")
+    use_plain = choose_key_frame(ref.reshape(*x.shape[:-2], x.shape[-2] // group, group, x.shape[-1]))
+    pick = lambda a, b: None if a is None else torch.where(  # noqa: E731
+        use_plain.reshape(use_plain.shape + (1,) * (a.dim() - use_plain.dim())), b, a)
+    return QuantizedTiles(
+        codes=pick(rot.codes, plain.codes), row_scale=pick(rot.row_scale, plain.row_scale),
+        row_zero=pick(rot.row_zero, plain.row_zero), col_scale=pick(rot.col_scale, plain.col_scale),
+        bits=bits, row_scale_factor=pick(rot.row_scale_factor, plain.row_scale_factor),
+        col_scale_factor=pick(rot.col_scale_factor, plain.col_scale_factor),
+        plain=use_plain.to(torch.uint8))
