@@ -48,16 +48,31 @@ __all__ = [
 ]
 
 #: Methods the harness compares. "none" is the unquantized model run through the same code.
-ALL_METHODS: tuple[str, ...] = ("none", "kivi", "hadamard", "kvarn")
+#: A name may carry variant suffixes after the base method (see ``VARIANTS``), e.g.
+#: "kvarn+kauto" is kvarn with ``key_frame="auto"``.
+BASE_METHODS: tuple[str, ...] = ("none", "kivi", "hadamard", "kvarn")
+#: Config overrides a method-name suffix stands for.
+VARIANTS: dict[str, dict[str, object]] = {
+    "kauto": {"key_frame": "auto"},
+}
+ALL_METHODS: tuple[str, ...] = BASE_METHODS + ("hadamard+kauto", "kvarn+kauto")
 #: When the pseudo-decode cache freezes complete tiles (see the module docstring).
 RULES: tuple[str, ...] = ("after_block", "on_append")
 
 
 def method_config(method: str, preset: str | KVarNConfig) -> KVarNConfig | None:
     """The quantizer config of ``method`` at ``preset``; ``None`` for method "none"."""
-    if method not in ALL_METHODS:
-        raise ValueError(f"Expected a method in {ALL_METHODS}, but got {method!r}.")
-    return None if method == "none" else get_config(preset, method=method)
+    base, *suffixes = method.split("+")
+    if base not in BASE_METHODS or any(x not in VARIANTS for x in suffixes) or \
+            (base == "none" and suffixes):
+        raise ValueError(f"Expected a method in {ALL_METHODS} (or base+variant with variants "
+                         f"{tuple(VARIANTS)}), but got {method!r}.")
+    if base == "none":
+        return None
+    overrides: dict[str, object] = {"method": base}
+    for x in suffixes:
+        overrides.update(VARIANTS[x])
+    return get_config(preset, **overrides)
 
 
 def n_layers(model) -> int:
@@ -188,8 +203,9 @@ class PseudoQuantLayer(DynamicLayer):
     def _quantize(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         c = self.config
         fn = self.quantizer if self.quantizer is not None else fake_quantize
+        extra = {"key_frame": c.key_frame} if c.key_frame != "rotated" else {}
         return fn(x, kind=kind, method=c.method, bits=c.key_bits if kind == "k" else c.value_bits,
-                  group=c.group_size, iters=c.sinkhorn_iters, scale_dtype=c.scale_dtype)
+                  group=c.group_size, iters=c.sinkhorn_iters, scale_dtype=c.scale_dtype, **extra)
 
     def freeze(self) -> int:
         """Quantize every complete tile past the sink (and the recent window) not yet frozen.

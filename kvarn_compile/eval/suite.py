@@ -87,8 +87,7 @@ class EvalSettings:
             if p not in PRESETS:
                 raise ValueError(f"Expected presets from {tuple(PRESETS)}, but got {p!r}.")
         for m in self.methods:
-            if m not in ALL_METHODS:
-                raise ValueError(f"Expected methods from {ALL_METHODS}, but got {m!r}.")
+            method_config(m, "k4v2")   # raises a clear ValueError for an unknown name
         if self.rule not in RULES:
             raise ValueError(f"Expected rule in {RULES}, but got {self.rule!r}.")
         if not self.lengths or any(L <= self.block for L in self.lengths):
