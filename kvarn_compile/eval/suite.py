@@ -49,6 +49,7 @@ class EvalSettings:
     """
 
     model: str | None = None                 # None: SmolLM2-135M-Instruct; else a local folder
+    key_outliers: bool = False               # stress model: models.add_key_outliers (bias-like keys)
     corpus: str = "lee"
     presets: tuple[str, ...] = ("k2v2", "k4v2", "k4v4")
     methods: tuple[str, ...] = ALL_METHODS
@@ -341,6 +342,10 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
         timings["load_model"] = time.perf_counter() - t0
     if tokenizer is None:
         raise ValueError("Expected a tokenizer together with the model.")
+    hooks = None
+    if s.key_outliers:
+        from kvarn_compile.models import add_key_outliers
+        hooks = add_key_outliers(model)
     if windows_fn is None:
         from kvarn_compile.models import text_windows
 
@@ -417,6 +422,10 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
             seed=s.seed, rule=s.rule, progress=prog.label)
         timings["retrieval"] = time.perf_counter() - t0
     prog.close()
+    if hooks is not None:
+        result["settings"]["key_outliers_applied"] = {"layers": list(hooks.layers),
+                                                      "channels": {str(c): v for c, v in hooks.channels.items()}}
+        hooks.remove()
     timings["total"] = time.perf_counter() - t_start
     result["timings_s"] = timings
     if check and result["faithfulness"].get("checked") and not result["faithfulness"]["passed"]:
