@@ -1,6 +1,6 @@
 """The kernel implementations of the kvarn ops against the pure-torch reference: the CUDA
 path (Triton kernels + LSE merge) run on CPU tensors under TRITON_INTERPRET=1, and the
-C++ CPU tile kernel that the op dispatches to on CPU."""
+C++ CPU kernel (the whole decode step in one call) that the op dispatches to on CPU."""
 
 import pytest
 import torch
@@ -9,7 +9,9 @@ from kvarn_compile.config import get_config
 from kvarn_compile.kernels import cpu_attention, triton_available
 from kvarn_compile.ops import kernel_impl as triton_impl
 from kvarn_compile.ops import reference
-from kvarn_compile.state import allocate_layer
+from kvarn_compile.reference.quantize import QuantizedTiles, dequantize_tiles
+from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.state import BUF, allocate_layer
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton cannot run here (no CUDA, no TRITON_INTERPRET=1)")
 
@@ -50,10 +52,10 @@ def test_cpu_op_dispatches_to_the_kernel_and_matches_the_reference(monkeypatch):
     st = _filled([200, 90])
     q = torch.randn(2, 2 * H, 1, D)
     calls = []
-    real = cpu_attention.tile_attention
-    monkeypatch.setattr(cpu_attention, "tile_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = torch.ops.kvarn.attention(q, st.buffers, None, 0.2, True, 0)
-    assert calls, "the CPU op did not use the C++ tile kernel"
+    assert calls, "the CPU op did not use the C++ kernel"
     torch.testing.assert_close(out, reference.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
     monkeypatch.setenv("KVARN_CPU_KERNEL", "0")
     calls.clear()
@@ -95,3 +97,263 @@ def test_freeze_kernel_writes_the_reference_tiles():
     for name in ("k_codes", "v_codes"):
         a, b = getattr(ref, name)[:, :, :2].int(), getattr(got, name)[:, :, :2].int()
         assert (a != b).float().mean() < 0.005, name        # rounding ties only
+
+
+# ------------------------------------------------------------------------------ C++ CPU kernel
+needs_cpp = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU kernel could not be built here")
+TILE_NAMES = ("codes", "row_scale", "row_zero", "col_scale")
+
+
+def _state(lengths, cfg, *, heads=H, d=D, max_len=256, dtype=torch.float32, seed=0):
+    """A cache filled by one append per row (lengths[row] tokens), with uneven channels."""
+    gen = torch.Generator().manual_seed(seed)
+    st = allocate_layer(cfg, batch=len(lengths), kv_heads=heads, head_dim=d, max_len=max_len, dtype=dtype)
+    for row, n in enumerate(lengths):
+        if n:
+            k = torch.randn(1, heads, n, d, generator=gen) * (0.5 + torch.rand(d, generator=gen) * 2)
+            v = torch.randn(1, heads, n, d, generator=gen)
+            reference.append_([t[row:row + 1] for t in st.buffers], k.to(dtype), v.to(dtype), torch.tensor([0]))
+    return st
+
+
+def _tiles(buffers):
+    return ([buffers[BUF[f"k_{n}"]] for n in TILE_NAMES], [buffers[BUF[f"v_{n}"]] for n in TILE_NAMES])
+
+
+def _cpu(q, buffers, scale, causal=True, window=0, mask=None, k_plain=None):
+    k, v = _tiles(buffers)
+    b = lambda name: buffers[BUF[name]]  # noqa: E731
+    return cpu_attention.decode_attention(
+        q, (b("sink_k"), b("sink_v")), k, v, (b("tail_k"), b("tail_v")), b("lengths"), b("n_tiles"),
+        scale=scale, causal=causal, window=window, mask=mask, k_plain=k_plain)
+
+
+def _dequantized(buffers):
+    """fp64 dequantized tiles in their stored frame: K [B,H,N,D,G], V [B,H,N,G,D]."""
+    k, v = _tiles(buffers)
+    g, d = k[3].shape[-1], v[3].shape[-1]
+    kd = dequantize_tiles(QuantizedTiles(*k, bits=8 * k[0].shape[-1] // g)).double()
+    vd = dequantize_tiles(QuantizedTiles(*v, bits=8 * v[0].shape[-1] // d)).double()
+    return kd, vd
+
+
+def _oracle_tiles(q, buffers, scale, *, kv_start=None, k_plain=None):
+    """Plain softmax attention over the dequantized tiles, in fp64, rotated frame:
+    scores with q for plain key tiles and with q @ H for rotated ones."""
+    kd, vd = _dequantized(buffers)
+    bsz, heads, n, d, g = kd.shape
+    hq, tq = q.shape[1], q.shape[2]
+    grp = hq // heads
+    q = q.double()
+    q_rot = q @ rotation_matrix(d).double()
+    n_tiles = buffers[BUF["n_tiles"]]
+    out = torch.zeros(bsz, hq, tq, d, dtype=torch.float64)
+    lse = torch.full((bsz, hq, tq), float("-inf"), dtype=torch.float64)
+    for b in range(bsz):
+        used = int(n_tiles[b])
+        for h in range(heads):
+            if not used:
+                continue
+            plain = k_plain[b, h, :used].bool() if k_plain is not None else torch.zeros(used, dtype=torch.bool)
+            for gi in range(grp):
+                qa, qr = q[b, h * grp + gi], q_rot[b, h * grp + gi]            # [Tq, D]
+                s = torch.stack([(qa if plain[j] else qr) @ kd[b, h, j] for j in range(used)], 1)
+                s = s.reshape(tq, used * g) * scale
+                if kv_start is not None:
+                    hide = torch.arange(used * g)[None, :] < kv_start[b][:, None]
+                    s = s.masked_fill(hide, float("-inf"))
+                m = s.amax(-1, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                p = torch.exp(s - m)
+                den = p.sum(-1, keepdim=True)
+                out[b, h * grp + gi] = torch.where(den > 0, (p / den.clamp_min(1e-300)) @ vd[b, h, :used].reshape(used * g, d), 0.0)
+                lse[b, h * grp + gi] = (torch.log(den) + m).squeeze(-1)
+    return out, lse
+
+
+def _oracle_full(q, buffers, scale, *, k_plain=None, window=0):
+    """fp64 causal attention over sink + dequantized tiles (plain frame; plain key tiles as
+    stored) + tail, from ``reference.materialize``."""
+    kf, vf = reference.materialize(buffers, dtype=torch.float64)     # [B,H,cap,D], un-rotated
+    s = buffers[BUF["sink_k"]].shape[2]
+    kd, _ = _dequantized(buffers)
+    g = kd.shape[-1]
+    if k_plain is not None:
+        for b, h, j in k_plain.nonzero().tolist():
+            if j < int(buffers[BUF["n_tiles"]][b]):
+                kf[b, h, s + j * g:s + (j + 1) * g] = kd[b, h, j].transpose(0, 1)
+    bsz, heads, cap, d = kf.shape
+    hq, tq = q.shape[1], q.shape[2]
+    kf, vf = kf.repeat_interleave(hq // heads, 1), vf.repeat_interleave(hq // heads, 1)
+    scores = q.double() @ kf.transpose(-1, -2) * scale                  # [B,Hq,Tq,cap]
+    lengths = buffers[BUF["lengths"]]
+    pos = torch.arange(cap)
+    q_pos = lengths[:, None] - tq + torch.arange(tq)[None, :]
+    ok = (pos[None, None, :] < lengths[:, None, None]) & (pos[None, None, :] <= q_pos[:, :, None])
+    if window:
+        ok &= pos[None, None, :] > q_pos[:, :, None] - window
+    scores = scores.masked_fill(~ok[:, None], float("-inf"))
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    return p @ vf
+
+
+@needs_cpp
+@pytest.mark.parametrize("kv_start", [False, True])
+@pytest.mark.parametrize("plain", ["none", "zeros", "mixed", "all"])
+@pytest.mark.parametrize("preset", ["k4v2", "k2v2"])
+def test_cpu_tile_attention_with_plain_key_tiles_matches_torch(kv_start, plain, preset):
+    st = _state([G + 5 * G + 3, G + 2 * G + 20], get_config(preset, group_size=G))
+    n = st.buffers[BUF["k_codes"]].shape[2]
+    q = torch.randn(2, 2 * H, 3, D)
+    k_plain = {"none": None, "zeros": torch.zeros(2, H, n, dtype=torch.uint8),
+               "mixed": (torch.rand(2, H, n) < 0.5).to(torch.uint8),
+               "all": torch.ones(2, H, n, dtype=torch.uint8)}[plain]
+    start = torch.tensor([[0, 40, 70], [5, 0, 100]]) if kv_start else None
+    k, v = _tiles(st.buffers)
+    q_rot = q @ rotation_matrix(D)
+    out, lse = cpu_attention.tile_attention(q_rot, k, v, st.buffers[BUF["n_tiles"]], scale=0.3,
+                                            kv_start=start, k_plain=k_plain, q=q)
+    ref_out, ref_lse = _oracle_tiles(q, st.buffers, 0.3, kv_start=start, k_plain=k_plain)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
+    if plain == "zeros":       # all-zero flags: exactly the unflagged computation
+        same = cpu_attention.tile_attention(q_rot, k, v, st.buffers[BUF["n_tiles"]], scale=0.3, kv_start=start)
+        assert torch.equal(out, same[0]) and torch.equal(lse, same[1])
+    if plain != "none":        # q derived from q_rot when not given
+        again = cpu_attention.tile_attention(q_rot, k, v, st.buffers[BUF["n_tiles"]], scale=0.3,
+                                             kv_start=start, k_plain=k_plain)
+        torch.testing.assert_close(again[0], out, atol=1e-5, rtol=1e-5)
+
+
+@needs_cpp
+@pytest.mark.parametrize("window", [0, 70])
+def test_cpu_decode_attention_with_plain_key_tiles_matches_torch(window):
+    st = _state([G + 5 * G + 3, G + 4 * G, 40], get_config("k4v2", group_size=G))
+    n = st.buffers[BUF["k_codes"]].shape[2]
+    q = torch.randn(3, 2 * H, 2, D)
+    k_plain = (torch.rand(3, H, n) < 0.5).to(torch.uint8)
+    out = _cpu(q, st.buffers, 0.2, window=window, k_plain=k_plain)
+    torch.testing.assert_close(out.double(), _oracle_full(q, st.buffers, 0.2, k_plain=k_plain, window=window),
+                               atol=2e-5, rtol=1e-5)
+    plain_off = _cpu(q, st.buffers, 0.2, window=window, k_plain=torch.zeros_like(k_plain))
+    assert torch.equal(plain_off, _cpu(q, st.buffers, 0.2, window=window))
+    torch.testing.assert_close(plain_off, reference.attention(q, st.buffers, None, 0.2, True, window),
+                               atol=2e-5, rtol=2e-5)
+
+
+# cache layouts: (preset, overrides, model dtype, head dim). Code rows of a multiple of 16
+# bytes take the in-register unpack loops, others (3-bit, short rows) the byte-unpack path.
+LAYOUTS = {
+    "k4v2": ("k4v2", {}, torch.float32, D),
+    "k2v2-g64": ("k2v2", {"group_size": 64}, torch.float32, D),
+    "k4v4-d16": ("k4v4", {}, torch.float32, 16),
+    "k3v3": ("k4v2", {"key_bits": 3, "value_bits": 3}, torch.float32, D),
+    "k8v4": ("k4v2", {"key_bits": 8, "value_bits": 4}, torch.float32, D),
+    "k2v8": ("k4v2", {"key_bits": 2, "value_bits": 8}, torch.float32, D),
+    "k3v2-d64": ("k4v2", {"key_bits": 3}, torch.float32, 64),
+    "k2v2-d64-g64": ("k2v2", {"group_size": 64}, torch.float32, 64),
+    "k4v4-d64": ("k4v4", {}, torch.float32, 64),
+    "k4v2-d128-g128": ("k4v2", {"group_size": 128}, torch.float32, 128),
+    "k4v2-d80": ("k4v2", {}, torch.float32, 80),            # Paley rotation: H != H.T
+    "k4v2-d96-bf16": ("k4v2", {}, torch.bfloat16, 96),
+    "k4v2-fp16": ("k4v2", {}, torch.float16, D),
+    "bf16-scales": ("k4v2", {"scale_dtype": "bfloat16"}, torch.float32, D),
+    "fp32-scales": ("k2v2", {"scale_dtype": "float32", "exact_dtype": "float32"}, torch.float32, D),
+    "no-sink": ("k4v2", {"sink_tokens": 0}, torch.float32, D),
+    "two-tile-sink": ("k4v2", {"sink_tokens": 2 * G}, torch.float32, D),
+    "recent": ("k4v2", {"recent_window": G}, torch.float32, D),
+}
+
+
+@needs_cpp
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("tq", [1, 4, 16])
+@pytest.mark.parametrize("window", [0, 45])
+def test_cpu_kernel_path_matches_reference_across_layouts(layout, tq, window):
+    preset, over, dtype, d = LAYOUTS[layout]
+    cfg = get_config(preset, **{"group_size": G, **over})
+    g = cfg.group_size
+    s = cfg.sink
+    # rows: several tiles + a partial tail, the query in the tile this append froze,
+    # sink only, and a short sink
+    lengths = [s + 3 * g + 17, s + 2 * g, s + 5, 9]
+    st = _state(lengths, cfg, d=d, dtype=dtype, max_len=s + 4 * g + 40)
+    q = torch.randn(len(lengths), 3 * H, tq, d).to(dtype)
+    if tq == 1:        # decoding: every row's quantized tokens are visible to its query
+        assert triton_impl.kernel_applies(q, st.buffers, None)
+    ref = reference.attention(q, st.buffers, None, d ** -0.5, True, window)
+    out = triton_impl.attention(q, st.buffers, None, d ** -0.5, True, window, kernel="cpu")
+    tol = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    # the kernel itself, with fp32 queries, also where the dispatcher would not use it
+    # (queries inside the quantized region: causal masking within tiles)
+    q32 = q.float()
+    torch.testing.assert_close(_cpu(q32, st.buffers, d ** -0.5, window=window),
+                               reference.attention(q32, st.buffers, None, d ** -0.5, True, window).float(),
+                               atol=2e-5, rtol=2e-5)
+
+
+@needs_cpp
+def test_cpu_kernel_query_in_the_tile_frozen_by_its_own_append_takes_the_kernel_path():
+    st = _state([G + 4 * G, G + 2 * G], get_config("k4v2", group_size=G))
+    assert st.buffers[BUF["n_tiles"]].tolist() == [4, 2]     # the newest token is quantized
+    q = torch.randn(2, 2 * H, 1, D)
+    assert triton_impl.kernel_applies(q, st.buffers, None)
+    torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0, kernel="cpu"),
+                               reference.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
+    q2 = torch.randn(2, 2 * H, 2, D)                          # the older query sees only part of it
+    assert not triton_impl.kernel_applies(q2, st.buffers, None)
+
+
+@needs_cpp
+@pytest.mark.parametrize("kind", ["bool", "float", "half"])
+@pytest.mark.parametrize("tq", [1, 5])
+def test_cpu_kernel_masks_indexed_by_absolute_position(kind, tq):
+    lengths = [G + 3 * G + 21, G + 2 * G + 9]
+    st = _state(lengths, get_config("k4v2", group_size=G))
+    gen = torch.Generator().manual_seed(3)
+    keep = torch.rand(2, 1, tq, 256, generator=gen) > 0.3
+    keep[..., G:G + 3 * G] = True                           # the quantized region: all attend
+    mask = keep if kind == "bool" else torch.where(keep, torch.rand(keep.shape, generator=gen), float("-inf"))
+    if kind != "bool":
+        mask[..., G:G + 3 * G] = 0.0
+    if kind == "half":
+        mask = mask.half()
+    q = torch.randn(2, 2 * H, tq, D)
+    assert triton_impl.kernel_applies(q, st.buffers, mask)
+    ref = reference.attention(q, st.buffers, mask, 0.25, True, 0)
+    torch.testing.assert_close(triton_impl.attention(q, st.buffers, mask, 0.25, True, 0, kernel="cpu"), ref,
+                               atol=2e-5, rtol=2e-5)
+    # masks that also hide quantized positions, per head: the kernel masks tiles too
+    keep = torch.rand(2, 2 * H, tq, 256, generator=gen) > 0.3
+    mask = keep if kind == "bool" else torch.where(keep, torch.randn(keep.shape, generator=gen), float("-inf"))
+    torch.testing.assert_close(_cpu(q, st.buffers, 0.25, mask=mask),
+                               reference.attention(q, st.buffers, mask, 0.25, True, 0), atol=2e-5, rtol=2e-5)
+
+
+@needs_cpp
+def test_cpu_kernel_not_causal_empty_rows_and_thread_counts():
+    st = _state([G + 3 * G + 7, 0, G + 1], get_config("k4v2", group_size=G))
+    q = torch.randn(3, 2 * H, 2, D)
+    for causal in (True, False):
+        ref = reference.attention(q, st.buffers, None, 0.3, causal, 0)
+        out = _cpu(q, st.buffers, 0.3, causal=causal)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert (out[1] == 0).all()                              # an empty row sees nothing
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _cpu(q, st.buffers, 0.3)
+    finally:
+        torch.set_num_threads(n)
+    torch.testing.assert_close(one, _cpu(q, st.buffers, 0.3), atol=1e-6, rtol=1e-6)
+
+
+@needs_cpp
+def test_cpu_kernel_path_falls_back_for_fp8_scales():
+    st = _state([G + 3 * G + 7], get_config("k4v2", group_size=G, scale_dtype="float8_e4m3fn"))
+    q = torch.randn(1, 2 * H, 1, D)
+    assert not triton_impl.kernel_applies(q, st.buffers, None)
+    torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0, kernel="cpu"),
+                               reference.attention(q, st.buffers, None, 0.2, True, 0))

@@ -1,12 +1,26 @@
-"""CPU kernel: attention of rotated queries over the packed KVarN tiles, in C++.
+"""CPU kernel: a whole KVarN decode attention step over the packed cache, in C++.
 
-The same math as the Triton decode kernel (``kernels/attention.py``) and the reference
-(``ops/reference.py``): per tile, the key row scale is folded into q, the key column scale
-into the scores, the value row scale into the softmax weights and the value column scale
-into the output; codes are unpacked in registers, never into a dequantized K/V. Online
-softmax over the tiles, split over tile ranges for parallelism (OpenMP), merged by
-log-sum-exp. Returns the output over the quantized region (rotated frame) and its lse, so
-the caller merges it with the exact sink/tail exactly like the CUDA path does.
+One call attends the queries over the exact sink, the packed tiles and the exact tail with
+one online softmax (no separate torch pass, no log-sum-exp merge in Python):
+
+* exact regions (sink, tail ring): fp16/bf16/fp32 rows read directly, scores with the
+  un-rotated q; their output accumulates in the plain frame;
+* packed tiles: the key row scale is folded into q, the key column scale into the scores,
+  the value row scale into the softmax weights and the value column scale into the output
+  (the dual-scale fold of ``ops/reference.py``); codes are unpacked in registers inside
+  the score and value loops (16 lanes, register-blocked over up to 4 query rows), never
+  into a dequantized K/V; their output accumulates in the rotated frame;
+* q is rotated, and the rotated part of the output rotated back, inside the call; scales
+  are read in their storage dtype (fp16/bf16/fp32), never converted buffer-wide.
+
+Work is split over (batch row, kv head, range of units) where a unit is the sink, one
+tile or the tail; the ranges are merged by log-sum-exp in C++. Causal, sliding-window and
+mask visibility is applied per position in every region, so the result matches the
+reference wherever the dispatcher sends it.
+
+:func:`tile_attention` is the tiles-only entry (rotated frame, returns the lse too);
+:func:`decode_attention` the fused one. Both take ``k_plain`` (uint8 [B, H, N], 1 = that
+tile's keys are stored in the plain, un-rotated frame: its scores use the un-rotated q).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load_inline``
 (needs a C++ compiler and ninja; about a minute, then cached). If it cannot be built,
@@ -22,137 +36,727 @@ import platform
 
 import torch
 
-__all__ = ["available", "tile_attention"]
+__all__ = ["available", "tile_attention", "decode_attention", "SUPPORTED_BITS"]
 
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
-// Unpack a packed [rows, cols*BITS/8] code block into floats [rows, cols] (once per tile).
-template <int BITS>
-static inline void unpack(const uint8_t* codes, int rows, int cols, float* out) {
-  constexpr int PER = 8 / BITS;
+namespace {
+
+// 16-lane vectors (GCC/Clang vector extensions: one zmm with AVX-512, two ymm with AVX2).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+constexpr int MAX_NR = 4;   // query rows per register block (accumulators: NR * codes per byte)
+#else
+constexpr int MAX_NR = 2;
+#endif
+constexpr int EB = 32;      // exact-region tokens per block
+
+inline v16f vld(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vst(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+// 16 bytes -> 16 int32 lanes (vpmovzxbd; the generic conversion is scalarized by GCC)
+inline v16i bytes16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  v16i r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy((char*)&r + 32, &hi, 32);
+  return r;
+#else
+  v16b v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, v16i);
+#endif
+}
+inline v16f splat(float x) { return v16f{} + x; }
+#if defined(__AVX512F__)
+inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
+inline float hmax(v16f v) { return _mm512_reduce_max_ps((__m512)v); }
+#else
+inline float hsum(v16f v) {   // tree: a sequential sum is one long dependency chain
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+inline float hmax(v16f v) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = std::max(v[i], v[i + 8]);
+  for (int i = 0; i < 4; ++i) t[i] = std::max(t[i], t[i + 4]);
+  return std::max(std::max(t[0], t[2]), std::max(t[1], t[3]));
+}
+#endif
+
+// Codes at shift K (of BITS-bit codes packed in the bytes w) as floats.
+template <int BITS, int K>
+inline v16f codes_f(v16i w) {
   constexpr int MASK = (1 << BITS) - 1;
-  const int64_t n = (int64_t)rows * cols / PER;
-  for (int k = 0; k < PER; ++k)
-    for (int64_t i = 0; i < n; ++i) out[i * PER + k] = (float)((codes[i] >> (k * BITS)) & MASK);
+#if defined(__AVX512F__)
+  if (BITS == 4 || BITS == 2) {   // vpermps reads the low 4 index bits: a table lookup, no mask
+    const __m512 table = BITS == 4
+        ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+        : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    const v16i idx = K ? w >> (K * BITS) : w;
+    return (v16f)_mm512_permutexvar_ps((__m512i)idx, table);
+  }
+#endif
+  return __builtin_convertvector(K ? (w >> (K * BITS)) & MASK : (BITS == 8 ? w : w & MASK), v16f);
 }
 
-template <int KB, int VB>
-static void run(const float* q, const uint8_t* kc, const float* krs, const float* krz, const float* kcs,
-                const uint8_t* vc, const float* vrs, const float* vrz, const float* vcs,
-                const int64_t* n_tiles, const int64_t* kv_start, bool has_start,
-                int B, int H, int HQ, int TQ, int D, int N, int G, int splits, float scale,
-                float* o_part, float* m_part, float* l_part) {
-  const int grp = HQ / H, R = grp * TQ;
-  at::parallel_for(0, (int64_t)B * H * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(D), s(G), w(G), tmp(D), acc((size_t)R * D), m(R), l(R);
-    std::vector<float> kf((size_t)D * G), vf((size_t)G * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int sp = task % splits, bh = task / splits, b = bh / H, h = bh % H;
-      const int tiles = (int)std::min<int64_t>(std::max<int64_t>(n_tiles[b], 0), N);
-      const int per = (tiles + splits - 1) / splits;
-      const int j0 = sp * per, j1 = std::min(tiles, j0 + per);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int j = j0; j < j1; ++j) {
-        const int64_t tile = ((int64_t)bh * N + j);
-        unpack<KB>(kc + tile * D * (G * KB / 8), D, G, kf.data());
-        unpack<VB>(vc + tile * G * (D * VB / 8), G, D, vf.data());
-        const float *ks = krs + tile * D, *kz = krz + tile * D, *kcol = kcs + tile * G;
-        const float *vs = vrs + tile * G, *vz = vrz + tile * G, *vcol = vcs + tile * D;
-        for (int r = 0; r < R; ++r) {
-          const int gi = r / TQ, tq = r % TQ;
-          const float* qr = q + (((int64_t)b * HQ + h * grp + gi) * TQ + tq) * D;
-          float bias = 0.f;
-          for (int c = 0; c < D; ++c) { qs[c] = qr[c] * ks[c]; bias += qr[c] * kz[c]; }
-          // s[t] = sum_c qs[c] * code[c, t]  (axpy over contiguous token rows)
-          for (int t = 0; t < G; ++t) s[t] = 0.f;
-          for (int c = 0; c < D; ++c) {
-            const float wc = qs[c];
-            const float* row = kf.data() + (int64_t)c * G;
-            for (int t = 0; t < G; ++t) s[t] += wc * row[t];
-          }
-          const int64_t lo = has_start ? kv_start[(int64_t)b * TQ + tq] : 0;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int t = 0; t < G; ++t) {
-            float v = (s[t] + bias) * kcol[t] * scale;
-            if ((int64_t)j * G + t < lo) v = -std::numeric_limits<float>::infinity();
-            s[t] = v;
-            mx = std::max(mx, v);
-          }
-          if (mx == -std::numeric_limits<float>::infinity()) continue;
-          const float m_new = std::max(m[r], mx);
-          const float alpha = std::exp(m[r] - m_new);
-          float psum = 0.f, zsum = 0.f;
-          for (int t = 0; t < G; ++t) {
-            const float p = std::exp(s[t] - m_new);
-            psum += p; zsum += p * vz[t]; w[t] = p * vs[t];
-          }
-          // tmp[c] = sum_t w[t] * code[t, c]  (axpy over contiguous channel rows)
-          std::fill(tmp.begin(), tmp.end(), 0.f);
-          for (int t = 0; t < G; ++t) {
-            const float wt = w[t];
-            const float* row = vf.data() + (int64_t)t * D;
-            for (int c = 0; c < D; ++c) tmp[c] += wt * row[c];
-          }
-          float* ar = acc.data() + (int64_t)r * D;
-          for (int c = 0; c < D; ++c) ar[c] = ar[c] * alpha + vcol[c] * (tmp[c] + zsum);
-          l[r] = l[r] * alpha + psum;
-          m[r] = m_new;
+// exp on 16 lanes: 2^n * e^r, n = round(x / ln 2), |r| <= ln2 / 2, degree-7 Taylor (rel. err
+// < 1e-7). Results below 2^-126 flush to 0 (exp(-inf) = 0); NaN propagates.
+inline v16f vexp(v16f x) {
+  const v16f lo = splat(-87.33654475f), hi = splat(88.3762626647949f);
+  const v16i dead = x < lo;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  const v16f magic = splat(12582912.f);                 // 1.5 * 2^23: round to nearest
+  const v16f n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v16f r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  v16f p = splat(1.f / 5040.f);
+  p = p * r + splat(1.f / 720.f);
+  p = p * r + splat(1.f / 120.f);
+  p = p * r + splat(1.f / 24.f);
+  p = p * r + splat(1.f / 6.f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.f);
+  p = p * r + splat(1.f);
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  const v16f out = p * (v16f)e;
+  return dead ? v16f{} : out;
+}
+
+// ---------------------------------------------------------------- dtype conversion
+enum Dt { F32 = 0, F16 = 1, BF16 = 2 };
+
+int dt_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat: return F32;
+    case torch::kHalf: return F16;
+    case torch::kBFloat16: return BF16;
+    default: TORCH_CHECK(false, "kvarn CPU kernel: expected fp32/fp16/bf16, but got ", t.scalar_type());
+  }
+  return F32;
+}
+
+// dst[i] = float(src[off + i]), i < n
+void to_float(const void* src, int dt, int64_t off, float* dst, int n) {
+  if (dt == F32) { std::memcpy(dst, (const float*)src + off, sizeof(float) * n); return; }
+  const uint16_t* s = (const uint16_t*)src + off;
+  if (dt == BF16) {
+    for (int i = 0; i < n; ++i) { uint32_t u = (uint32_t)s[i] << 16; std::memcpy(dst + i, &u, 4); }
+    return;
+  }
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + i))));
+#endif
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(s[i], c10::Half::from_bits()));
+}
+
+// dst[(t % per) * (n / per) + t / per] = float(src[off + t]): the order the unpacked codes
+// of a row come out in (all codes at shift 0 first, then shift 1, ...).
+void to_float_perm(const void* src, int dt, int64_t off, float* tmp, float* dst, int n, int per) {
+  if (per == 1) { to_float(src, dt, off, dst, n); return; }
+  to_float(src, dt, off, tmp, n);
+  const int nb = n / per;
+#if defined(__AVX512F__)
+  if (nb % 16 == 0 && (per == 2 || per == 4)) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int j = 0; j < nb; j += 16) {
+      const float* x = tmp + j * per;
+      if (per == 2) {
+        const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+        _mm512_storeu_ps(dst + j, _mm512_permutex2var_ps(a, ev, b));
+        _mm512_storeu_ps(dst + nb + j, _mm512_permutex2var_ps(a, od, b));
+      } else {    // t % 4: split by t % 2, then each half by (t / 2) % 2
+        const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+        const __m512 c = _mm512_loadu_ps(x + 32), d = _mm512_loadu_ps(x + 48);
+        const __m512 e0 = _mm512_permutex2var_ps(a, ev, b), o0 = _mm512_permutex2var_ps(a, od, b);
+        const __m512 e1 = _mm512_permutex2var_ps(c, ev, d), o1 = _mm512_permutex2var_ps(c, od, d);
+        _mm512_storeu_ps(dst + j, _mm512_permutex2var_ps(e0, ev, e1));            // t % 4 == 0
+        _mm512_storeu_ps(dst + 2 * nb + j, _mm512_permutex2var_ps(e0, od, e1));   // t % 4 == 2
+        _mm512_storeu_ps(dst + nb + j, _mm512_permutex2var_ps(o0, ev, o1));       // t % 4 == 1
+        _mm512_storeu_ps(dst + 3 * nb + j, _mm512_permutex2var_ps(o0, od, o1));   // t % 4 == 3
+      }
+    }
+    return;
+  }
+#endif
+  for (int k = 0; k < per; ++k)
+    for (int j = 0; j < nb; ++j) dst[k * nb + j] = tmp[j * per + k];
+}
+
+// Unpack `rows` packed rows of `cols` codes (any supported width: 2/3/4/8) to one byte per
+// code in natural order (the generic path for widths/row sizes the vector loops skip).
+void unpack_bytes(const uint8_t* src, int rows, int cols, int bits, uint8_t* dst) {
+  const int mask = (1 << bits) - 1;
+  const int rb = cols * bits / 8;
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* s = src + (int64_t)r * rb;
+    uint8_t* d = dst + (int64_t)r * cols;
+    if (bits == 3) {
+      for (int g = 0; g < cols / 8; ++g) {
+        const uint32_t w = s[3 * g] | ((uint32_t)s[3 * g + 1] << 8) | ((uint32_t)s[3 * g + 2] << 16);
+        for (int i = 0; i < 8; ++i) d[8 * g + i] = (w >> (3 * i)) & 7;
+      }
+    } else {
+      const int per = 8 / bits;
+      for (int i = 0; i < cols; ++i) d[i] = (s[i / per] >> ((i % per) * bits)) & mask;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- tile inner loops
+// Scores of NR rows against one K tile [D, G] packed along tokens (NB bytes per channel row):
+// s[r][k * NB + j] = sum_c qs[r][c] * code[c, j * PER + k]
+template <int KB, int NR>
+void k_scores(const uint8_t* codes, int D, int NB, const float* qs, int qstride, float* s, int sstride) {
+  constexpr int PER = 8 / KB;
+  for (int jb = 0; jb < NB; jb += 16) {
+    v16f acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = v16f{};
+    const uint8_t* p = codes + jb;
+    for (int c = 0; c < D; ++c, p += NB) {
+      const v16i w = bytes16(p);
+      v16f x[PER];
+      x[0] = codes_f<KB, 0>(w);
+      if (PER > 1) x[1] = codes_f<KB, (PER > 1 ? 1 : 0)>(w);
+      if (PER > 2) x[2] = codes_f<KB, (PER > 2 ? 2 : 0)>(w);
+      if (PER > 3) x[3] = codes_f<KB, (PER > 3 ? 3 : 0)>(w);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const float qv = qs[r * qstride + c];
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) acc[r][k] += qv * x[k];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) vst(s + r * sstride + k * NB + jb, acc[r][k]);
+  }
+}
+
+// Weighted sum of NR rows of weights over one V tile [G, D] packed along channels (NB bytes
+// per token row): o[r][k * NB + j] = sum_t w[r][t'] * code[t, j * PER + k], where the
+// weights are in the K score order t' = (t % kper) * knb + t / kper.
+template <int VB, int NR>
+void v_sums(const uint8_t* codes, int NB, int kper, int knb, const float* w, int wstride, float* o, int ostride) {
+  constexpr int PER = 8 / VB;
+  for (int jb = 0; jb < NB; jb += 16) {
+    v16f acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = v16f{};
+    for (int kk = 0; kk < kper; ++kk) {
+      const float* wk = w + kk * knb;
+      const uint8_t* p = codes + (int64_t)kk * NB + jb;
+      for (int j = 0; j < knb; ++j, p += (int64_t)kper * NB) {
+        const v16i b = bytes16(p);
+        v16f x[PER];
+        x[0] = codes_f<VB, 0>(b);
+        if (PER > 1) x[1] = codes_f<VB, (PER > 1 ? 1 : 0)>(b);
+        if (PER > 2) x[2] = codes_f<VB, (PER > 2 ? 2 : 0)>(b);
+        if (PER > 3) x[3] = codes_f<VB, (PER > 3 ? 3 : 0)>(b);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+          const float wv = wk[r * wstride + j];
+#pragma GCC unroll 4
+          for (int k = 0; k < PER; ++k) acc[r][k] += wv * x[k];
         }
       }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) vst(o + r * ostride + k * NB + jb, acc[r][k]);
+  }
+}
+
+typedef void (*KFn)(const uint8_t*, int, int, const float*, int, float*, int);
+typedef void (*VFn)(const uint8_t*, int, int, int, const float*, int, float*, int);
+
+template <int B>
+KFn k_fn(int nr) {
+  switch (nr) {
+    case 1: return k_scores<B, 1>;
+    case 2: return k_scores<B, 2>;
+#if defined(__AVX512F__)
+    case 3: return k_scores<B, 3>;
+    case 4: return k_scores<B, 4>;
+#endif
+  }
+  return nullptr;
+}
+template <int B>
+VFn v_fn(int nr) {
+  switch (nr) {
+    case 1: return v_sums<B, 1>;
+    case 2: return v_sums<B, 2>;
+#if defined(__AVX512F__)
+    case 3: return v_sums<B, 3>;
+    case 4: return v_sums<B, 4>;
+#endif
+  }
+  return nullptr;
+}
+KFn pick_k(int bits, int nr) { return bits == 2 ? k_fn<2>(nr) : bits == 4 ? k_fn<4>(nr) : k_fn<8>(nr); }
+VFn pick_v(int bits, int nr) { return bits == 2 ? v_fn<2>(nr) : bits == 4 ? v_fn<4>(nr) : v_fn<8>(nr); }
+
+// ---------------------------------------------------------------- online softmax
+// v: n (multiple of 16) scaled scores of one row, -inf where hidden. Turns v into
+// exp(v - m_new), updates (m, l); returns alpha = exp(m_old - m_new), or -1 when the
+// block hides every position (then v is zeroed and m, l are unchanged).
+inline float softmax_step(float* v, int n, float& m, float& l) {
+  v16f mx = splat(NEG_INF);
+  for (int i = 0; i < n; i += 16) { const v16f x = vld(v + i); mx = x > mx ? x : mx; }
+  const float peak = hmax(mx);
+  if (!(peak > NEG_INF)) { std::memset(v, 0, sizeof(float) * n); return -1.f; }
+  const float m_new = std::max(m, peak);
+  const float alpha = std::exp(m - m_new);
+  const v16f mv = splat(m_new);
+  v16f ps{};
+  for (int i = 0; i < n; i += 16) { const v16f p = vexp(vld(v + i) - mv); vst(v + i, p); ps += p; }
+  l = l * alpha + hsum(ps);
+  m = m_new;
+  return alpha;
+}
+
+inline void scale_rows(float* a, int d, float alpha) {
+  if (alpha == 1.f) return;
+  for (int c = 0; c < d; ++c) a[c] *= alpha;
+}
+
+// ---------------------------------------------------------------- the call
+struct Call {
+  const float* q = nullptr;      // [B, HQ, TQ, D] un-rotated (null: tiles only, no plain tiles)
+  const float* qrot = nullptr;   // [B, HQ, TQ, D] rotated, or null: q @ rot
+  const float* rot = nullptr;    // [D, D]
+  const float* rot_t = nullptr;  // [D, D] rot^T, or null: the output stays rotated
+  const void *sink_k = nullptr, *sink_v = nullptr, *tail_k = nullptr, *tail_v = nullptr;
+  int exact_dt = F32, S = 0, W = 0;
+  const uint8_t *kc = nullptr, *vc = nullptr;
+  const void *krs, *krz, *kcs, *vrs, *vrz, *vcs;
+  int scale_dt = F32;
+  const int64_t* lengths = nullptr;   // null: tiles-only mode (positions = tile token index)
+  const int64_t* n_tiles = nullptr;
+  const int64_t* kv_start = nullptr;  // [B, TQ], tiles-only mode
+  const uint8_t* k_plain = nullptr;   // [B, H, N]
+  const void* mask = nullptr; int mask_float = 0; int64_t msb = 0, msh = 0, msq = 0, msm = 0;
+  int B, H, HQ, TQ, D, N, G, kb, vb;
+  float scale; bool causal = false; int window = 0;
+  int splits = 1;
+  float* out; float* lse;             // [B, HQ, TQ, D], [B, HQ, TQ]
+};
+
+void run(const Call& a) {
+  const int B = a.B, H = a.H, HQ = a.HQ, TQ = a.TQ, D = a.D, N = a.N, G = a.G;
+  const int grp = HQ / H, R = grp * TQ;
+  const bool fused = a.lengths != nullptr;
+  // packed row sizes and the vector path (16-byte blocks) or the byte-unpack path
+  const int knb_packed = G * a.kb / 8, vnb_packed = D * a.vb / 8;
+  const bool k_native = (a.kb == 2 || a.kb == 4 || a.kb == 8) && knb_packed % 16 == 0;
+  const bool v_native = (a.vb == 2 || a.vb == 4 || a.vb == 8) && vnb_packed % 16 == 0;
+  const int kbits = k_native ? a.kb : 8, vbits = v_native ? a.vb : 8;
+  const int kper = 8 / kbits, vper = 8 / vbits;
+  const int knb = G / kper, vnb = D / vper;   // bytes per row as the loops read them
+  KFn kf[MAX_NR + 1]; VFn vf[MAX_NR + 1];
+  for (int nr = 1; nr <= MAX_NR; ++nr) { kf[nr] = pick_k(kbits, nr); vf[nr] = pick_v(vbits, nr); }
+  const int splits = a.splits;
+  const int64_t ntasks = (int64_t)B * H * splits;
+  std::vector<float> part_plain(fused ? ntasks * R * D : 0), part_rot(ntasks * R * D);
+  std::vector<float> part_m(ntasks * R, NEG_INF), part_l(ntasks * R, 0.f);
+  std::atomic<int64_t> next{0};
+  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    std::vector<float> qr((size_t)R * D), qs((size_t)R * D), s((size_t)R * std::max(G, EB)),
+        tmp((size_t)R * D), bias(R), zsum(R), alpha(R), kfl((size_t)EB * D), vfl((size_t)EB * D);
+    std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(D), ctmp(std::max(G, D));
+    std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
+    std::vector<int64_t> lo(TQ), hi(TQ);
+    std::vector<char> live(R);
+    for (int64_t task; (task = next.fetch_add(1)) < ntasks;) {
+      const int sp = task % splits;
+      const int64_t bh = task / splits;
+      const int b = bh / H, h = bh % H;
+      float* acc_rot = part_rot.data() + task * R * D;
+      float* acc_plain = fused ? part_plain.data() + task * R * D : nullptr;
+      float* m = part_m.data() + task * R;
+      float* l = part_l.data() + task * R;
+      const int nt = (int)std::min<int64_t>(std::max<int64_t>(a.n_tiles[b], 0), N);
+      const int units = nt + (fused ? 2 : 0);
+      const int per = (units + splits - 1) / splits;
+      const int u0 = sp * per, u1 = std::min(units, u0 + per);
+      if (u0 >= u1) continue;
+      const int64_t qoff = ((int64_t)b * HQ + (int64_t)h * grp) * TQ * D;   // rows r = gi * TQ + tq
+      const float* qp = a.q ? a.q + qoff : nullptr;
+      // rotated queries
+      if (a.qrot) {
+        std::memcpy(qr.data(), a.qrot + qoff, sizeof(float) * R * D);
+      } else {
+        std::fill(qr.begin(), qr.end(), 0.f);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < D; ++c) {
+            const float x = qp[r * D + c];
+            const float* hr = a.rot + (int64_t)c * D;
+            float* o = qr.data() + r * D;
+            for (int j = 0; j < D; ++j) o[j] += x * hr[j];
+          }
+      }
+      // visible positions per query: [lo, hi]
+      int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = std::numeric_limits<int64_t>::min();
+      const int64_t len = fused ? a.lengths[b] : 0;
+      for (int tq = 0; tq < TQ; ++tq) {
+        if (fused) {
+          const int64_t qpos = len - TQ + tq;
+          lo[tq] = a.window > 0 ? qpos - a.window + 1 : std::numeric_limits<int64_t>::min();
+          hi[tq] = a.causal ? qpos : std::numeric_limits<int64_t>::max();
+        } else {
+          lo[tq] = a.kv_start ? a.kv_start[(int64_t)b * TQ + tq] : std::numeric_limits<int64_t>::min();
+          hi[tq] = std::numeric_limits<int64_t>::max();
+        }
+        lo_min = std::min(lo_min, lo[tq]);
+        hi_max = std::max(hi_max, hi[tq]);
+      }
+      auto mask_at = [&](int r, int64_t pos) -> float {   // additive mask value of row r at pos
+        const int gi = r / TQ, tq = r % TQ;
+        const int64_t off = b * a.msb + (int64_t)(h * grp + gi) * a.msh + tq * a.msq + pos * a.msm;
+        if (a.mask_float) return ((const float*)a.mask)[off];
+        return ((const uint8_t*)a.mask)[off] ? 0.f : NEG_INF;
+      };
+      const int64_t tile_pos0 = fused ? a.S : 0;
+
+      for (int u = u0; u < u1; ++u) {
+        if (fused && (u == 0 || u == nt + 1)) {
+          // ------------------------------------------------ exact region (sink or tail)
+          const bool tail = u != 0;
+          const int slots = tail ? a.W : a.S;
+          if (!slots) continue;
+          const void* kb_ = tail ? a.tail_k : a.sink_k;
+          const void* vb_ = tail ? a.tail_v : a.sink_v;
+          const int64_t row0 = bh * slots;
+          const int64_t base = a.S + (int64_t)a.n_tiles[b] * G;
+          for (int t0 = 0; t0 < slots; t0 += EB) {
+            int cnt = 0; int64_t pos[EB]; int slot[EB];
+            for (int sl = t0; sl < std::min(slots, t0 + EB); ++sl) {
+              int64_t p;
+              bool ok;
+              if (tail) {
+                int64_t off = (sl - (base - a.S)) % a.W;
+                if (off < 0) off += a.W;
+                p = base + off;
+                ok = p < len && len > a.S;
+              } else {
+                p = sl;
+                ok = p < len;
+              }
+              if (!ok || p < lo_min || p > hi_max) continue;
+              pos[cnt] = p; slot[cnt] = sl; ++cnt;
+            }
+            if (!cnt) continue;
+            const int n16 = (cnt + 15) / 16 * 16;
+            for (int i = 0; i < cnt; ++i) to_float(kb_, a.exact_dt, (row0 + slot[i]) * D, kfl.data() + i * D, D);
+            for (int r = 0; r < R; ++r) {
+              const int tq = r % TQ;
+              float* v = s.data() + r * EB;
+              const float* qrow = qp + r * D;
+              for (int i = 0; i < cnt; ++i) {
+                v16f acc{};
+                const float* kr = kfl.data() + i * D;
+                for (int c = 0; c < D; c += 16) acc += vld(qrow + c) * vld(kr + c);
+                float x = hsum(acc) * a.scale;
+                if (pos[i] < lo[tq] || pos[i] > hi[tq]) x = NEG_INF;
+                else if (a.mask) x += mask_at(r, pos[i]);
+                v[i] = x;
+              }
+              for (int i = cnt; i < n16; ++i) v[i] = NEG_INF;
+              const float al = softmax_step(v, n16, m[r], l[r]);
+              live[r] = al >= 0.f;
+              if (al >= 0.f && al != 1.f) { scale_rows(acc_plain + r * D, D, al); scale_rows(acc_rot + r * D, D, al); }
+            }
+            for (int i = 0; i < cnt; ++i) to_float(vb_, a.exact_dt, (row0 + slot[i]) * D, vfl.data() + i * D, D);
+            for (int r = 0; r < R; ++r) {
+              if (!live[r]) continue;
+              const float* p = s.data() + r * EB;
+              float* o = acc_plain + r * D;
+              for (int i = 0; i < cnt; ++i) {
+                if (p[i] == 0.f) continue;
+                const v16f w = splat(p[i]);
+                const float* vr = vfl.data() + i * D;
+                for (int c = 0; c < D; c += 16) vst(o + c, vld(o + c) + w * vld(vr + c));
+              }
+            }
+          }
+          continue;
+        }
+        // -------------------------------------------------- one packed tile
+        const int j = fused ? u - 1 : u;
+        const int64_t p0 = tile_pos0 + (int64_t)j * G, p1 = p0 + G - 1;
+        if (p1 < lo_min || p0 > hi_max) continue;
+        const int64_t tile = bh * N + j;
+        to_float(a.krs, a.scale_dt, tile * D, ks.data(), D);
+        to_float(a.krz, a.scale_dt, tile * D, kz.data(), D);
+        to_float_perm(a.kcs, a.scale_dt, tile * G, ctmp.data(), kcs.data(), G, kper);
+        for (int i = 0; i < G; i += 16) vst(kcs.data() + i, vld(kcs.data() + i) * splat(a.scale));
+        to_float_perm(a.vrs, a.scale_dt, tile * G, ctmp.data(), vs.data(), G, kper);
+        to_float_perm(a.vrz, a.scale_dt, tile * G, ctmp.data(), vz.data(), G, kper);
+        to_float_perm(a.vcs, a.scale_dt, tile * D, ctmp.data(), vcs.data(), D, vper);
+        const bool plain = a.k_plain && a.k_plain[tile];
+        const float* qsrc = plain ? qp : qr.data();
+        for (int r = 0; r < R; ++r) {
+          const float* x = qsrc + r * D;
+          float* o = qs.data() + r * D;
+          v16f bacc{};
+          for (int c = 0; c < D; c += 16) {
+            const v16f xv = vld(x + c);
+            vst(o + c, xv * vld(ks.data() + c));
+            bacc += xv * vld(kz.data() + c);
+          }
+          bias[r] = hsum(bacc);
+        }
+        const uint8_t* kcodes = a.kc + tile * D * knb_packed;
+        if (!k_native) { unpack_bytes(kcodes, D, G, a.kb, k8.data()); kcodes = k8.data(); }
+        for (int r0 = 0; r0 < R; r0 += MAX_NR) {
+          const int nr = std::min(MAX_NR, R - r0);
+          kf[nr](kcodes, D, knb, qs.data() + r0 * D, D, s.data() + r0 * G, G);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int tq = r % TQ;
+          float* v = s.data() + r * G;
+          const v16f bv = splat(bias[r]);
+          for (int i = 0; i < G; i += 16) vst(v + i, (vld(v + i) + bv) * vld(kcs.data() + i));
+          if (p0 < lo[tq] || p1 > hi[tq] || a.mask) {
+            for (int i = 0; i < G; ++i) {     // score order i = k * knb + jj is token jj * kper + k
+              const int64_t p = p0 + (int64_t)(i % knb) * kper + i / knb;
+              if (p < lo[tq] || p > hi[tq]) v[i] = NEG_INF;
+              else if (a.mask) v[i] += mask_at(r, p);
+            }
+          }
+          const float al = softmax_step(v, G, m[r], l[r]);
+          live[r] = al >= 0.f;
+          alpha[r] = al;
+          if (al < 0.f) { zsum[r] = 0.f; continue; }
+          v16f z{};
+          for (int i = 0; i < G; i += 16) {
+            const v16f p = vld(v + i);
+            z += p * vld(vz.data() + i);
+            vst(v + i, p * vld(vs.data() + i));
+          }
+          zsum[r] = hsum(z);
+        }
+        const uint8_t* vcodes = a.vc + tile * G * vnb_packed;
+        if (!v_native) { unpack_bytes(vcodes, G, D, a.vb, v8.data()); vcodes = v8.data(); }
+        for (int r0 = 0; r0 < R; r0 += MAX_NR) {
+          const int nr = std::min(MAX_NR, R - r0);
+          vf[nr](vcodes, vnb, kper, knb, s.data() + r0 * G, G, tmp.data() + r0 * D, D);
+        }
+        for (int r = 0; r < R; ++r) {
+          if (!live[r]) continue;
+          float* o = acc_rot + r * D;
+          const float* t = tmp.data() + r * D;
+          const v16f al = splat(alpha[r]), z = splat(zsum[r]);
+          for (int c = 0; c < D; c += 16)
+            vst(o + c, vld(o + c) * al + vld(vcs.data() + c) * (vld(t + c) + z));
+          if (fused && alpha[r] != 1.f) scale_rows(acc_plain + r * D, D, alpha[r]);
+        }
+      }
+    }
+  });
+
+  // ---------------------------------------------------------------- merge the splits
+  at::parallel_for(0, (int64_t)B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rot(D), plain(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int b = bh / H, h = bh % H;
       for (int r = 0; r < R; ++r) {
         const int gi = r / TQ, tq = r % TQ;
-        const int64_t row = (((int64_t)b * HQ + h * grp + gi) * TQ + tq) * splits + sp;
-        for (int c = 0; c < D; ++c) o_part[row * D + c] = acc[(int64_t)r * D + c];
-        m_part[row] = m[r];
-        l_part[row] = l[r];
+        const int64_t orow = ((int64_t)b * HQ + h * grp + gi) * TQ + tq;
+        float M = NEG_INF;
+        for (int sp = 0; sp < splits; ++sp) M = std::max(M, part_m[(bh * splits + sp) * R + r]);
+        float* o = a.out + orow * D;
+        if (!(M > NEG_INF)) {
+          std::fill(o, o + D, 0.f);
+          if (a.lse) a.lse[orow] = NEG_INF;
+          continue;
+        }
+        float L = 0.f;
+        std::fill(rot.begin(), rot.end(), 0.f);
+        std::fill(plain.begin(), plain.end(), 0.f);
+        for (int sp = 0; sp < splits; ++sp) {
+          const int64_t i = (bh * splits + sp) * R + r;
+          if (!(part_m[i] > NEG_INF)) continue;
+          const float w = std::exp(part_m[i] - M);
+          L += w * part_l[i];
+          const float* pr = part_rot.data() + i * D;
+          for (int c = 0; c < D; ++c) rot[c] += w * pr[c];
+          if (fused) {
+            const float* pp = part_plain.data() + i * D;
+            for (int c = 0; c < D; ++c) plain[c] += w * pp[c];
+          }
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        if (a.lse) a.lse[orow] = L > 0.f ? std::log(L) + M : NEG_INF;
+        // rot is in the value-code order: index k * vnb + j holds channel j * vper + k
+        if (a.rot_t) {
+          for (int c = 0; c < D; ++c) o[c] = plain[c];
+          for (int i = 0; i < D; ++i) {
+            const float x = rot[i];
+            if (x == 0.f) continue;
+            const float* hr = a.rot_t + (int64_t)((i % vnb) * vper + i / vnb) * D;
+            for (int c = 0; c < D; ++c) o[c] += x * hr[c];
+          }
+          for (int c = 0; c < D; ++c) o[c] *= inv;
+        } else {
+          for (int i = 0; i < D; ++i) o[(i % vnb) * vper + i / vnb] = (rot[i] + (fused ? plain[(i % vnb) * vper + i / vnb] : 0.f)) * inv;
+        }
       }
     }
   });
 }
 
-std::vector<torch::Tensor> kvarn_tile_attention(
-    torch::Tensor q, torch::Tensor kc, torch::Tensor krs, torch::Tensor krz, torch::Tensor kcs,
+int64_t pick_splits(int64_t bh, int64_t units) {
+  // enough tasks to balance the threads, each at least ~4 units (a unit: one tile, the sink
+  // or the tail)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t want = (8 * threads + bh - 1) / bh;
+  return std::max<int64_t>(1, std::min<int64_t>(want, units / 4));
+}
+
+const void* ptr_or_null(const std::optional<torch::Tensor>& t) {
+  return t.has_value() && t->defined() && t->numel() ? t->data_ptr() : nullptr;
+}
+
+void check_contig(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "kvarn CPU kernel: expected a contiguous CPU tensor for ", name);
+}
+
+}  // namespace
+
+// Tiles and (optionally) the exact regions. Exact mode when `lengths` is given: positions,
+// causal/window/mask visibility, the sink/tail, q rotation and the rotation back; otherwise
+// tiles only in the rotated frame (kv_start: first visible tile token per (b, tq)).
+std::vector<torch::Tensor> kvarn_attention(
+    std::optional<torch::Tensor> q, std::optional<torch::Tensor> q_rot, std::optional<torch::Tensor> rot,
+    std::optional<torch::Tensor> rot_t,
+    std::optional<torch::Tensor> sink_k, std::optional<torch::Tensor> sink_v,
+    std::optional<torch::Tensor> tail_k, std::optional<torch::Tensor> tail_v,
+    torch::Tensor kc, torch::Tensor krs, torch::Tensor krz, torch::Tensor kcs,
     torch::Tensor vc, torch::Tensor vrs, torch::Tensor vrz, torch::Tensor vcs,
-    torch::Tensor n_tiles, torch::Tensor kv_start, double scale, int64_t kb, int64_t vb, int64_t splits) {
-  const int B = q.size(0), HQ = q.size(1), TQ = q.size(2), D = q.size(3);
-  const int H = kc.size(1), N = kc.size(2), G = kcs.size(3);
-  auto opts = q.options();
-  auto o_part = torch::zeros({B, HQ, TQ, splits, D}, opts);
-  auto m_part = torch::full({B, HQ, TQ, splits}, -std::numeric_limits<float>::infinity(), opts);
-  auto l_part = torch::zeros({B, HQ, TQ, splits}, opts);
-  const bool has_start = kv_start.numel() > 0;
-  #define KVARN_RUN(KB_, VB_) run<KB_, VB_>(q.data_ptr<float>(), kc.data_ptr<uint8_t>(), \
-      krs.data_ptr<float>(), krz.data_ptr<float>(), kcs.data_ptr<float>(), vc.data_ptr<uint8_t>(), \
-      vrs.data_ptr<float>(), vrz.data_ptr<float>(), vcs.data_ptr<float>(), n_tiles.data_ptr<int64_t>(), \
-      has_start ? kv_start.data_ptr<int64_t>() : nullptr, has_start, B, H, HQ, TQ, D, N, G, (int)splits, \
-      (float)scale, o_part.data_ptr<float>(), m_part.data_ptr<float>(), l_part.data_ptr<float>())
-  if (kb == 4 && vb == 2) KVARN_RUN(4, 2);
-  else if (kb == 4 && vb == 4) KVARN_RUN(4, 4);
-  else if (kb == 2 && vb == 2) KVARN_RUN(2, 2);
-  else if (kb == 8 && vb == 8) KVARN_RUN(8, 8);
-  else if (kb == 2 && vb == 4) KVARN_RUN(2, 4);
-  else if (kb == 8 && vb == 4) KVARN_RUN(8, 4);
-  else if (kb == 4 && vb == 8) KVARN_RUN(4, 8);
-  else TORCH_CHECK(false, "kvarn CPU kernel: unsupported bit widths k", kb, " v", vb);
-  #undef KVARN_RUN
-  return {o_part, m_part, l_part};
+    std::optional<torch::Tensor> lengths, torch::Tensor n_tiles, std::optional<torch::Tensor> kv_start,
+    std::optional<torch::Tensor> k_plain, std::optional<torch::Tensor> mask,
+    double scale, bool causal, int64_t window, int64_t kb, int64_t vb) {
+  Call a;
+  const torch::Tensor& qref = q.has_value() && q->defined() ? *q : *q_rot;
+  a.B = qref.size(0); a.HQ = qref.size(1); a.TQ = qref.size(2); a.D = qref.size(3);
+  a.H = kc.size(1); a.N = kc.size(2); a.G = kcs.size(3); a.kb = kb; a.vb = vb;
+  TORCH_CHECK(a.D % 16 == 0 && a.HQ % a.H == 0, "kvarn CPU kernel: expected head_dim % 16 == 0 and q heads a multiple of kv heads");
+  TORCH_CHECK(kb == 2 || kb == 3 || kb == 4 || kb == 8, "kvarn CPU kernel: unsupported key bits ", kb);
+  TORCH_CHECK(vb == 2 || vb == 3 || vb == 4 || vb == 8, "kvarn CPU kernel: unsupported value bits ", vb);
+  TORCH_CHECK(kc.size(3) == a.D && kc.size(4) * 8 == a.G * kb && vc.size(3) == a.G && vc.size(4) * 8 == a.D * vb,
+              "kvarn CPU kernel: code buffers do not match the tile geometry");
+  for (auto* t : {&kc, &krs, &krz, &kcs, &vc, &vrs, &vrz, &vcs, &n_tiles}) check_contig(*t, "the tile buffers");
+  a.q = (const float*)ptr_or_null(q);
+  a.qrot = (const float*)ptr_or_null(q_rot);
+  a.rot = (const float*)ptr_or_null(rot);
+  a.rot_t = (const float*)ptr_or_null(rot_t);
+  TORCH_CHECK(a.qrot || (a.q && a.rot), "kvarn CPU kernel: expected q_rot, or q and rot");
+  for (auto* t : {&q, &q_rot, &rot, &rot_t})
+    if (t->has_value() && (*t)->defined()) {
+      check_contig(**t, "q / rotation");
+      TORCH_CHECK((*t)->scalar_type() == torch::kFloat, "kvarn CPU kernel: expected fp32 queries and rotation");
+    }
+  a.kc = kc.data_ptr<uint8_t>(); a.vc = vc.data_ptr<uint8_t>();
+  a.krs = krs.data_ptr(); a.krz = krz.data_ptr(); a.kcs = kcs.data_ptr();
+  a.vrs = vrs.data_ptr(); a.vrz = vrz.data_ptr(); a.vcs = vcs.data_ptr();
+  a.scale_dt = dt_of(krs);
+  for (auto* t : {&krz, &kcs, &vrs, &vrz, &vcs})
+    TORCH_CHECK(t->scalar_type() == krs.scalar_type(), "kvarn CPU kernel: expected one scale dtype");
+  a.n_tiles = n_tiles.data_ptr<int64_t>();
+  if (lengths.has_value() && lengths->defined()) {
+    TORCH_CHECK(a.q != nullptr, "kvarn CPU kernel: the exact regions need the un-rotated q");
+    check_contig(*lengths, "lengths");
+    a.lengths = lengths->data_ptr<int64_t>();
+    for (auto* t : {&sink_k, &sink_v, &tail_k, &tail_v}) check_contig(**t, "sink / tail");
+    a.exact_dt = dt_of(*sink_k);
+    TORCH_CHECK(sink_v->scalar_type() == sink_k->scalar_type() && tail_k->scalar_type() == sink_k->scalar_type()
+                && tail_v->scalar_type() == sink_k->scalar_type(), "kvarn CPU kernel: expected one exact dtype");
+    a.S = sink_k->size(2); a.W = tail_k->size(2);
+    a.sink_k = sink_k->data_ptr(); a.sink_v = sink_v->data_ptr();
+    a.tail_k = tail_k->data_ptr(); a.tail_v = tail_v->data_ptr();
+    if (mask.has_value() && mask->defined()) {
+      const auto& mk = *mask;
+      TORCH_CHECK(mk.dim() == 4 && (mk.scalar_type() == torch::kFloat || mk.scalar_type() == torch::kByte),
+                  "kvarn CPU kernel: expected a 4-d fp32 or uint8 mask");
+      a.mask = mk.data_ptr(); a.mask_float = mk.scalar_type() == torch::kFloat;
+      a.msb = mk.stride(0); a.msh = mk.stride(1); a.msq = mk.stride(2); a.msm = mk.stride(3);
+    }
+  }
+  if (kv_start.has_value() && kv_start->defined() && kv_start->numel()) {
+    check_contig(*kv_start, "kv_start");
+    a.kv_start = kv_start->data_ptr<int64_t>();
+  }
+  if (k_plain.has_value() && k_plain->defined() && k_plain->numel()) {
+    check_contig(*k_plain, "k_plain");
+    TORCH_CHECK(k_plain->scalar_type() == torch::kByte && k_plain->numel() == (int64_t)a.B * a.H * a.N,
+                "kvarn CPU kernel: expected k_plain as uint8 [B, H, N]");
+    TORCH_CHECK(a.q != nullptr, "kvarn CPU kernel: plain key tiles need the un-rotated q");
+    a.k_plain = k_plain->data_ptr<uint8_t>();
+  }
+  a.scale = (float)scale; a.causal = causal; a.window = (int)window;
+  int64_t units = 0;
+  const int64_t* nt = a.n_tiles;
+  for (int b = 0; b < a.B; ++b) units = std::max<int64_t>(units, std::min<int64_t>(std::max<int64_t>(nt[b], 0), a.N));
+  units += a.lengths ? 2 : 0;
+  a.splits = (int)pick_splits((int64_t)a.B * a.H, units);
+  auto out = torch::empty({a.B, a.HQ, a.TQ, a.D}, qref.options().dtype(torch::kFloat));
+  auto lse = torch::empty({a.B, a.HQ, a.TQ}, qref.options().dtype(torch::kFloat));
+  a.out = out.data_ptr<float>(); a.lse = lse.data_ptr<float>();
+  run(a);
+  return {out, lse};
 }
 """
 
-_CPP_DECL = ("std::vector<torch::Tensor> kvarn_tile_attention(torch::Tensor q, torch::Tensor kc, "
-             "torch::Tensor krs, torch::Tensor krz, torch::Tensor kcs, torch::Tensor vc, "
-             "torch::Tensor vrs, torch::Tensor vrz, torch::Tensor vcs, torch::Tensor n_tiles, "
-             "torch::Tensor kv_start, double scale, int64_t kb, int64_t vb, int64_t splits);")
-SUPPORTED_BITS = {(4, 2), (4, 4), (2, 2), (8, 8), (2, 4), (8, 4), (4, 8)}
+_CPP_DECL = (
+    "std::vector<torch::Tensor> kvarn_attention("
+    "std::optional<torch::Tensor> q, std::optional<torch::Tensor> q_rot, std::optional<torch::Tensor> rot, "
+    "std::optional<torch::Tensor> rot_t, std::optional<torch::Tensor> sink_k, std::optional<torch::Tensor> sink_v, "
+    "std::optional<torch::Tensor> tail_k, std::optional<torch::Tensor> tail_v, "
+    "torch::Tensor kc, torch::Tensor krs, torch::Tensor krz, torch::Tensor kcs, "
+    "torch::Tensor vc, torch::Tensor vrs, torch::Tensor vrz, torch::Tensor vcs, "
+    "std::optional<torch::Tensor> lengths, torch::Tensor n_tiles, std::optional<torch::Tensor> kv_start, "
+    "std::optional<torch::Tensor> k_plain, std::optional<torch::Tensor> mask, "
+    "double scale, bool causal, int64_t window, int64_t kb, int64_t vb);")
+
+#: (key bits, value bits) the kernel reads (3-bit codes go through a byte-unpack path).
+SUPPORTED_BITS = {(kb, vb) for kb in (2, 3, 4, 8) for vb in (2, 3, 4, 8)}
+_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @functools.lru_cache(maxsize=1)
@@ -162,9 +766,12 @@ def _module():
     # -march=native: the extension is built on (and cached for) the machine that runs it;
     # the CPU model is part of the name so a cache shared between machines never mixes them.
     cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
-    return load_inline(name=f"kvarn_cpu_attention_v2_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
-                       functions=["kvarn_tile_attention"], extra_cflags=["-O3", "-march=native"],
-                       verbose=False)
+    return load_inline(name=f"kvarn_cpu_attention_v3_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
+                       functions=["kvarn_attention"],
+                       # -fopenmp: at::parallel_for is inlined here as an OpenMP region (without
+                       # it the loop runs on one thread); libgomp resolves to torch's own copy
+                       extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _cpu_model() -> str:
@@ -190,34 +797,88 @@ def available() -> bool:
         return False
 
 
-def tile_attention(q_rot: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
-                   n_tiles: torch.Tensor, *, scale: float, kv_start: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out_rot fp32 [B, Hq, Tq, D], lse [B, Hq, Tq]) over the packed tiles.
+@functools.lru_cache(maxsize=16)
+def _rotations(d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvarn_compile.reference.rotation import rotation_matrix
 
-    k = [codes, row_scale, row_zero, col_scale], v likewise (layouts of ``state.py``).
-    Rows with no visible quantized token get out = 0 and lse = -inf.
-    """
+    h = rotation_matrix(d, "cpu")
+    return h.contiguous(), h.T.contiguous()
+
+
+def _bits(k: list[torch.Tensor], v: list[torch.Tensor], d: int) -> tuple[int, int]:
     g = k[3].shape[-1]
-    d = q_rot.shape[-1]
     kb, vb = 8 * k[0].shape[-1] // g, 8 * v[0].shape[-1] // d
     if (kb, vb) not in SUPPORTED_BITS:
         raise NotImplementedError(f"kvarn CPU kernel: expected bit widths in {sorted(SUPPORTED_BITS)}, "
                                   f"but got k{kb} v{vb}.")
-    used = int(n_tiles.max()) if n_tiles.numel() else 0
-    splits = max(1, min(torch.get_num_threads() * 2, used // 4 or 1))
-    f32 = [t.float().contiguous() for t in (k[1], k[2], k[3], v[1], v[2], v[3])]
-    start = kv_start.to(torch.int64).contiguous() if kv_start is not None else \
-        torch.empty(0, dtype=torch.int64)
-    o_part, m_part, l_part = _module().kvarn_tile_attention(
-        q_rot.float().contiguous(), k[0].contiguous(), f32[0], f32[1], f32[2], v[0].contiguous(),
-        f32[3], f32[4], f32[5], n_tiles.to(torch.int64).contiguous(), start, float(scale), kb, vb, splits)
-    m = m_part.amax(-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(m_part - m_safe) * 1.0                       # [B,Hq,Tq,S]
-    l = (w * l_part).sum(-1)
-    out = (w[..., None] * o_part).sum(-2) / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    lse = torch.where(l > 0, torch.log(l.clamp_min(torch.finfo(torch.float32).tiny)) + m_safe[..., 0],
-                      torch.full_like(l, float("-inf")))
-    out = torch.where((l > 0)[..., None], out, torch.zeros_like(out))
+    return kb, vb
+
+
+def supports(d: int, scale_dtype: torch.dtype) -> bool:
+    """True when the kernel reads this head dim and scale dtype (fp8 scales: no)."""
+    return d % 16 == 0 and scale_dtype in _SCALE_DTYPES
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _plain(k_plain: torch.Tensor | None) -> torch.Tensor | None:
+    if k_plain is None:
+        return None
+    return _c(k_plain.to(torch.uint8))
+
+
+def tile_attention(q_rot: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
+                   n_tiles: torch.Tensor, *, scale: float, kv_start: torch.Tensor | None = None,
+                   k_plain: torch.Tensor | None = None, q: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_rot fp32 [B, Hq, Tq, D], lse [B, Hq, Tq]) over the packed tiles.
+
+    k = [codes, row_scale, row_zero, col_scale], v likewise (layouts of ``state.py``).
+    kv_start [B, Tq]: first visible token index of the tile region per query.
+    k_plain uint8 [B, H, N]: 1 where that tile's keys are stored un-rotated; their scores
+    use the un-rotated ``q`` (q_rot @ H.T when not given). Values are always rotated.
+    Rows with no visible quantized token get out = 0 and lse = -inf.
+    """
+    d = q_rot.shape[-1]
+    kb, vb = _bits(k, v, d)
+    if k_plain is not None and q is None:
+        q = q_rot.float() @ _rotations(d)[1]
+    start = _c(kv_start.to(torch.int64)) if kv_start is not None else None
+    out, lse = _module().kvarn_attention(
+        _c(q.float()) if q is not None else None, _c(q_rot.float()), None, None,
+        None, None, None, None,
+        _c(k[0]), _c(k[1]), _c(k[2]), _c(k[3]), _c(v[0]), _c(v[1]), _c(v[2]), _c(v[3]),
+        None, _c(n_tiles.to(torch.int64)), start, _plain(k_plain), None,
+        float(scale), False, 0, kb, vb)
     return out, lse
+
+
+def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
+                     k: list[torch.Tensor], v: list[torch.Tensor],
+                     tail: tuple[torch.Tensor, torch.Tensor], lengths: torch.Tensor,
+                     n_tiles: torch.Tensor, *, scale: float, causal: bool = True, window: int = 0,
+                     mask: torch.Tensor | None = None, k_plain: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """Attention of q [B, Hq, Tq, D] (the last Tq tokens of each row) over the whole packed
+    cache in one C++ call: fp32 output [B, Hq, Tq, D], un-rotated.
+
+    sink = (sink_k, sink_v) [B, H, S, D], tail = (tail_k, tail_v) [B, H, W, D] (ring
+    buffer), k/v the tile buffers, as in ``state.py``; semantics of causal / window / mask
+    as in ``ops.reference.attention`` (mask: bool or additive float, broadcastable to
+    [B, Hq, Tq, M], indexed by absolute key position). k_plain as in :func:`tile_attention`.
+    """
+    bsz, hq, tq, d = q.shape
+    kb, vb = _bits(k, v, d)
+    rot, rot_t = _rotations(d)
+    m = None
+    if mask is not None:
+        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.float32)
+        m = m.expand(bsz, hq, tq, m.shape[-1])
+    out, _ = _module().kvarn_attention(
+        _c(q.float()), None, rot, rot_t, _c(sink[0]), _c(sink[1]), _c(tail[0]), _c(tail[1]),
+        _c(k[0]), _c(k[1]), _c(k[2]), _c(k[3]), _c(v[0]), _c(v[1]), _c(v[2]), _c(v[3]),
+        _c(lengths), _c(n_tiles), None, _plain(k_plain), m,
+        float(scale), bool(causal), int(window), kb, vb)
+    return out

@@ -1,12 +1,14 @@
 """Kernel implementations of the kvarn ops: Triton on CUDA, C++ on CPU.
 
-``attention``: the exact regions (sink and tail) are attended in torch with their
-log-sum-exp; the packed tiles go through a tile kernel (the split-K Triton decode kernel
-on CUDA, the C++ kernel of ``kernels/cpu_attention.py`` on CPU: in-register unpack,
-dual-scale fold, rotated frame); the two parts are merged by log-sum-exp and the tile part
-is rotated back once. The kernel path is taken only where it is exact: every quantized
-token is older than every query (always true in decoding), no mask hides any position of
-the quantized region, and the scales are not fp8. Anything else runs the reference.
+``attention`` on CUDA: the exact regions (sink and tail) are attended in torch with their
+log-sum-exp; the packed tiles go through the split-K Triton decode kernel (in-register
+unpack, dual-scale fold, rotated frame); the two parts are merged by log-sum-exp and the
+tile part is rotated back once. On CPU the whole step (sink, tiles, tail, one online
+softmax, the rotations) is one call of the C++ kernel of ``kernels/cpu_attention.py``.
+The kernel path is taken only where it is exact: every quantized token is visible to every
+query (always true in decoding, including the step whose append froze the query's own
+tile), no mask hides any position of the quantized region, and the scales are not fp8.
+Anything else runs the reference.
 
 ``freeze``: tile quantization (rotation, normalization, RTN, packing) in one kernel per
 (tile, head), written in place into the packed buffers.
@@ -29,12 +31,15 @@ def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Ten
         return False
     s = buffers[BUF["sink_k"]].shape[2]
     g = buffers[BUF["k_col_scale"]].shape[-1]
-    lengths, n_tiles = buffers[BUF["lengths"]], buffers[BUF["n_tiles"]]
     tq = q.shape[2]
-    if bool((((s + n_tiles * g) > (lengths - tq)) & (n_tiles > 0)).any()):
+    # (plain ints: this runs on every decode step, a handful of tiny tensor ops cost more)
+    lengths, n_tiles = buffers[BUF["lengths"]].tolist(), buffers[BUF["n_tiles"]].tolist()
+    # the newest quantized position (s + n*g - 1) must be visible to the oldest query
+    # (position length - tq); it may be that query itself (a tile frozen by this step's append)
+    if any(n > 0 and s + n * g - 1 > length - tq for length, n in zip(lengths, n_tiles)):
         return False                           # a query would need causal masking inside tiles
     if mask is not None:
-        used = int(n_tiles.max())
+        used = max(n_tiles, default=0)
         region = mask[..., s:s + used * g]
         if region.dtype == torch.bool:
             if not bool(region.all()):
@@ -54,13 +59,26 @@ def _triton_tiles(q_rot, buffers, scale, kv_start):
         buffers[BUF["n_tiles"]], scale=float(scale), kv_start=kv_start)
 
 
-def _cpu_tiles(q_rot, buffers, scale, kv_start):
-    from kvarn_compile.kernels.cpu_attention import tile_attention
+def _cpu_attention(q, buffers, mask, scale, causal, window, k_plain=None):
+    """The whole step in one C++ call; None where the kernel cannot read this cache."""
+    from kvarn_compile.kernels import cpu_attention
 
+    d = q.shape[-1]
+    kb = 8 * buffers[BUF["k_codes"]].shape[-1] // buffers[BUF["k_col_scale"]].shape[-1]
+    vb = 8 * buffers[BUF["v_codes"]].shape[-1] // d
+    if not cpu_attention.supports(d, buffers[BUF["k_row_scale"]].dtype) \
+            or (kb, vb) not in cpu_attention.SUPPORTED_BITS:
+        return None
+    lengths = buffers[BUF["lengths"]]
+    if mask is not None and mask.shape[-1] < int(lengths.max()):
+        raise ValueError(f"KVarN attention: the mask covers {mask.shape[-1]} key positions, but the "
+                         f"cache holds up to {int(lengths.max())}; expected a mask as long as the cache.")
     names = ("codes", "row_scale", "row_zero", "col_scale")
-    return tile_attention(q_rot, [buffers[BUF[f"k_{n}"]] for n in names],
-                          [buffers[BUF[f"v_{n}"]] for n in names], buffers[BUF["n_tiles"]],
-                          scale=float(scale), kv_start=kv_start)
+    return cpu_attention.decode_attention(
+        q, (buffers[BUF["sink_k"]], buffers[BUF["sink_v"]]),
+        [buffers[BUF[f"k_{n}"]] for n in names], [buffers[BUF[f"v_{n}"]] for n in names],
+        (buffers[BUF["tail_k"]], buffers[BUF["tail_v"]]), lengths, buffers[BUF["n_tiles"]],
+        scale=float(scale), causal=causal, window=window, mask=mask, k_plain=k_plain)
 
 
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
@@ -68,6 +86,11 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     """Fused attention with the tile part on ``kernel`` ("triton" or "cpu")."""
     if not kernel_applies(q, buffers, mask):
         return reference.attention(q, buffers, mask, scale, causal, window)
+    if kernel == "cpu":
+        out = _cpu_attention(q, buffers, mask, scale, causal, window)
+        if out is None:
+            return reference.attention(q, buffers, mask, scale, causal, window)
+        return out.to(q.dtype)
     out_e, lse_e = reference.attention(q, buffers, mask, scale, causal, window, tiles=False,
                                        return_lse=True)
     d = q.shape[-1]
@@ -78,8 +101,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
         lengths = buffers[BUF["lengths"]]
         q_pos = lengths[:, None] - q.shape[2] + torch.arange(q.shape[2], device=q.device)[None, :]
         kv_start = (q_pos - window + 1 - s).clamp(min=0)
-    tiles = _triton_tiles if kernel == "triton" else _cpu_tiles
-    out_t, lse_t = tiles((q.float() @ rot).contiguous(), buffers, scale, kv_start)
+    out_t, lse_t = _triton_tiles((q.float() @ rot).contiguous(), buffers, scale, kv_start)
     peak = torch.maximum(lse_e, lse_t)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     w_e, w_t = torch.exp(lse_e - peak), torch.exp(lse_t - peak)
