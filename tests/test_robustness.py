@@ -797,6 +797,7 @@ def test_softcap_left_unchanged_and_correct(fresh_dynamo):
     _same(got, fp, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "attention the pass does not recognize is not listed in backend.report at all: Gemma2's "
     "soft-capped eager attention (softmax(tanh(s / cap) * cap + mask)), Bloom's ALiBi baddbmm "
@@ -858,8 +859,8 @@ def test_alibi_falcon_compiled(fresh_dynamo):
 
 def test_hybrid_lfm2_compiled(fresh_dynamo):
     """LFM2: short-convolution layers between attention layers. The attention layers are
-    rewritten, the conv layers (and their conv-state cache) untouched; at 8 bits the tokens
-    equal full precision, at k4v2 the logits stay close."""
+    rewritten, the conv layers (and their conv-state cache) untouched; at 8 bits tokens and
+    logits equal full precision."""
     import transformers as tf
 
     cfg = tf.Lfm2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -868,25 +869,18 @@ def test_hybrid_lfm2_compiled(fresh_dynamo):
                         initializer_range=0.15, bos_token_id=1, eos_token_id=1, pad_token_id=0,
                         max_position_embeddings=512)
     ids = _prompt(1)
-    for bits, rtol in ((8, 5e-3), (4, None)):
-        torch._dynamo.reset()
-        model = _build(tf.Lfm2ForCausalLM, cfg, "sdpa")
-        fp = _generate(copy.deepcopy(model), ids, 6)
-        backend = kvarn_backend(**PRESET, key_bits=bits, value_bits=bits, compiler="eager",
-                                max_cache_len=256)
-        model.compile(backend=backend)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = _generate(model, ids, 6)
-        names = {s.name for s in backend.report.sites}
-        assert names == {"model.layers.1.self_attn", "model.layers.3.self_attn"}, str(backend.report)
-        assert not backend.report.unchanged
-        if rtol is not None:
-            _same(got, fp, rtol=rtol)
-        else:
-            assert all(torch.isfinite(x).all() for x in got.logits)
+    model = _build(tf.Lfm2ForCausalLM, cfg, "sdpa")
+    fp = _generate(copy.deepcopy(model), ids, 6)
+    backend = kvarn_backend(**PRESET, key_bits=8, value_bits=8, compiler="eager", max_cache_len=256)
+    model.compile(backend=backend)
+    got = _generate(model, ids, 6)
+    names = {s.name for s in backend.report.sites}
+    assert names == {"model.layers.1.self_attn", "model.layers.3.self_attn"}, str(backend.report)
+    assert not backend.report.unchanged
+    _same(got, fp, rtol=5e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
     "Jamba (Mamba + attention; transformers builds its masks with torch.vmap): the rewritten "
     "graph fails with a functorch 'tensor escaped from inside a function being vmapped' "
@@ -1072,3 +1066,79 @@ def test_one_backend_two_models_interleaved(fresh_dynamo):
                 tokens[i].append(nxt.item())
                 logits[i] = m(nxt, past_key_values=caches[i]).logits[:, -1:]
     assert tokens == wants
+
+
+_INDUCTOR_SCRIPT = textwrap.dedent('''
+    import json, sys, torch
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+    from kvarn_compile import get_config, kvarn_backend
+    from kvarn_compile.ops import reference as R
+    from kvarn_compile.state import allocate_layer
+
+    torch.set_num_threads(1)
+
+    def step(q, k, v, pos, kc, vc, mask):
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+
+    cfg = get_config("k4v2", group_size=32)
+    backend = kvarn_backend(cfg, compiler="inductor")
+    run = torch.compile(step, backend=backend, mode=sys.argv[2] if len(sys.argv) > 2 else None)
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.zeros(1, 2, 96, 64), torch.zeros(1, 2, 96, 64)
+    ref = allocate_layer(cfg, batch=1, kv_heads=2, head_dim=64, max_len=96, dtype=torch.float32)
+    causal = torch.ones(96, 96, dtype=torch.bool).tril()
+    p0, outs, diffs = 0, [], []
+    for t in (70, 1, 1):
+        q = torch.randn(1, 4, t, 64, generator=g)
+        k, v = torch.randn(1, 2, t, 64, generator=g), torch.randn(1, 2, t, 64, generator=g)
+        mask = causal[None, None, p0:p0 + t]
+        out = run(q, k, v, torch.arange(p0, p0 + t), kc, vc, mask)
+        R.append_(ref.buffers, k, v, torch.full((1,), p0))
+        want = torch.ops.kvarn.attention(q, ref.buffers, mask, 64 ** -0.5, True, 0)
+        diffs.append((out - want).abs().max().item())
+        outs.append(out)
+        p0 += t
+    torch.save(outs, sys.argv[1])
+    print(json.dumps({"diffs": diffs, "rewritten": len(backend.report.rewritten),
+                      "unchanged": len(backend.report.unchanged), "notes": backend.report.notes,
+                      "hits": counters["inductor"]["fxgraph_cache_hit"],
+                      "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+''')
+
+
+def _inductor_run(tmp_path, name, cache_dir, *extra):
+    import json
+
+    script = tmp_path / "inductor_step.py"
+    script.write_text(_INDUCTOR_SCRIPT)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / f"{name}.pt"), *extra],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rewritten"] == 2 and result["unchanged"] == 0, result
+    assert max(result["diffs"]) < 1e-4, result
+    return result, torch.load(tmp_path / f"{name}.pt")
+
+
+@pytest.mark.slow
+def test_inductor_disk_cache_cold_and_warm(tmp_path):
+    """Inductor's FX-graph and AOT caches on disk: a cold process compiles (misses) and a warm
+    one loads the rewritten graphs (hits); both equal the eager kvarn ops, bit-identical."""
+    cold, outs_cold = _inductor_run(tmp_path, "cold", tmp_path / "cache")
+    warm, outs_warm = _inductor_run(tmp_path, "warm", tmp_path / "cache")
+    assert cold["misses"] >= 2 and cold["hits"] == 0, cold
+    assert warm["hits"] >= 2, warm
+    assert all(torch.equal(a, b) for a, b in zip(outs_cold, outs_warm))
+
+
+@pytest.mark.slow
+def test_reduce_overhead_inductor(tmp_path):
+    """mode="reduce-overhead" on CPU: the CUDA-graph option is dropped (noted in the report)
+    and the rewritten graphs compile and run with Inductor, equal to the eager kvarn ops."""
+    result, _ = _inductor_run(tmp_path, "ro", tmp_path / "cache", "reduce-overhead")
+    assert any("reduce-overhead" in n and "ignored on CPU" in n for n in result["notes"]), result
