@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 __all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn_sources_hash",
-           "KVarNUUIDPass", "inductor", "triton_version", "device_identity", "has_triton_gpu"]
+           "KVarNUUIDPass", "custom_graph_pass_base", "inductor", "triton_version",
+           "device_identity", "has_triton_gpu"]
 
 TESTED_TORCH = ((2, 13), (2, 14))   # inclusive range of minor versions
 
@@ -84,6 +85,16 @@ def _uuid_pass_class() -> type:
 
 def KVarNUUIDPass() -> Any:  # noqa: N802  (a factory that reads like the class)
     return _uuid_pass_class()()
+
+
+def custom_graph_pass_base() -> type:
+    """Inductor's ``CustomGraphPass`` (``torch._inductor.custom_graph_pass``), the base a
+    pass needs so that Inductor's FX-graph/AOT caches key on its ``uuid()`` (otherwise
+    they are bypassed, or a pre-grad pass runs before the cache lookup with a warning)."""
+    check_torch_version()
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
 
 
 # ------------------------------------------------------------------------------ compile

@@ -7,13 +7,17 @@ For each graph Dynamo hands over, the backend copies it, runs the KVarN pass
 :class:`~kvarn_compile.state.LayerState` (shared by all graphs of the same model, keyed by
 the attention module's path and the batch size), appends the states' buffers as extra
 graph inputs and compiles the result with Inductor (or runs it eagerly with
-``compiler="eager"``). ``backend.report`` says what was rewritten, what was not and why.
+``compiler="eager"``). After every call it frees the model's own preallocated K/V buffers
+that the graph no longer uses. ``backend.report`` says what was rewritten, what was not and
+why. For ``backend="inductor"`` the same pass runs as an Inductor pre-grad pass:
+:func:`kvarn_compile.inductor_pass` (:mod:`kvarn_compile.passes.inductor`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +26,7 @@ import torch.fx as fx
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile.config import KVarNConfig, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
+from kvarn_compile.registry import release_storage
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["kvarn_backend", "KVarNBackend", "Report"]
@@ -44,10 +49,18 @@ def _log_graph(msg: str, *args: Any) -> None:
 class Report:
     """Every attention site seen by a backend, over all the graphs it compiled."""
 
-    def __init__(self) -> None:
+    def __init__(self, released_bytes: Callable[[], int] | None = None) -> None:
         self.sites: list[SiteReport] = []
         self.graphs = 0
         self.notes: list[str] = []
+        self._released_elsewhere = released_bytes
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes of model-owned full-precision K/V buffers freed so far (they are freed when
+        the compiled graphs run; a second StaticCache adds its own bytes)."""
+        extra = self._released_elsewhere() if self._released_elsewhere else 0
+        return sum(s.released_bytes for s in self.sites) + extra
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -65,9 +78,9 @@ class Report:
             if sites:
                 lines.append(f" graph {graph}:")
                 lines.extend(s.line() for s in sites)
-        released = sum(s.released_bytes for s in self.sites)
-        if released:
-            lines.append(f" released {released} bytes of model-owned full-precision K/V buffers")
+        if self.released_bytes:
+            lines.append(f" released {self.released_bytes} bytes of model-owned full-precision "
+                         "K/V buffers")
         lines.extend(f" note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -127,24 +140,7 @@ class KVarNBackend:
         return sum(s.nbytes for s in self.states.values())
 
     def _check_consistent(self, reports: list[SiteReport]) -> None:
-        """Refuse a graph that leaves unchanged a site an earlier graph rewrote.
-
-        A transformers static sliding-window layer is written with ``index_copy_`` (it
-        looks like a full-attention cache and is rewritten) until its window fills, then
-        with roll + copy_ (refused): its tokens would then live in two places. Stop with a
-        clear error instead of computing on a cache that lost them.
-        """
-        seen = self.__dict__.setdefault("_rewritten_sites", set())
-        for r in reports:
-            if r.rewritten:
-                seen.add(r.name)
-            elif r.name in seen:
-                raise RuntimeError(
-                    f"kvarn_backend: attention site {r.name} was rewritten in an earlier graph but "
-                    f"is left unchanged now ({r.reason}); its KV cache would be split between the "
-                    "packed state and the model's buffers. Sliding-window layers are not supported; "
-                    "compile a model whose sliding layers keep a full cache, or pass "
-                    "release_buffers=False and leave such models uncompiled.")
+        check_consistent(self.__dict__.setdefault("_rewritten_sites", set()), reports)
 
     def __deepcopy__(self, memo: dict) -> "KVarNBackend":
         # transformers deep-copies CompileConfig(backend=...); the backend owns the packed
@@ -176,7 +172,8 @@ class KVarNBackend:
                                  iters=self.config.sinkhorn_iters, recent=self.config.recent_window,
                                  hold=self.spec_tokens, check_finite=self.config.check_finite,
                                  max_cache_len=self.max_cache_len,
-                                 release_buffers=self.release_buffers)
+                                 release_buffers=self.release_buffers,
+                                 separate_adopt=self.knob_tuner is not None)
             extra, reports = rewrite_graph(new_gm, list(example_inputs), ctx, graph_id)
             self._check_consistent(reports)
             self.report.sites.extend(reports)
@@ -190,14 +187,23 @@ class KVarNBackend:
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched
             return self._compile(gm, list(example_inputs), mode)
         if self.knob_tuner is not None:
-            tuned = self.knob_tuner.wrap(new_gm, list(example_inputs) + extra,
-                                         lambda g, i: self._compile(g, i, mode, extra),
-                                         self.report.notes)
-            return lambda *args: tuned(*args, *extra)
-        compiled = self._compile(new_gm, list(example_inputs) + extra, mode, extra)
+            compiled = self.knob_tuner.wrap(new_gm, list(example_inputs) + extra,
+                                            lambda g, i: self._compile(g, i, mode, extra),
+                                            self.report.notes)
+        else:
+            compiled = self._compile(new_gm, list(example_inputs) + extra, mode, extra)
+        released = tuple(ctx.released_inputs)
 
         def run(*args: Any) -> Any:
-            return compiled(*args, *extra)
+            out = compiled(*args, *extra)
+            # The model's own cache tensors this graph no longer reads: freed after the
+            # call (kvarn::append_from_ has taken over any prompt written there before), on
+            # every call, so a new cache passed in their place (a second StaticCache) is
+            # freed too.
+            for i, site in released:
+                if args[i].untyped_storage().nbytes():
+                    site.released_bytes += release_storage(args[i])
+            return out
 
         return run
 
@@ -212,6 +218,26 @@ class KVarNBackend:
         compiled = compile_fx_with_pass(gm, inputs, mode, static_inputs=static)
         self.report.notes.extend(d.line() for d in lowering.DECISIONS[first:])
         return compiled
+
+
+def check_consistent(seen: set[str], reports: list[SiteReport]) -> None:
+    """Refuse a graph that leaves unchanged a site an earlier graph rewrote.
+
+    A transformers static sliding-window layer is written with ``index_copy_`` (it looks
+    like a full-attention cache and is rewritten) until its window fills, then with roll +
+    copy_ (refused): its tokens would then live in two places. Stop with a clear error
+    instead of computing on a cache that lost them. ``seen``: names rewritten so far.
+    """
+    for r in reports:
+        if r.rewritten:
+            seen.add(r.name)
+        elif r.name in seen:
+            raise RuntimeError(
+                f"kvarn_backend: attention site {r.name} was rewritten in an earlier graph but "
+                f"is left unchanged now ({r.reason}); its KV cache would be split between the "
+                "packed state and the model's buffers. Sliding-window layers are not supported; "
+                "compile a model whose sliding layers keep a full cache, or pass "
+                "release_buffers=False and leave such models uncompiled.")
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -236,7 +262,9 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
             fix (``torch.cat`` caches such as transformers' DynamicCache). Preallocated
             caches keep their own length.
         release_buffers: free the storage of model-owned full-precision cache buffers that
-            the rewritten graphs no longer use (their tensors stay, with zero bytes).
+            the rewritten graphs no longer use (their tensors stay, with zero bytes), after
+            every call that passes them (a prompt an uncompiled forward wrote there is first
+            adopted into the packed cache).
         spec_tokens: newest tokens of each write kept uncommitted (speculative decoding).
         compiler: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is).
         mode: a torch.compile mode; also accepted as the keyword torch.compile/transformers pass.

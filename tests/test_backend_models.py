@@ -53,11 +53,14 @@ table is printed again at the end of every run of this module):
     gpt-fast      buffer   sdpa            4/4 (eager and inductor, 2 graphs)
     nanoGPT       buffer   matmul chain    4/4 (eager and inductor, 2 graphs)
 
-Known defects outside the files this suite may change are pinned by strict ``xfail`` tests at
-the end (each names the fix): a second StaticCache is not released, ``generate(compile_config=)``
-fails (the backend cannot be deep-copied; transformers compiles only the decoding step), and a
-static sliding-window layer whose prompt fits in its window is rewritten and then breaks when
-the window fills. Not tested because it kills the process: ``StaticCache.reset()`` on released
+The end of the module covers the hand-over of model-owned caches: a second StaticCache reusing
+the compiled graphs is freed too (the backend frees those buffers after every call), and
+``generate(compile_config=...)``, where transformers compiles only the decoding step and runs
+the prefill eagerly on its full-precision StaticCache, works: the first compiled step adopts the
+prompt's K/V into the packed state (``kvarn::append_from_``) and frees the buffers; its oracle is an fp
+prefill followed by eager KVarN decoding. A static sliding-window layer whose prompt fits in its
+window is rewritten and then refused when the window fills: the backend stops with a clear
+error (tested). Not tested because it kills the process: ``StaticCache.reset()`` on released
 buffers segfaults (``zero_()`` on a zero-byte storage).
 """
 
@@ -449,54 +452,126 @@ def test_mode_kwarg_is_accepted_and_noted():
     assert "mode='reduce-overhead' is ignored on CPU" in str(backend.report)
 
 
-# ------------------------------------------------------------------------------ known defects
-@pytest.mark.xfail(strict=True, reason=(
-    "the backend releases model-owned buffers only when it compiles a graph: a second "
-    "early-initialized StaticCache reuses the graphs and keeps its fp buffers (fix: release in "
-    "KVarNBackend's run wrapper, see the report)"))
+# ------------------------------------------------------------------------------ cache hand-over
 def test_second_static_cache_is_released():
-    model = _build("llama", "sdpa")
-    backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
-    model.compile(backend=backend)
-    _generate(model, _prompt(1), cache=_static_cache(model, 1), new=3)
-    second = _static_cache(model, 1)
-    _generate(model, _prompt(2), cache=second, new=3)
-    assert backend.report.graphs == 2
-    assert all(layer.keys.untyped_storage().nbytes() == 0 for layer in second.layers)
-
-
-@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError), reason=(
-    "1) transformers deep-copies CompileConfig (GenerationConfig.to_dict) and KVarNBackend holds a "
-    "threading.Lock -> TypeError (fix: KVarNBackend.__deepcopy__ returning self); 2) then "
-    "transformers compiles only the decoding step, so the prompt goes to the fp StaticCache and "
-    "the first compiled step finds an empty KVarN state -> ValueError (see the report)"))
-def test_generate_with_compile_config():
+    # The graphs compiled for the first StaticCache are reused for the second one; the
+    # backend frees the model-owned buffers after every call, not only at compile time.
     model = _build("llama", "sdpa")
     oracle = Oracle(model, "llama")
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
+    model.compile(backend=backend)
+    first = _static_cache(model, 1)
+    _generate(model, _prompt(1), cache=first, new=3)
+    one_cache = sum(t.numel() * 4 for layer in first.layers for t in (layer.keys, layer.values))
+    assert backend.report.released_bytes == one_cache
+    second = _static_cache(model, 1)
+    out = _generate(model, _prompt(2), cache=second, new=NEW_SHORT)
+    assert backend.report.graphs == 2
+    assert all(t.untyped_storage().nbytes() == 0 for layer in second.layers
+               for t in (layer.keys, layer.values))
+    assert backend.report.released_bytes == 2 * one_cache
+    assert f"released {2 * one_cache} bytes" in str(backend.report)
+    _assert_same(out, oracle(_prompt(2), new=NEW_SHORT), EAGER_RTOL, "second cache")
+
+
+def fp_prefill_then_kvarn(model, ids, new: int):
+    """Oracle of ``generate(compile_config=...)``: transformers runs the prefill eagerly on
+    its full-precision cache (never compiled), the compiled decoding steps then take the
+    prompt's K/V over into the packed cache. Here: an fp prefill, its K/V appended to a
+    ``KVarNCache``, then greedy eager decoding with the ``kvarn`` attention."""
+    from transformers import DynamicCache
+
+    fp = copy.deepcopy(model)
+    kv = copy.deepcopy(model)
+    use_kvarn_attention(kv)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fp(ids, past_key_values=DynamicCache(config=fp.config), use_cache=True)
+        cache = KVarNCache(kv.config, max_cache_len=MAX_LEN, **PRESET)
+        for layer, fp_layer in zip(cache.layers, out.past_key_values.layers):
+            layer.update(fp_layer.keys, fp_layer.values)
+        logits, tokens = [out.logits[:, -1]], ids
+        for _ in range(new - 1):
+            tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
+            pos = tokens.shape[1] - 1
+            step = kv(tokens[:, -1:], past_key_values=cache, cache_position=torch.tensor([pos]))
+            logits.append(step.logits[:, -1])
+        tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_generate_with_compile_config(compiler):
+    # transformers compiles only the decoding step: the prompt goes to its full-precision
+    # StaticCache (eager prefill); the first compiled step adopts it into the packed state
+    # (kvarn::append_from_) and frees the fp buffers. Every generate() makes a new StaticCache.
+    model = _build("llama", "sdpa")
+    backend = kvarn_backend(**PRESET, compiler=compiler, max_cache_len=MAX_LEN)
     cc = tf.CompileConfig(backend=backend, mode="reduce-overhead", fullgraph=False)
     cc._compile_all_devices = True          # transformers compiles on CUDA only by default
+    rtol = EAGER_RTOL if compiler == "eager" else INDUCTOR_RTOL
+    fp_bytes = 0
+    for seed, new in ((1, NEW), (2, NEW_SHORT)):
+        ids = _prompt(seed)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.generate(ids, max_new_tokens=new, do_sample=False,
+                                 cache_implementation="static", compile_config=cc,
+                                 output_logits=True, return_dict_in_generate=True)
+        tokens, logits = fp_prefill_then_kvarn(model, ids, new)
+        assert out.sequences.tolist() == tokens.tolist()
+        for step, (a, b) in enumerate(zip(out.logits, logits)):
+            err = (a - b).abs().max().item() / b.abs().max().item()
+            assert err <= rtol, f"step {step}: logits differ by {err:.2e}"
+        for layer in out.past_key_values.layers:    # the fp buffers are freed
+            for t in (layer.keys, layer.values):
+                assert t.untyped_storage().nbytes() == 0
+                fp_bytes += t.numel() * t.element_size()
+    _check_sites(backend, set())
+    assert backend.report.graphs == 1, str(backend.report)   # one decoding graph, reused
+    assert backend.report.released_bytes == fp_bytes
+    assert "mode='reduce-overhead' is ignored on CPU" in str(backend.report)
+
+
+def test_lazy_static_cache_prompt_is_adopted():
+    # Without early_initialization transformers creates the StaticCache buffers inside the
+    # compiled prefill, which then stays in full precision (reported: the graph returns the new
+    # buffers); the first decoding step adopts the prompt and frees the buffers.
+    model = _build("llama", "sdpa")
+    backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
+    model.compile(backend=backend)
     ids = _prompt(1)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static",
-                             compile_config=cc, output_logits=True, return_dict_in_generate=True)
-    _assert_same(out, oracle(ids, new=4), EAGER_RTOL, "CompileConfig")
+    cache = StaticCache(config=model.config, max_cache_len=MAX_LEN)
+    out = _generate(model, ids, cache=cache)
+    tokens, logits = fp_prefill_then_kvarn(model, ids, NEW)
+    assert out.sequences.tolist() == tokens.tolist()
+    for step, (a, b) in enumerate(zip(out.logits, logits)):
+        assert (a - b).abs().max().item() <= EAGER_RTOL * b.abs().max().item(), f"step {step}"
+    prefill, decode = ([s for s in backend.report.sites if s.graph == g] for g in (1, 2))
+    assert all(not s.rewritten and "returns the cache tensor" in s.reason for s in prefill)
+    assert all(s.rewritten for s in decode) and len(decode) == 2
+    assert _freed_static(cache)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "a static sliding-window layer whose prompt fits its window is written with index_copy_ "
-    "(indistinguishable from a full-attention StaticLayer) and rewritten; once the window is full "
-    "transformers switches to roll + copy_ on the released fp buffer (fix: backend must refuse a "
-    "graph that leaves a site unchanged whose module was rewritten earlier, see the report)"))
-def test_static_sliding_window_starting_inside_the_window():
+def _freed_static(cache) -> bool:
+    return all(t.untyped_storage().nbytes() == 0 for layer in cache.layers
+               for t in (layer.keys, layer.values))
+
+
+# ------------------------------------------------------------------------------ refused
+def test_static_sliding_window_starting_inside_the_window_is_refused():
+    # A static sliding-window layer whose prompt fits its window is written with index_copy_
+    # (indistinguishable from a full-attention StaticLayer) and rewritten; once the window is
+    # full transformers switches to roll + copy_, which the pass refuses. The backend then
+    # stops with a clear error instead of splitting the layer's cache (README, Limits).
     _, cls = FAMILIES["mistral"]
     torch.manual_seed(0)
     config = tf.MistralConfig(**_common(sliding_window=32))
     config._attn_implementation = "sdpa"
     model = cls(config).eval()
     model.generation_config.eos_token_id = None
-    fp = _generate(copy.deepcopy(model), _prompt(9, length=24), new=12)
     backend = kvarn_backend(**PRESET, key_bits=8, value_bits=8, compiler="eager")
     model.compile(backend=backend)
-    out = _generate(model, _prompt(9, length=24), cache=_static_cache(model, 1), new=12)
-    assert out.sequences.tolist() == fp.sequences.tolist()
+    with pytest.raises(RuntimeError, match=r"attention site model\.layers\.0\.self_attn was "
+                       r"rewritten in an earlier graph but is left unchanged now \(sliding-window"):
+        _generate(model, _prompt(9, length=24), cache=_static_cache(model, 1), new=12)

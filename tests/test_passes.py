@@ -150,7 +150,7 @@ class TestGraphRewrites(TestCase):
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = kvarn.positions_start(in1, 1)
-v1 = kvarn.append_([<16 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa')
+v1 = kvarn.append_from_([<16 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa', in0, in3, True)
 v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
 return (v2,)""")
 
@@ -162,7 +162,7 @@ return (v2,)""")
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
-v1 = kvarn.append_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa')
+v1 = kvarn.append_from_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa', in0, in3, True)
 v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
 return (v2,)""")
 
@@ -174,7 +174,7 @@ return (v2,)""")
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = full((1,), in2, dtype=int64, device='cpu')
-v1 = kvarn.append_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'narrow_copy_gqa')
+v1 = kvarn.append_from_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'narrow_copy_gqa', in0, in3, True)
 v2 = zeros_like(in8, dtype=float32)
 v3 = operator.invert(in8)
 v4 = .masked_fill(v2, v3, -inf)
@@ -189,7 +189,7 @@ return (v5,)""")
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = full((1,), in1, dtype=int64, device='cpu')
-v1 = kvarn.append_([<16 state buffers>], in0, in3, v0, 'kvarn', 8, 0, 0, False, 'setitem_slice_eager')
+v1 = kvarn.append_from_([<16 state buffers>], in0, in3, v0, 'kvarn', 8, 0, 0, False, 'setitem_slice_eager', in2, in4, True)
 v2 = zeros_like(in8, dtype=float32)
 v3 = operator.invert(in8)
 v4 = .masked_fill(v2, v3, -inf)
@@ -315,3 +315,103 @@ def test_non_contiguous_cache_positions_are_refused():
     compiled = torch.compile(index_copy_sdpa, backend=be)
     with pytest.raises(ValueError, match="one contiguous run"):
         compiled(q, k, v, torch.tensor([0, 2, 4]), kc, vc, mask)
+
+
+# ----------------------------------------------------------------------------- cache hand-over
+def _prefill_then_decode(fn, backend, *, compiled_prefill: bool, steps: int = 3):
+    """A 6-token prefill (compiled, or the plain function writing the fp cache) then decode
+    steps through the compiled function; returns the decode outputs and the caches."""
+    kc, vc = torch.zeros(B, H, L, D), torch.zeros(B, H, L, D)
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    q, k, v = _inputs(6, seed=0)
+    (compiled if compiled_prefill else fn)(q, k, v, torch.arange(6), kc, vc, causal[None, None, :6])
+    outs = []
+    for step in range(1, steps + 1):
+        q, k, v = _inputs(1, seed=step)
+        pos = 5 + step
+        outs.append(compiled(q, k, v, torch.tensor([pos]), kc, vc, causal[None, None, pos:pos + 1]))
+    return outs, (kc, vc)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_prompt_written_by_an_uncompiled_forward_is_adopted(release):
+    # transformers' generate(compile_config=...) runs the prefill eagerly on its fp cache and
+    # compiles only the decoding step: the first compiled step adopts the prompt (append_from_).
+    ref = _backend()
+    want, _ = _prefill_then_decode(index_copy_sdpa, ref, compiled_prefill=True)
+    (s_ref,) = ref.states.values()
+    ref_buffers = [t.clone() for t in s_ref.buffers]   # torch._dynamo.reset() calls ref.reset()
+    be = _backend(release_buffers=release)
+    got, (kc, vc) = _prefill_then_decode(index_copy_sdpa, be, compiled_prefill=False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    (s_got,) = be.states.values()
+    assert all(torch.equal(a, b) for a, b in zip(ref_buffers, s_got.buffers))
+    assert s_got.lengths.tolist() == [9]
+    if release:
+        assert kc.untyped_storage().nbytes() == vc.untyped_storage().nbytes() == 0
+        assert be.report.released_bytes == 2 * B * H * L * D * 4
+    else:   # kept: the state continues at each step, the prompt is adopted once
+        assert kc.untyped_storage().nbytes() == B * H * L * D * 4
+        assert be.report.released_bytes == 0
+
+
+# ----------------------------------------------------------------------------- keyed mode
+def _pass_as_backend(kv):
+    """Run the Inductor pre-grad pass on Dynamo's graph and execute it eagerly (no Inductor)."""
+    def backend(gm, example_inputs, **kwargs):
+        kv(gm.graph)
+        return gm.forward
+    return backend
+
+
+def test_inductor_pass_keyed_rewrite_matches_backend():
+    from kvarn_compile import inductor_pass
+
+    torch._dynamo.reset()
+    kv = inductor_pass("k4v2", group_size=G, key_bits=8, value_bits=8)
+    got, (kc, vc) = _prefill_then_decode(index_copy_sdpa, _pass_as_backend(kv), compiled_prefill=True)
+    ref = _backend()
+    want, _ = _prefill_then_decode(index_copy_sdpa, ref, compiled_prefill=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    (s_ref,), (s_got,) = ref.states.values(), kv.states.values()
+    assert all(torch.equal(a, b) for a, b in zip(s_ref.buffers, s_got.buffers))
+    assert kc.untyped_storage().nbytes() == vc.untyped_storage().nbytes() == 0
+    assert kv.report.released_bytes == 2 * B * H * L * D * 4
+    assert kv.nbytes == ref.nbytes == kv.report.sites[0].state_bytes
+    assert len(kv.report.rewritten) == len(kv.report.sites) == 2     # prefill + decode graph
+    after = kv.graph_log[-1][1].replace(kv.store.namespace, "NS")
+    assert after == """\
+v0 = kvarn.positions_start(in1, 1)
+v1 = kvarn.append_keyed(in2, in4, v0, in0, in3, 'NS/index_copy_sdpa', 64, 'kvarn', 8, 0, 0, False, True)
+v2 = kvarn.attention_keyed(in5, v1, in8, 'NS/index_copy_sdpa', 0.25, True, 0)
+return (v2,)"""
+
+
+def test_inductor_pass_adopts_an_eager_prompt():
+    from kvarn_compile import inductor_pass
+
+    torch._dynamo.reset()
+    kv = inductor_pass("k4v2", group_size=G, key_bits=8, value_bits=8)
+    got, (kc, _) = _prefill_then_decode(index_copy_sdpa, _pass_as_backend(kv), compiled_prefill=False)
+    ref = _backend()
+    want, _ = _prefill_then_decode(index_copy_sdpa, ref, compiled_prefill=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert kc.untyped_storage().nbytes() == 0
+
+
+def test_inductor_pass_uuid_and_keys_are_per_object():
+    from kvarn_compile import inductor_pass
+    from kvarn_compile._torch_compat import custom_graph_pass_base
+    from kvarn_compile.registry import resolve
+
+    a, b = inductor_pass("k4v2"), inductor_pass("k4v2")
+    assert isinstance(a, custom_graph_pass_base())
+    assert a.uuid() == a.uuid() and a.uuid() != b.uuid()
+    assert resolve(a.store.key("x.y")) == (a.store, "x.y")
+    a.close()
+    with pytest.raises(RuntimeError, match="no packed-state store"):
+        resolve(a.store.key("x.y"))

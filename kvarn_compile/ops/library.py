@@ -11,6 +11,30 @@ the ops trace under torch.compile and FakeTensor.
                    bool check_finite, str name) -> ()
     kvarn::attention(Tensor q, Tensor[] buffers, Tensor? mask, float scale, bool causal,
                      int window) -> Tensor
+
+Adoption (new op, before ``append_``, where the graph no longer reads the model's own
+preallocated cache): a prompt that a non-compiled forward wrote to that cache is taken
+over into the packed state (transformers' eager prefill under ``generate(compile_config=)``).
+
+    kvarn::adopt_(Tensor(a!)[] buffers, Tensor cache_k, Tensor cache_v, Tensor start_pos,
+                  str method, int iters, int recent, int hold, bool check_finite, str name,
+                  bool fresh) -> ()
+    kvarn::append_from_(Tensor(a!)[] buffers, Tensor k, Tensor v, Tensor start_pos,
+                        str method, int iters, int recent, int hold, bool check_finite,
+                        str name, Tensor cache_k, Tensor cache_v, bool fresh) -> ()
+                                     # adopt_ + append_ in one call (the rewrite's default)
+
+Keyed forms for graphs that cannot take the packed state as an input (the Inductor
+pre-grad pass, :mod:`kvarn_compile.passes.inductor`): the state is found at run time in
+:mod:`kvarn_compile.registry` by a constant key, and the append returns an empty token
+tensor the attention takes, so the compiler keeps the append and orders it first. To the
+compiler these ops are functional (the state is invisible to it).
+
+    kvarn::append_keyed(Tensor k, Tensor v, Tensor start_pos, Tensor? cache_k,
+                        Tensor? cache_v, str key, int max_len, str method, int iters,
+                        int recent, int hold, bool check_finite, bool release) -> Tensor
+    kvarn::attention_keyed(Tensor q, Tensor token, Tensor? mask, str key, float scale,
+                           bool causal, int window) -> Tensor
 """
 
 from __future__ import annotations
@@ -21,7 +45,8 @@ import torch
 
 from kvarn_compile.ops import reference
 
-__all__ = ["append_", "commit_", "attention"]
+__all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
+           "attention_keyed"]
 
 
 @torch.library.custom_op("kvarn::append_", mutates_args=("buffers",))
@@ -100,3 +125,120 @@ def _attention_cpu(q, buffers, mask, scale, causal, window):
             and kernel_impl.kernel_applies(q, buffers, mask) and cpu_attention.available():
         return kernel_impl.attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
     return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+
+
+# ------------------------------------------------------------------------------ adoption
+def _adopt(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Tensor,
+           start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
+           check_finite: bool, name: str, fresh: bool) -> None:
+    """Restart the packed sequence with the tokens [0, p) of the model's own cache.
+
+    Runs when the model's cache tensors still hold storage (the graph never writes them;
+    a forward that was not compiled did, e.g. transformers' eager prefill under
+    ``generate(compile_config=...)``) and this write starts at p > 0. ``fresh``: the
+    caller frees the cache after this call, so stored data always belongs to a new
+    sequence; otherwise (or for a view the caller cannot free) only a state that does not
+    continue at p is restarted.
+    """
+    from kvarn_compile.registry import releasable
+    from kvarn_compile.state import BUF
+
+    if not cache_k.untyped_storage().nbytes() or not cache_v.untyped_storage().nbytes():
+        return                                       # released: nothing to adopt (fast path)
+    starts = start_pos.tolist()
+    p = starts[0]
+    if p <= 0 or any(s != p for s in starts) or p > cache_k.shape[2]:
+        return                                       # a new sequence, or the append refuses it
+    if not (fresh and releasable(cache_k) and releasable(cache_v)):
+        if all(n == p for n in buffers[BUF["lengths"]].tolist()):
+            return                                   # the packed state continues at p
+    reference.append_(buffers, cache_k[:, :, :p], cache_v[:, :, :p], torch.zeros_like(start_pos),
+                      method=method, iters=iters, recent=recent, hold=hold,
+                      check_finite=check_finite, name=name)
+
+
+@torch.library.custom_op("kvarn::adopt_", mutates_args=("buffers",))
+def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Tensor,
+           start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
+           check_finite: bool, name: str, fresh: bool) -> None:
+    """Before ``append_``: take over a prompt a non-compiled forward wrote to the model's
+    cache (see ``_adopt``). A no-op (one storage-size check) once the cache is released."""
+    _adopt(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold, check_finite,
+           name, fresh)
+
+
+@adopt_.register_fake
+def _adopt_fake(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+                check_finite, name, fresh):
+    return None
+
+
+@torch.library.custom_op("kvarn::append_from_", mutates_args=("buffers",))
+def append_from_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
+                 check_finite: bool, name: str, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                 fresh: bool) -> None:
+    """``adopt_`` then ``append_`` in one call (one dispatch per step instead of two); the
+    first ten arguments are ``append_``'s."""
+    _adopt(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold, check_finite,
+           name, fresh)
+    reference.append_(buffers, k, v, start_pos, method=method, iters=iters, recent=recent,
+                      hold=hold, check_finite=check_finite, name=name)
+
+
+@append_from_.register_fake
+def _append_from_fake(buffers, k, v, start_pos, method, iters, recent, hold, check_finite,
+                      name, cache_k, cache_v, fresh):
+    _check_devices("append", buffers, keys=k, values=v)
+    return None
+
+
+# ------------------------------------------------------------------------------ keyed forms
+@torch.library.custom_op("kvarn::append_keyed", mutates_args=())
+def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
+                 cache_k: torch.Tensor | None, cache_v: torch.Tensor | None, key: str,
+                 max_len: int, method: str, iters: int, recent: int, hold: int,
+                 check_finite: bool, release: bool) -> torch.Tensor:
+    """``append_`` into the registry state ``key`` (allocated on first use for ``max_len``
+    tokens); returns an empty token for the site's ``attention_keyed``.
+
+    ``cache_k``/``cache_v``: the model's own cache tensors, which the graph no longer
+    reads. A prompt a non-compiled forward wrote there is adopted first (see ``_adopt``);
+    with ``release`` their storage is then freed (resized to 0 bytes, counted in the
+    store), on every call that passes tensors that still hold storage.
+    """
+    from kvarn_compile import registry
+
+    store, site = registry.resolve(key)
+    state = store.for_append(site, k, max_len)
+    if cache_k is not None and cache_v is not None:
+        _adopt(state.buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+               check_finite, site, release)
+    append_(state.buffers, k, v, start_pos, method, iters, recent, hold, check_finite, site)
+    if release:
+        for cache in (cache_k, cache_v):
+            if cache is not None:
+                store.released_bytes += registry.release_storage(cache)
+    return k.new_empty((0,))
+
+
+@append_keyed.register_fake
+def _append_keyed_fake(k, v, start_pos, cache_k, cache_v, key, max_len, method, iters, recent,
+                       hold, check_finite, release):
+    return k.new_empty((0,))
+
+
+@torch.library.custom_op("kvarn::attention_keyed", mutates_args=())
+def attention_keyed(q: torch.Tensor, token: torch.Tensor, mask: torch.Tensor | None, key: str,
+                    scale: float, causal: bool, window: int) -> torch.Tensor:
+    """``attention`` over the registry state ``key``; ``token`` comes from its append."""
+    from kvarn_compile import registry
+
+    store, site = registry.resolve(key)
+    state = store.for_attention(site, q.shape[0])
+    return attention(q, state.buffers, mask, scale, causal, window)
+
+
+@attention_keyed.register_fake
+def _attention_keyed_fake(q, token, mask, key, scale, causal, window):
+    return q.new_empty(q.shape)

@@ -4,14 +4,18 @@ Scope and invariants:
 
 * Input: a Dynamo (torch-IR) ``GraphModule``; the pass runs on a *copy* owned by the
   backend. Output: the rewritten graph plus extra graph inputs (the packed states' buffers),
-  appended after Dynamo's inputs, that the backend passes on every call.
+  appended after Dynamo's inputs, that the backend passes on every call. In keyed mode
+  (``RewriteContext.state_key``, the Inductor pre-grad pass) no input is added: the keyed
+  ops find the states in :mod:`kvarn_compile.registry`.
 * A site is rewritten only when every part matched a row of ``patterns.py`` and every
   check below passed; otherwise the graph is left exactly as it was for that site and the
   reason is reported. No site is ever half-rewritten.
-* After a rewrite, the model's own K/V cache is neither written nor read by the graph
-  (in-place caches: the write nodes are removed; ``cat`` caches: the graph hands back a
-  zero-storage tensor of the right shape so the model's bookkeeping of the length stays
-  right). The backend may then release the storage of in-place caches.
+* After a rewrite, the model's own K/V cache is never written by the graph (in-place
+  caches: the write nodes are removed; ``cat`` caches: the graph hands back a zero-storage
+  tensor of the right shape so the model's bookkeeping of the length stays right). A
+  preallocated cache that is a graph input is handed to the append (``kvarn::append_from_``
+  or ``kvarn::append_keyed``), which reads it only while it still holds storage, to take
+  over a prompt that a non-compiled forward wrote there; then its storage is freed.
 * In-place method calls are never dropped by dead-code elimination (Dynamo records them
   with no users); see ``fx_utils.dce``.
 """
@@ -190,6 +194,16 @@ class RewriteContext:
     check_finite: bool
     max_cache_len: int
     release_buffers: bool
+    #: keyed mode (the Inductor pre-grad pass, which cannot add graph inputs): site name ->
+    #: registry key; the graph calls the keyed ops and adds no inputs. ``get_state`` then
+    #: only sizes the report (a meta-device state).
+    state_key: Callable[[str], str] | None = None
+    #: inputs mode: adopt a prompt with a separate ``kvarn::adopt_`` before ``kvarn::append_``
+    #: (the knob tuner instruments ``append_`` nodes) instead of ``kvarn::append_from_``
+    separate_adopt: bool = False
+    #: filled by rewrite_graph (inputs mode): (graph input index, site report) of every
+    #: model-owned cache tensor the caller must free after each call (see _hand_over)
+    released_inputs: list[tuple[int, SiteReport]] = dataclasses.field(default_factory=list)
 
 
 def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, device: torch.device) -> fx.Node:
@@ -208,7 +222,11 @@ def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, device: torch.device
 
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteContext,
                   graph_id: int = 0) -> tuple[list[torch.Tensor], list[SiteReport]]:
-    """Rewrite ``gm`` in place; return (extra inputs to append, per-site reports)."""
+    """Rewrite ``gm`` in place; return (extra inputs to append, per-site reports).
+
+    ``example_inputs`` is not read (model-owned buffers are freed at run time, see
+    ``_hand_over``); it stays for callers written against the earlier signature.
+    """
     graph = gm.graph
     matches, reports = find_sites(graph)
     for r in reports:
@@ -216,7 +234,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_body = placeholders[-1].next if placeholders else next(iter(graph.nodes))
     extra: list[torch.Tensor] = []
-    release: list[tuple[SiteReport, fx.Node]] = []
+    caches: list[tuple[SiteReport, fx.Node, fx.Node, fx.Node]] = []
+    keyed = ctx.state_key is not None
     for m in matches:
         name = site_name(m.site.out)
         kn = example(m.wk.new)
@@ -228,29 +247,42 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             max_len = ctx.max_cache_len
         state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim, max_len=max_len,
                               dtype=kn.dtype, device=kn.device)
-        # 1. the state's buffers become graph inputs
-        with graph.inserting_before(first_body):
-            bufs = []
-            for i, t in enumerate(state.buffers):
-                ph = graph.placeholder(f"kvarn_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}_{i}")
-                ph.meta["example_value"] = t
-                bufs.append(ph)
-        extra.extend(state.buffers)
+        # 1. the state's buffers become graph inputs (keyed mode: a constant key instead)
+        bufs: list[fx.Node] = []
+        if not keyed:
+            with graph.inserting_before(first_body):
+                for i, t in enumerate(state.buffers):
+                    ph = graph.placeholder(f"kvarn_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}_{i}")
+                    ph.meta["example_value"] = t
+                    bufs.append(ph)
+            extra.extend(state.buffers)
         # 2. quantize-on-append where the model wrote its cache
         first_write = min((n for n in m.wk.write_nodes + m.wv.write_nodes),
                           key=lambda n: list(graph.nodes).index(n))
         with graph.inserting_before(first_write):
             start = _start_node(graph, m.wk, batch, kn.device)
-            graph.call_function(torch.ops.kvarn.append_.default,
-                                (bufs, m.wk.new, m.wv.new, start, ctx.method, ctx.iters,
-                                 ctx.recent, ctx.hold, ctx.check_finite, name))
+            if keyed:
+                append = graph.call_function(
+                    torch.ops.kvarn.append_keyed.default,
+                    (m.wk.new, m.wv.new, start, None, None, ctx.state_key(name), max_len,
+                     ctx.method, ctx.iters, ctx.recent, ctx.hold, ctx.check_finite, False))
+            else:
+                append = graph.call_function(
+                    torch.ops.kvarn.append_.default,
+                    (bufs, m.wk.new, m.wv.new, start, ctx.method, ctx.iters, ctx.recent,
+                     ctx.hold, ctx.check_finite, name))
         # 3. fused attention in place of the model's attention
         scale = m.site.scale if m.site.scale is not None else dim ** -0.5
+        causal = bool(m.site.is_causal or m.wk.cache is not None
+                      or lk != example(m.site.q).shape[2])
         with graph.inserting_before(m.site.out):
-            att = graph.call_function(torch.ops.kvarn.attention.default,
-                                      (m.site.q, bufs, m.site.mask, float(scale),
-                                       bool(m.site.is_causal or m.wk.cache is not None
-                                            or lk != example(m.site.q).shape[2]), 0))
+            if keyed:
+                att = graph.call_function(torch.ops.kvarn.attention_keyed.default,
+                                          (m.site.q, append, m.site.mask, ctx.state_key(name),
+                                           float(scale), causal, 0))
+            else:
+                att = graph.call_function(torch.ops.kvarn.attention.default,
+                                          (m.site.q, bufs, m.site.mask, float(scale), causal, 0))
             att.meta["example_value"] = example(m.site.out)
         m.site.out.replace_all_uses_with(att)
         # 4. the model's cache is no longer written; cat caches get a zero-storage handle
@@ -277,26 +309,47 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         report = SiteReport(name, True, m.site.form, m.wk.spelling,
                             m.rk.spelling if m.rk else "", state_bytes=state.nbytes, graph=graph_id)
         reports.append(report)
-        release.extend((report, w.cache) for w in (m.wk, m.wv) if w.cache is not None)
+        if m.wk.cache is not None:
+            caches.append((report, m.wk.cache, m.wv.cache, append))
     dce(graph)
-    if ctx.release_buffers:
-        for report, cache in release:
-            report.released_bytes += _release_if_unused(cache, placeholders, example_inputs)
+    for report, cache_k, cache_v, append in caches:
+        _hand_over(graph, ctx, report, cache_k, cache_v, append, placeholders)
     graph.lint()
     gm.recompile()
     return extra, reports
 
 
-def _release_if_unused(cache: fx.Node, placeholders: list[fx.Node], inputs: list[Any]) -> int:
-    """Free the storage of a model-owned cache tensor the rewritten graph no longer uses."""
-    live = [u for u in cache.users]
-    if live or cache not in placeholders:
-        return 0
-    tensor = inputs[placeholders.index(cache)]
-    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, torch._subclasses.FakeTensor):
-        return 0
-    storage = tensor.untyped_storage()
-    nbytes = storage.nbytes()
-    if nbytes:
-        storage.resize_(0)
-    return nbytes
+def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, cache_k: fx.Node,
+               cache_v: fx.Node, append: fx.Node, placeholders: list[fx.Node]) -> None:
+    """Give the model's own preallocated K/V tensors (graph inputs the rewritten graph no
+    longer reads) to the append: a prompt a non-compiled forward wrote there is adopted
+    into the packed state, then their storage is freed (``release_buffers``).
+
+    Keyed mode: ``kvarn::append_keyed`` takes them and frees them itself. Inputs mode:
+    ``kvarn::append_from_`` (``kvarn::adopt_`` + ``kvarn::append_`` with
+    ``ctx.separate_adopt``) replaces the append, and the backend's runtime wrapper frees
+    the inputs listed in ``ctx.released_inputs`` after each call. Either way a tensor that
+    is passed later in their place (a second transformers StaticCache) is freed as well.
+    """
+    if cache_k.users or cache_v.users or cache_k not in placeholders or cache_v not in placeholders:
+        return
+    if ctx.state_key is not None:
+        args = list(append.args)
+        args[3], args[4], args[12] = cache_k, cache_v, bool(ctx.release_buffers)
+        append.args = tuple(args)
+        return
+    fresh = bool(ctx.release_buffers)
+    if ctx.separate_adopt:
+        bufs, _, _, start = append.args[:4]
+        with graph.inserting_before(append):
+            graph.call_function(torch.ops.kvarn.adopt_.default,
+                                (bufs, cache_k, cache_v, start, ctx.method, ctx.iters, ctx.recent,
+                                 ctx.hold, ctx.check_finite, append.args[9], fresh))
+    else:
+        with graph.inserting_before(append):
+            merged = graph.call_function(torch.ops.kvarn.append_from_.default,
+                                         (*append.args, cache_k, cache_v, fresh))
+        append.replace_all_uses_with(merged)
+        graph.erase_node(append)
+    if ctx.release_buffers:
+        ctx.released_inputs.extend((placeholders.index(c), report) for c in (cache_k, cache_v))

@@ -1,0 +1,151 @@
+"""KVarN as an Inductor pre-grad custom pass, for models compiled with ``backend="inductor"``.
+
+    kv = kvarn_compile.inductor_pass(preset="k4v2")
+    model.compile(options={"pre_grad_custom_pass": kv})     # the default Inductor backend
+    out = model.generate(ids, max_new_tokens=256)
+    print(kv.report, kv.nbytes)
+
+The same pattern tables and rewrite as :func:`kvarn_compile.kvarn_backend`, in *keyed* mode:
+a pre-grad pass runs inside Inductor after Dynamo's graph inputs are fixed, so it cannot
+add the packed states as graph inputs. The rewritten graph calls
+``kvarn::append_keyed`` / ``kvarn::attention_keyed`` with a constant key instead; the ops
+find (and on the first append allocate) the state in :mod:`kvarn_compile.registry`. The
+append returns an empty token that the attention takes, so nothing is dead-code
+eliminated or reordered. Model-owned cache buffers the graph no longer reads are freed
+by ``kvarn::release_storage`` in the graph, on every call (so a second transformers
+``StaticCache`` is freed too).
+
+Caching: ``uuid()`` hashes every kvarn source, the configuration and this object's
+store namespace, so Inductor's FX-graph/AOT caches never hand one pass object's graph to
+another (whose states live elsewhere). A graph served from the cache to the *same* pass
+object (e.g. after ``torch._dynamo.reset()``) skips the pass, and is then not counted
+again in the report; the cached graph still runs on this object's states.
+
+Unlike ``kvarn_backend``, the keyed ops reach Inductor as plain fallback calls: the
+kvarn lowerings (templates, autotuning) do not apply; on CPU and CUDA the ops run the
+same kernels as in eager mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
+from kvarn_compile._torch_compat import custom_graph_pass_base, kvarn_sources_hash
+from kvarn_compile.config import KVarNConfig, get_config
+from kvarn_compile.passes.rewrite import RewriteContext, rewrite_graph
+from kvarn_compile.registry import StateStore
+from kvarn_compile.state import LayerState, allocate_layer
+
+__all__ = ["KVarNInductorPass", "inductor_pass"]
+
+log = logging.getLogger("kvarn_compile.backend")
+
+
+class KVarNInductorPass(custom_graph_pass_base()):
+    """An Inductor ``pre_grad_custom_pass`` (see :func:`inductor_pass`). Thread-safe."""
+
+    def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
+                 release_buffers: bool = True, spec_tokens: int = 0) -> None:
+        from kvarn_compile.backend import Report
+
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"Expected max_cache_len to be a positive int, but got {max_cache_len!r}.")
+        self.config = config
+        self.max_cache_len = max_cache_len
+        self.release_buffers = release_buffers
+        self.spec_tokens = spec_tokens
+        #: the packed states, found by the compiled graphs through kvarn_compile.registry
+        self.store = StateStore(config, spec_tokens=spec_tokens)
+        self.report = Report(released_bytes=lambda: self.store.released_bytes)
+        #: (before, after) normalized graph text of every rewritten graph (see testing.py)
+        self.graph_log: list[tuple[str, str]] = []
+        self._rewritten_sites: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ CustomGraphPass
+    def __call__(self, graph: fx.Graph) -> None:
+        from kvarn_compile.backend import _log_graph, check_consistent
+        from kvarn_compile.testing import normalize_graph
+
+        gm = graph.owning_module
+        if gm is None:      # a bare graph: wrap it so that rewrite_graph can recompile
+            gm = fx.GraphModule(torch.nn.Module(), graph)
+        with self._lock:
+            self.report.graphs += 1
+            graph_id = self.report.graphs
+            before = normalize_graph(gm)
+            _log_graph("kvarn pre-grad graph %d before rewrite:\n%s", graph_id,
+                       gm.print_readable(print_output=False))
+            ctx = RewriteContext(get_state=self._size_state, method=self.config.method,
+                                 iters=self.config.sinkhorn_iters,
+                                 recent=self.config.recent_window, hold=self.spec_tokens,
+                                 check_finite=self.config.check_finite,
+                                 max_cache_len=self.max_cache_len,
+                                 release_buffers=self.release_buffers,
+                                 state_key=self.store.key)
+            _, reports = rewrite_graph(gm, [], ctx, graph_id)
+            check_consistent(self._rewritten_sites, reports)
+            self.report.sites.extend(reports)
+            self.graph_log.append((before, normalize_graph(gm)))
+            _log_graph("kvarn pre-grad graph %d after rewrite:\n%s", graph_id,
+                       gm.print_readable(print_output=False))
+            for r in reports:
+                log.info("kvarn: %s", r.line().strip())
+
+    def uuid(self) -> Any:
+        c = self.config
+        return (f"kvarn-pre-grad;{kvarn_sources_hash()};{self.store.namespace};{c!r};"
+                f"max_cache_len={self.max_cache_len};release={self.release_buffers};"
+                f"spec={self.spec_tokens}")
+
+    # ------------------------------------------------------------------ states
+    def _size_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                    dtype: torch.dtype, device: torch.device) -> LayerState:
+        # the report's state size; the real state is allocated by the first append
+        return allocate_layer(self.config, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
+                              max_len=max_len, dtype=dtype, device="meta",
+                              spec_tokens=self.spec_tokens, name=name)
+
+    @property
+    def states(self) -> dict[tuple[str, int], LayerState]:
+        """The live packed states, keyed by (site name, batch size)."""
+        return self.store.states
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all packed states allocated so far (live tensors)."""
+        return self.store.nbytes
+
+    def reset(self) -> None:
+        """Forget every sequence (the states stay allocated)."""
+        self.store.reset()
+
+    def close(self) -> None:
+        """Free every packed state; graphs compiled with this pass then stop with an error."""
+        self.store.close()
+
+    def __deepcopy__(self, memo: dict) -> "KVarNInductorPass":
+        return self           # copies must keep using the same states
+
+    def __repr__(self) -> str:
+        return f"KVarNInductorPass({self.config.short()}, {self.store.namespace})"
+
+
+def inductor_pass(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 8192,
+                  release_buffers: bool = True, spec_tokens: int = 0,
+                  **config_overrides: Any) -> KVarNInductorPass:
+    """KVarN as an Inductor pre-grad pass: ``options={"pre_grad_custom_pass": inductor_pass()}``.
+
+    Same arguments as :func:`kvarn_compile.kvarn_backend` (``preset`` or a
+    :class:`KVarNConfig`, ``**config_overrides``, ``max_cache_len`` for ``torch.cat``
+    caches, ``release_buffers``, ``spec_tokens``). ``.report`` lists every attention site
+    seen, ``.nbytes`` the bytes of the packed states.
+    """
+    return KVarNInductorPass(get_config(preset, **config_overrides), max_cache_len=max_cache_len,
+                             release_buffers=release_buffers, spec_tokens=spec_tokens)
