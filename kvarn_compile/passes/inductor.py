@@ -11,9 +11,11 @@ add the packed states as graph inputs. The rewritten graph calls
 ``kvarn::append_keyed`` / ``kvarn::attention_keyed`` with a constant key instead; the ops
 find (and on the first append allocate) the state in :mod:`kvarn_compile.registry`. The
 append returns an empty token that the attention takes, so nothing is dead-code
-eliminated or reordered. Model-owned cache buffers the graph no longer reads are freed
-by ``kvarn::release_storage`` in the graph, on every call (so a second transformers
-``StaticCache`` is freed too).
+eliminated or reordered. Model-owned preallocated cache buffers the graph no longer
+reads are passed to ``kvarn::append_keyed``, which first adopts a prompt an uncompiled
+forward wrote there (transformers' eager prefill under ``generate(compile_config=...)``)
+and then frees them, on every call (so a second transformers ``StaticCache`` is freed too).
+Not supported here: ``tune_knobs`` (use ``kvarn_backend``).
 
 Caching: ``uuid()`` hashes every kvarn source, the configuration and this object's
 store namespace, so Inductor's FX-graph/AOT caches never hand one pass object's graph to
