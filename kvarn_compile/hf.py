@@ -170,6 +170,12 @@ class KVarNCache(Cache):
             raise NotImplementedError(
                 f"KVarNCache supports models whose layers are all full attention, but this model "
                 f"has layer types {kinds}. Use kvarn_backend, which reports and skips the others.")
+        if getattr(text, "alibi", False) is True:
+            raise NotImplementedError(
+                f"KVarNCache has static shapes (like transformers' StaticCache), which "
+                f"{type(text).__name__} with alibi=True cannot use: it builds its ALiBi bias for "
+                "the current key length only. Compile the model with kvarn_backend and its default "
+                "dynamic cache instead.")
         check_method(self.kvarn_config.method)
         layers = [KVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
                              name=f"layers.{i}", model_config=config) for i in range(n_layers)]

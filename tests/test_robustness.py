@@ -45,7 +45,8 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
     logit soft-capping (Gemma2, eager)          unchanged, correct; xfail:       test_softcap_*
                                                 not in the report; KVarNCache
                                                 fused path: NotImplementedError
-    ALiBi as an sdpa mask (Falcon)              works                            test_alibi_falcon_compiled
+    ALiBi as an sdpa mask (Falcon)              works (kvarn_backend);           test_alibi_falcon_compiled,
+                                                KVarNCache: NotImplementedError  test_alibi_falcon_kvarn_cache_refuses
     ALiBi via baddbmm (Bloom, eager)            unchanged, correct; xfail:       test_alibi_bloom_*
                                                 not in the report
     hybrid, short-conv layers (LFM2)            works                            test_hybrid_lfm2_compiled
@@ -855,6 +856,18 @@ def test_alibi_falcon_compiled(fresh_dynamo):
     got = _generate(model, ids, 6)
     assert len(backend.report.rewritten) == 6 and not backend.report.unchanged, str(backend.report)
     _same(got, fp, rtol=2e-2)
+
+
+def test_alibi_falcon_kvarn_cache_refuses():
+    """KVarNCache is static-shaped; Falcon's ALiBi is built for the current key length only
+    (transformers' StaticCache fails the same way, with a shape error): a clear refusal."""
+    import transformers as tf
+    from kvarn_compile.hf import KVarNCache
+
+    cfg = tf.FalconConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          alibi=True)
+    with pytest.raises(NotImplementedError, match="FalconConfig with alibi=True .* kvarn_backend"):
+        KVarNCache(cfg, max_cache_len=64, **PRESET)
 
 
 def test_hybrid_lfm2_compiled(fresh_dynamo):
