@@ -351,9 +351,16 @@ def test_cpu_kernel_not_causal_empty_rows_and_thread_counts():
 
 
 @needs_cpp
-def test_cpu_kernel_path_falls_back_for_fp8_scales():
+def test_cpu_kernel_path_falls_back_for_fp8_scales_fp64_caches_and_bad_queries():
     st = _state([G + 3 * G + 7], get_config("k4v2", group_size=G, scale_dtype="float8_e4m3fn"))
     q = torch.randn(1, 2 * H, 1, D)
     assert not triton_impl.kernel_applies(q, st.buffers, None)
     torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0, kernel="cpu"),
                                reference.attention(q, st.buffers, None, 0.2, True, 0))
+    st = _state([G + 3 * G + 7], get_config("k4v2", group_size=G), dtype=torch.float64)
+    q = torch.randn(1, 2 * H, 1, D, dtype=torch.float64)
+    assert triton_impl.kernel_applies(q, st.buffers, None)
+    torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0, kernel="cpu"),
+                               reference.attention(q, st.buffers, None, 0.2, True, 0))
+    with pytest.raises(ValueError, match="expected queries"):
+        triton_impl.attention(torch.randn(1, 2 * H - 1, 1, D), st.buffers, None, 0.2, True, 0, kernel="cpu")

@@ -51,6 +51,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -395,6 +396,56 @@ void run(const Call& a) {
   std::atomic<int64_t> next{0};
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
 
+  // Merge the splits of one (batch row, kv head) into the output; run by the task that
+  // finishes its last split (one parallel region: no second barrier).
+  auto merge = [&](int64_t bh, float* rot, float* plain) {
+    const int b = bh / H, h = bh % H;
+    for (int r = 0; r < R; ++r) {
+      const int gi = r / TQ, tq = r % TQ;
+      const int64_t orow = ((int64_t)b * HQ + h * grp + gi) * TQ + tq;
+      float M = NEG_INF;
+      for (int sp = 0; sp < splits; ++sp) M = std::max(M, part_m[(bh * splits + sp) * R + r]);
+      float* o = a.out + orow * D;
+      if (!(M > NEG_INF)) {
+        std::fill(o, o + D, 0.f);
+        if (a.lse) a.lse[orow] = NEG_INF;
+        continue;
+      }
+      float L = 0.f;
+      std::fill(rot, rot + D, 0.f);
+      std::fill(plain, plain + D, 0.f);
+      for (int sp = 0; sp < splits; ++sp) {
+        const int64_t i = (bh * splits + sp) * R + r;
+        if (!(part_m[i] > NEG_INF)) continue;
+        const float w = std::exp(part_m[i] - M);
+        L += w * part_l[i];
+        const float* pr = part_rot.data() + i * D;
+        for (int c = 0; c < D; ++c) rot[c] += w * pr[c];
+        if (fused) {
+          const float* pp = part_plain.data() + i * D;
+          for (int c = 0; c < D; ++c) plain[c] += w * pp[c];
+        }
+      }
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      if (a.lse) a.lse[orow] = L > 0.f ? std::log(L) + M : NEG_INF;
+      // rot is in the value-code order: index k * vnb + j holds channel j * vper + k
+      if (a.rot_t) {
+        for (int c = 0; c < D; ++c) o[c] = plain[c];
+        for (int i = 0; i < D; ++i) {
+          const float x = rot[i];
+          if (x == 0.f) continue;
+          const float* hr = a.rot_t + (int64_t)((i % vnb) * vper + i / vnb) * D;
+          for (int c = 0; c < D; ++c) o[c] += x * hr[c];
+        }
+        for (int c = 0; c < D; ++c) o[c] *= inv;
+      } else {
+        for (int i = 0; i < D; ++i) o[(i % vnb) * vper + i / vnb] = (rot[i] + (fused ? plain[(i % vnb) * vper + i / vnb] : 0.f)) * inv;
+      }
+    }
+  };
+  std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[B * H]);
+  for (int64_t i = 0; i < (int64_t)B * H; ++i) done[i].store(0, std::memory_order_relaxed);
+
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     std::vector<float> qr((size_t)R * D), qs((size_t)R * D), s((size_t)R * std::max(G, EB)),
         tmp((size_t)R * D), bias(R), zsum(R), alpha(R), kfl((size_t)EB * D), vfl((size_t)EB * D);
@@ -402,7 +453,13 @@ void run(const Call& a) {
     std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
     std::vector<int64_t> lo(TQ), hi(TQ);
     std::vector<char> live(R);
-    for (int64_t task; (task = next.fetch_add(1)) < ntasks;) {
+    std::vector<float> mrot(D), mplain(D);
+    int64_t task = -1;
+    auto finish = [&]() {
+      const int64_t bh = task / splits;
+      if (done[bh].fetch_add(1, std::memory_order_acq_rel) == splits - 1) merge(bh, mrot.data(), mplain.data());
+    };
+    for (; (task = next.fetch_add(1)) < ntasks; finish()) {
       const int sp = task % splits;
       const int64_t bh = task / splits;
       const int b = bh / H, h = bh % H;
@@ -590,55 +647,6 @@ void run(const Call& a) {
     }
   });
 
-  // ---------------------------------------------------------------- merge the splits
-  at::parallel_for(0, (int64_t)B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rot(D), plain(D);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int b = bh / H, h = bh % H;
-      for (int r = 0; r < R; ++r) {
-        const int gi = r / TQ, tq = r % TQ;
-        const int64_t orow = ((int64_t)b * HQ + h * grp + gi) * TQ + tq;
-        float M = NEG_INF;
-        for (int sp = 0; sp < splits; ++sp) M = std::max(M, part_m[(bh * splits + sp) * R + r]);
-        float* o = a.out + orow * D;
-        if (!(M > NEG_INF)) {
-          std::fill(o, o + D, 0.f);
-          if (a.lse) a.lse[orow] = NEG_INF;
-          continue;
-        }
-        float L = 0.f;
-        std::fill(rot.begin(), rot.end(), 0.f);
-        std::fill(plain.begin(), plain.end(), 0.f);
-        for (int sp = 0; sp < splits; ++sp) {
-          const int64_t i = (bh * splits + sp) * R + r;
-          if (!(part_m[i] > NEG_INF)) continue;
-          const float w = std::exp(part_m[i] - M);
-          L += w * part_l[i];
-          const float* pr = part_rot.data() + i * D;
-          for (int c = 0; c < D; ++c) rot[c] += w * pr[c];
-          if (fused) {
-            const float* pp = part_plain.data() + i * D;
-            for (int c = 0; c < D; ++c) plain[c] += w * pp[c];
-          }
-        }
-        const float inv = L > 0.f ? 1.f / L : 0.f;
-        if (a.lse) a.lse[orow] = L > 0.f ? std::log(L) + M : NEG_INF;
-        // rot is in the value-code order: index k * vnb + j holds channel j * vper + k
-        if (a.rot_t) {
-          for (int c = 0; c < D; ++c) o[c] = plain[c];
-          for (int i = 0; i < D; ++i) {
-            const float x = rot[i];
-            if (x == 0.f) continue;
-            const float* hr = a.rot_t + (int64_t)((i % vnb) * vper + i / vnb) * D;
-            for (int c = 0; c < D; ++c) o[c] += x * hr[c];
-          }
-          for (int c = 0; c < D; ++c) o[c] *= inv;
-        } else {
-          for (int i = 0; i < D; ++i) o[(i % vnb) * vper + i / vnb] = (rot[i] + (fused ? plain[(i % vnb) * vper + i / vnb] : 0.f)) * inv;
-        }
-      }
-    }
-  });
 }
 
 int64_t pick_splits(int64_t bh, int64_t units) {
@@ -814,9 +822,9 @@ def _bits(k: list[torch.Tensor], v: list[torch.Tensor], d: int) -> tuple[int, in
     return kb, vb
 
 
-def supports(d: int, scale_dtype: torch.dtype) -> bool:
-    """True when the kernel reads this head dim and scale dtype (fp8 scales: no)."""
-    return d % 16 == 0 and scale_dtype in _SCALE_DTYPES
+def supports(d: int, scale_dtype: torch.dtype, exact_dtype: torch.dtype = torch.float16) -> bool:
+    """True when the kernel reads this head dim, scale dtype (fp8: no) and sink/tail dtype."""
+    return d % 16 == 0 and scale_dtype in _SCALE_DTYPES and exact_dtype in _SCALE_DTYPES
 
 
 def _c(t: torch.Tensor) -> torch.Tensor:

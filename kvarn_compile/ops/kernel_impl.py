@@ -63,10 +63,13 @@ def _cpu_attention(q, buffers, mask, scale, causal, window, k_plain=None):
     """The whole step in one C++ call; None where the kernel cannot read this cache."""
     from kvarn_compile.kernels import cpu_attention
 
-    d = q.shape[-1]
+    sink_k = buffers[BUF["sink_k"]]
+    bsz, heads, _, d = sink_k.shape
+    if q.dim() != 4 or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % heads:
+        return None                            # the reference raises the descriptive error
     kb = 8 * buffers[BUF["k_codes"]].shape[-1] // buffers[BUF["k_col_scale"]].shape[-1]
     vb = 8 * buffers[BUF["v_codes"]].shape[-1] // d
-    if not cpu_attention.supports(d, buffers[BUF["k_row_scale"]].dtype) \
+    if not cpu_attention.supports(d, buffers[BUF["k_row_scale"]].dtype, sink_k.dtype) \
             or (kb, vb) not in cpu_attention.SUPPORTED_BITS:
         return None
     lengths = buffers[BUF["lengths"]]
