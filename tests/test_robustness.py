@@ -60,6 +60,8 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
     disk caches cold and warm                   works, identical                 test_inductor_disk_cache_cold_and_warm (slow)
     long generate loop                          3 graphs, no recompiles          test_long_generate_does_not_recompile
     two models, two threads, two backends       works                            test_two_models_in_two_threads
+    state registry (inductor_pass), threads     works: one state per site and    test_state_registry_is_thread_safe,
+                                                store; two passes in 2 threads   test_two_models_inductor_pass_in_two_threads
     two models, one backend                     xfail: states shared by path     test_one_backend_two_models_interleaved
     fuzzing                                     see tests/test_fuzz.py
 
@@ -1052,6 +1054,71 @@ def test_two_models_in_two_threads(fresh_dynamo):
     for got, want, backend in zip(results, wants, backends):
         _same(got, want)
         assert not backend.report.unchanged
+
+
+def test_state_registry_is_thread_safe():
+    """The keyed registry of the Inductor pre-grad pass: threads racing to allocate the same
+    site get one state; two stores (two models) never share a state; a closed store's key
+    fails with a clear error."""
+    from kvarn_compile.registry import StateStore, resolve
+
+    cfg = get_config(**PRESET)
+    stores = [StateStore(cfg), StateStore(cfg)]
+    barrier = threading.Barrier(8)
+    got: list = []
+
+    def work(i):
+        barrier.wait()
+        store = stores[i % 2]
+        got.append((i % 2, store.for_append("model.layers.0.self_attn", torch.zeros(2, 2, 1, 64), 128)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s_index, store in enumerate(stores):
+        states = {id(state) for i, state in got if i == s_index}
+        assert len(states) == 1 and len(store.states) == 1
+    assert stores[0].states[("model.layers.0.self_attn", 2)] is not stores[1].states[("model.layers.0.self_attn", 2)]
+    key = stores[1].key("model.layers.0.self_attn")
+    assert resolve(key) == (stores[1], "model.layers.0.self_attn")
+    stores[1].close()
+    with pytest.raises(RuntimeError, match="no packed-state store .* was closed"):
+        resolve(key)
+    stores[0].close()
+
+
+@pytest.mark.slow
+def test_two_models_inductor_pass_in_two_threads(fresh_dynamo):
+    """kvarn_compile.inductor_pass: two models, a pass object each, compiled by Inductor and
+    generating in two threads at once; each equals its eager KVarN run."""
+    import kvarn_compile
+
+    models = [_llama(seed=0), _llama(seed=1)]
+    prompts = [_prompt(1), _prompt(2)]
+    wants = [_kvarn_eager(m, p, 6) for m, p in zip(models, prompts)]
+    passes = [kvarn_compile.inductor_pass(**PRESET, max_cache_len=256) for _ in models]
+    for m, kv_pass in zip(models, passes):
+        m.compile(options={"pre_grad_custom_pass": kv_pass})
+    results, errors = [None, None], []
+
+    def work(i):
+        try:
+            results[i] = _generate(models[i], prompts[i], 6)
+        except BaseException as err:      # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for got, want, kv_pass in zip(results, wants, passes):
+        _same(got, want, rtol=1e-3)
+        assert kv_pass.report.rewritten and not kv_pass.report.unchanged
+        kv_pass.close()
 
 
 @pytest.mark.xfail(strict=True, reason=(
