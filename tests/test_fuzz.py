@@ -22,7 +22,10 @@
 
 The number of examples run per target and outcome is printed at the end of the module
 (``-s`` not needed). CI runs ``FUZZ_CI`` examples per target; the ``slow`` variants run
-``FUZZ_SLOW``.
+``FUZZ_SLOW``. When this file was written: 60 + 60 (CI) and 200 + 200 (slow) examples, no
+failure beyond the defects pinned at the end (is_causal with fewer queries than keys and a
+mask-free chunk after a cat-cache past are miscompiled; soft-capped logits, eager masks
+built from the scores and weights returned after the softmax cast are not reported).
 """
 
 from __future__ import annotations
