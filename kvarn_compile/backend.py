@@ -168,7 +168,7 @@ class KVarNBackend:
             _log_graph("kvarn graph %d before rewrite:\n%s", graph_id,
                        gm.print_readable(print_output=False))
             new_gm = _copy_graph_module(gm)
-            ctx = RewriteContext(get_state=self._get_state, method=self.config.method,
+            ctx = RewriteContext(get_state=self._get_state, method=self.config.op_method,
                                  iters=self.config.sinkhorn_iters, recent=self.config.recent_window,
                                  hold=self.spec_tokens, check_finite=self.config.check_finite,
                                  max_cache_len=self.max_cache_len,

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["KVarNConfig", "PRESETS", "get_config", "METHODS", "SCALE_DTYPES"]
+__all__ = ["KVarNConfig", "PRESETS", "get_config", "METHODS", "SCALE_DTYPES", "KEY_FRAMES", "CLIPS"]
 
 Method = Literal["kvarn", "kivi", "hadamard"]
 
@@ -34,6 +34,9 @@ METHODS: tuple[str, ...] = ("kvarn", "kivi", "hadamard")
 
 #: Frames a K tile may be stored in (``KVarNConfig.key_frame``).
 KEY_FRAMES: tuple[str, ...] = ("rotated", "auto")
+
+#: Range choices of round-to-nearest (``KVarNConfig.clip``).
+CLIPS: tuple[str, ...] = ("none", "mse")
 
 #: Storage dtypes allowed for the folded scales. float16 is the reference format;
 #: float8_e4m3fn stores every scale vector as fp8 codes times one fp16 factor per vector
@@ -77,6 +80,9 @@ class KVarNConfig:
             flag byte per tile and head. Protects keys with a few huge channels (a k_proj
             bias after RoPE) that rotation would spread over every channel. Values are
             always rotated.
+        clip: "none" (reference: each row's RTN range is its min-max) or "mse": rows of
+            2-bit codes take the clipped range (min-max shrunk around its centre by a
+            factor in 1.0 .. 0.5) with the smallest rounding error. Same format, same bits.
     """
 
     key_bits: int = 4
@@ -90,6 +96,7 @@ class KVarNConfig:
     check_finite: bool = False
     exact_dtype: str = "auto"
     key_frame: str = "rotated"
+    clip: str = "none"
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, allowed: str, fix: str = "") -> ValueError:
@@ -127,6 +134,9 @@ class KVarNConfig:
             raise bad("exact_dtype", self.exact_dtype, "'auto' or 'float32'")
         if not isinstance(self.check_finite, bool):
             raise bad("check_finite", self.check_finite, "a bool")
+        if self.clip not in CLIPS:
+            raise bad("clip", self.clip, f"one of {CLIPS}",
+                      "'mse' searches a clipped range for 2-bit rows (same format and bits).")
         if self.key_frame not in KEY_FRAMES:
             raise bad("key_frame", self.key_frame, f"one of {KEY_FRAMES}",
                       "'auto' chooses rotated or plain per K tile.")
@@ -150,6 +160,12 @@ class KVarNConfig:
                 f"{[f.name for f in dataclasses.fields(self)]}.")
         return dataclasses.replace(self, **changes)
 
+    @property
+    def op_method(self) -> str:
+        """The method string the runtime ops take: the method plus quantizer options
+        that the packed state cannot carry itself (``"+clip"`` for ``clip="mse"``)."""
+        return self.method + ("+clip" if self.clip == "mse" else "")
+
     def short(self) -> str:
         """A compact name such as ``kvarn-k4v2-g128``."""
         extra = ""
@@ -161,6 +177,8 @@ class KVarNConfig:
             extra += f"-t{self.sinkhorn_iters}"
         if self.key_frame == "auto" and self.method != "kivi":
             extra += "-kauto"
+        if self.clip != "none":
+            extra += f"-clip{self.clip}"
         return f"{self.method}-k{self.key_bits}v{self.value_bits}-g{self.group_size}{extra}"
 
 

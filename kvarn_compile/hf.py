@@ -90,7 +90,7 @@ class KVarNLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         state = self.state
         start = state.lengths.clone()
-        ops.append_(state.buffers, key_states, value_states, start, self.config.method,
+        ops.append_(state.buffers, key_states, value_states, start, self.config.op_method,
                     self.config.sinkhorn_iters, self.config.recent_window, self.spec_tokens,
                     self.config.check_finite, self.name)
         if self.fused:
@@ -176,7 +176,7 @@ class KVarNCache(Cache):
                 f"{type(text).__name__} with alibi=True cannot use: it builds its ALiBi bias for "
                 "the current key length only. Compile the model with kvarn_backend and its default "
                 "dynamic cache instead.")
-        check_method(self.kvarn_config.method)
+        check_method(self.kvarn_config.op_method)
         layers = [KVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
                              name=f"layers.{i}", model_config=config) for i in range(n_layers)]
         super().__init__(layers=layers)

@@ -91,7 +91,7 @@ class Seq:
         start = self.state.lengths.tolist() if start is None else list(start)
         k, v = kv(b, tokens, bias_outlier=self.cfg.key_frame == "auto")
         c = self.cfg
-        R.append_(self.buffers, k, v, torch.tensor(start), method=c.method, iters=c.sinkhorn_iters,
+        R.append_(self.buffers, k, v, torch.tensor(start), method=c.op_method, iters=c.sinkhorn_iters,
                   recent=c.recent_window, hold=hold)
         for row, p in enumerate(start):
             self.k[row] = torch.cat([self.k[row][:, :p], k[row]], 1)
@@ -797,3 +797,30 @@ def test_constant_key_offset_costs_no_more_than_its_own_rounding():
         exact = F.scaled_dot_product_attention(q, x[:, :, :4 * G], v[:, :, :4 * G], enable_gqa=True)
         errs.append((fused(q, st.buffers) - exact).norm() / exact.norm())
     assert errs[1] <= 1.25 * errs[0] + 1e-3
+
+
+# ------------------------------------------------------------------------------ clip="mse"
+def test_clip_mse_runtime_state_equals_quantize_cache_and_lowers_2bit_error():
+    """kvarn+clip: the packed state after decode-step appends equals quantize_cache of the
+    same tokens with clip="mse", attention still equals the dequantized oracle, and the
+    2-bit values reconstruct better than with min-max ranges."""
+    cfg = get_config("k2v2", group_size=G, clip="mse")
+    assert cfg.op_method == "kvarn+clip"
+    n = G + 3 * G + 5
+    k, v = kv(2, n)
+    stepwise = new_state(cfg)
+    for t in range(n):
+        R.append_(stepwise.buffers, k[:, :, t:t + 1], v[:, :, t:t + 1], torch.full((2,), t),
+                  method=cfg.op_method)
+    for row in range(2):
+        assert_tiles_equal_reference(stepwise.buffers, row, k[row], v[row], cfg)
+    assert_attention_matches(torch.randn(2, H * 3, 1, D), stepwise.buffers)
+    plain = new_state(PRESETS["k2v2"])
+    R.append_(plain.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    region = slice(G, 4 * G)
+    errs = [(R.materialize(st.buffers, dtype=torch.float32)[1][:, :, region] - v[:, :, region]).norm()
+            for st in (stepwise, plain)]
+    assert errs[0] < 0.9 * errs[1]
+    with pytest.raises(ValueError, match="kvarn\\+clip"):
+        R.append_(plain.buffers, k[:, :, :1], v[:, :, :1], torch.zeros(2, dtype=torch.long),
+                  method="kvarn+fast")

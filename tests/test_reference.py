@@ -392,3 +392,29 @@ def test_key_frame_is_validated():
     with pytest.raises(ValueError, match="key_frame"):
         quantize_kv(torch.randn(1, 128, 64), "k", key_frame="plain")
     assert get_config("k4v2", key_frame="auto").short().endswith("-kauto")
+
+
+# ------------------------------------------------------------------------- clip="mse"
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_clip_mse_lowers_2bit_error_and_leaves_wider_codes_alone(kind):
+    from kvarn_compile.reference.quantize import CLIP_RATIOS, rtn_rows
+
+    x = kv_like(2, 3, tokens=256)
+    for bits in (2, 3, 4):
+        ref = quantize_kv(x, kind, bits=bits, group=128)
+        clip = quantize_kv(x, kind, bits=bits, group=128, clip="mse")
+        if bits > 2:
+            assert torch.equal(ref.codes, clip.codes) and torch.equal(ref.row_scale, clip.row_scale)
+        else:
+            e_ref = rel_err(dequantize_kv(ref, kind, rotated=True), x)
+            e_clip = rel_err(dequantize_kv(clip, kind, rotated=True), x)
+            assert e_clip < 0.9 * e_ref
+    # per row the search never does worse than min-max (ratio 1.0 is a candidate)
+    b = torch.randn(64, 128) ** 3
+    codes, delta, lo = rtn_rows(b, 2, clip=True)
+    codes0, delta0, lo0 = rtn_rows(b, 2)
+    err = lambda c, d, l: ((c.float() * d[:, None] + l[:, None]) - b).square().sum(-1)  # noqa: E731
+    assert (err(codes, delta, lo) <= err(codes0, delta0, lo0)).all()
+    assert CLIP_RATIOS[0] == 1.0
+    with pytest.raises(ValueError, match="clip"):
+        get_config("k2v2", clip="always")

@@ -54,8 +54,9 @@ BASE_METHODS: tuple[str, ...] = ("none", "kivi", "hadamard", "kvarn")
 #: Config overrides a method-name suffix stands for.
 VARIANTS: dict[str, dict[str, object]] = {
     "kauto": {"key_frame": "auto"},
+    "clip": {"clip": "mse"},
 }
-ALL_METHODS: tuple[str, ...] = BASE_METHODS + ("hadamard+kauto", "kvarn+kauto")
+ALL_METHODS: tuple[str, ...] = BASE_METHODS + ("hadamard+kauto", "kvarn+kauto", "kvarn+clip")
 #: When the pseudo-decode cache freezes complete tiles (see the module docstring).
 RULES: tuple[str, ...] = ("after_block", "on_append")
 
@@ -204,6 +205,8 @@ class PseudoQuantLayer(DynamicLayer):
         c = self.config
         fn = self.quantizer if self.quantizer is not None else fake_quantize
         extra = {"key_frame": c.key_frame} if c.key_frame != "rotated" else {}
+        if c.clip != "none":
+            extra["clip"] = c.clip
         return fn(x, kind=kind, method=c.method, bits=c.key_bits if kind == "k" else c.value_bits,
                   group=c.group_size, iters=c.sinkhorn_iters, scale_dtype=c.scale_dtype, **extra)
 

@@ -32,7 +32,7 @@ from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import BUF, has_fp8_factors, key_plain
 
 __all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append",
-           "check_method", "TILE_CHUNK"]
+           "check_method", "split_method", "TILE_CHUNK"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
 TILE_CHUNK = 64
@@ -55,14 +55,25 @@ def _geometry(buffers: list[torch.Tensor]) -> tuple[int, int, int, int]:
 
 
 # ------------------------------------------------------------------------------ append
+def split_method(method: str) -> tuple[str, str]:
+    """(quantizer method, clip) from an op method string such as ``"kvarn+clip"``
+    (:attr:`KVarNConfig.op_method`)."""
+    base, _, option = method.partition("+")
+    return base, ("mse" if option == "clip" else "none" if option == "" else option)
+
+
 def check_method(method: str) -> None:
     """Raise unless ``method`` fills tiles the runtime ops can read.
 
-    ``attention`` and ``materialize`` read every tile in the rotated frame (they rotate q
-    and un-rotate the output). ``kivi`` tiles are quantized in the original frame, so the
-    packed cache would silently decode them wrong; the buffers carry no method to tell.
+    ``attention`` and ``materialize`` read values in the rotated frame (they un-rotate the
+    output). ``kivi`` values are quantized in the original frame, so the packed cache would
+    silently decode them wrong; the buffers carry no method to tell.
     """
-    if method not in ("kvarn", "hadamard"):
+    base, clip = split_method(method)
+    if clip not in ("none", "mse"):
+        raise ValueError(f"KVarN runtime cache: expected a method such as 'kvarn' or 'kvarn+clip', "
+                         f"but got {method!r}.")
+    if base not in ("kvarn", "hadamard"):
         raise ValueError(
             f"KVarN runtime cache: expected method 'kvarn' or 'hadamard', but got {method!r}. The "
             "packed cache reads every tile in the rotated frame; evaluate KIVI with "
@@ -136,8 +147,9 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
     if _b(buffers, "k_row_scale").dtype == torch.float8_e4m3fn:
         scale_dtype = torch.float8_e4m3fn
     frames = key_plain(buffers)
+    method, clip = split_method(method)
     sl = slice(first_tile, first_tile + f)
-    if tokens_k.is_cuda and not check and _use_triton():
+    if tokens_k.is_cuda and not check and clip == "none" and _use_triton():
         from kvarn_compile.ops.kernel_impl import freeze_tiles
 
         if freeze_tiles(buffers, row, tokens_k, tokens_v, first_tile, method, iters):
@@ -146,7 +158,7 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
         try:
             q = quantize_kv(x, kind, method=method, bits=bits, group=g, iters=iters,
                             scale_dtype=scale_dtype, check_finite=check,
-                            key_frame="auto" if frames is not None else "rotated")
+                            key_frame="auto" if frames is not None else "rotated", clip=clip)
         except NonFiniteError as err:
             raise NonFiniteError(f"{name or 'KVarN cache'}, batch row {row}, tokens of tiles "
                                  f"{first_tile}..{first_tile + f - 1}: {err}") from None

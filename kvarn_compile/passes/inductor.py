@@ -84,7 +84,7 @@ class KVarNInductorPass(custom_graph_pass_base()):
             before = normalize_graph(gm)
             _log_graph("kvarn pre-grad graph %d before rewrite:\n%s", graph_id,
                        gm.print_readable(print_output=False))
-            ctx = RewriteContext(get_state=self._size_state, method=self.config.method,
+            ctx = RewriteContext(get_state=self._size_state, method=self.config.op_method,
                                  iters=self.config.sinkhorn_iters,
                                  recent=self.config.recent_window, hold=self.spec_tokens,
                                  check_finite=self.config.check_finite,

@@ -114,7 +114,7 @@ def quantize_cache(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, *,
         tiles[kind] = None if n_q == 0 else quantize_kv(
             region, kind, method=config.method, bits=bits, group=config.group_size,
             iters=config.sinkhorn_iters, scale_dtype=config.torch_scale_dtype,
-            check_finite=config.check_finite, key_frame=config.key_frame)
+            check_finite=config.check_finite, key_frame=config.key_frame, clip=config.clip)
     return QuantizedKV(
         config=config,
         sink_k=k[..., :sink, :].to(exact_dtype).clone(), sink_v=v[..., :sink, :].to(exact_dtype).clone(),
