@@ -364,3 +364,26 @@ def test_cpu_kernel_path_falls_back_for_fp8_scales_fp64_caches_and_bad_queries()
                                reference.attention(q, st.buffers, None, 0.2, True, 0))
     with pytest.raises(ValueError, match="expected queries"):
         triton_impl.attention(torch.randn(1, 2 * H - 1, 1, D), st.buffers, None, 0.2, True, 0, kernel="cpu")
+
+
+@needs_cpp
+@pytest.mark.parametrize("where", ["tile", "sink", "tail"])
+def test_cpu_kernel_nan_keys_poison_exactly_the_rows_that_see_them(where):
+    """Like the reference: a query that sees a NaN key reads NaN (all channels); one that
+    cannot (sliding window, other batch row) is untouched. A whole NaN tile is not dropped."""
+    st = _state([G + 4 * G + 10, G + 4 * G + 10], get_config("k4v2", group_size=G))
+    b = st.buffers
+    if where == "tile":
+        b[BUF["k_col_scale"]][0, 1, 0] = float("nan")      # the whole tile 0 of head 1, row 0
+    elif where == "sink":
+        b[BUF["sink_k"]][0, 1, 3] = float("nan")
+    else:
+        b[BUF["tail_k"]][0, 1, 2] = float("nan")
+    q = torch.randn(2, 2 * H, 1, D)
+    for window in (0, 60):
+        ref = reference.attention(q, b, None, 0.2, True, window)
+        out = triton_impl.attention(q, b, None, 0.2, True, window, kernel="cpu")
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+        seen = where == "tail" or window == 0
+        assert bool(out[0, 2:].isnan().all()) == seen        # q heads 2, 3 read kv head 1
+        assert not out[0, :2].isnan().any() and not out[1].isnan().any()

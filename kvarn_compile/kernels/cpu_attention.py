@@ -333,10 +333,25 @@ VFn pick_v(int bits, int nr) { return bits == 2 ? v_fn<2>(nr) : bits == 4 ? v_fn
 // ---------------------------------------------------------------- online softmax
 // v: n (multiple of 16) scaled scores of one row, -inf where hidden. Turns v into
 // exp(v - m_new), updates (m, l); returns alpha = exp(m_old - m_new), or -1 when the
-// block hides every position (then v is zeroed and m, l are unchanged).
+// block hides every position (then v is zeroed and m, l are unchanged). A NaN score (a
+// visible NaN key) poisons the row like it does the reference's softmax: l becomes NaN
+// (and m finite) for good, and the merge writes NaN.
 inline float softmax_step(float* v, int n, float& m, float& l) {
   v16f mx = splat(NEG_INF);
-  for (int i = 0; i < n; i += 16) { const v16f x = vld(v + i); mx = x > mx ? x : mx; }
+  v16i nan{};
+  for (int i = 0; i < n; i += 16) {
+    const v16f x = vld(v + i);
+    mx = x > mx ? x : mx;
+    nan |= x != x;
+  }
+  bool poisoned = false;
+  for (int i = 0; i < 16; ++i) poisoned |= nan[i] != 0;
+  if (poisoned || std::isnan(l)) {
+    if (!(m > NEG_INF)) m = 0.f;
+    l = std::numeric_limits<float>::quiet_NaN();
+    std::memset(v, 0, sizeof(float) * n);
+    return 1.f;
+  }
   const float peak = hmax(mx);
   if (!(peak > NEG_INF)) { std::memset(v, 0, sizeof(float) * n); return -1.f; }
   const float m_new = std::max(m, peak);
@@ -409,6 +424,16 @@ void run(const Call& a) {
       if (!(M > NEG_INF)) {
         std::fill(o, o + D, 0.f);
         if (a.lse) a.lse[orow] = NEG_INF;
+        continue;
+      }
+      bool poisoned = false;
+      for (int sp = 0; sp < splits; ++sp) {
+        const int64_t i = (bh * splits + sp) * R + r;
+        poisoned |= part_m[i] > NEG_INF && std::isnan(part_l[i]);
+      }
+      if (poisoned) {
+        std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+        if (a.lse) a.lse[orow] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
       float L = 0.f;
@@ -502,11 +527,11 @@ void run(const Call& a) {
         lo_min = std::min(lo_min, lo[tq]);
         hi_max = std::max(hi_max, hi[tq]);
       }
-      auto mask_at = [&](int r, int64_t pos) -> float {   // additive mask value of row r at pos
+      auto apply_mask = [&](int r, int64_t pos, float x) -> float {   // row r's mask at pos
         const int gi = r / TQ, tq = r % TQ;
         const int64_t off = b * a.msb + (int64_t)(h * grp + gi) * a.msh + tq * a.msq + pos * a.msm;
-        if (a.mask_float) return ((const float*)a.mask)[off];
-        return ((const uint8_t*)a.mask)[off] ? 0.f : NEG_INF;
+        if (a.mask_float) return x + ((const float*)a.mask)[off];          // additive
+        return ((const uint8_t*)a.mask)[off] ? x : NEG_INF;                // bool: hides
       };
       const int64_t tile_pos0 = fused ? a.S : 0;
 
@@ -550,7 +575,7 @@ void run(const Call& a) {
                 for (int c = 0; c < D; c += 16) acc += vld(qrow + c) * vld(kr + c);
                 float x = hsum(acc) * a.scale;
                 if (pos[i] < lo[tq] || pos[i] > hi[tq]) x = NEG_INF;
-                else if (a.mask) x += mask_at(r, pos[i]);
+                else if (a.mask) x = apply_mask(r, pos[i], x);
                 v[i] = x;
               }
               for (int i = cnt; i < n16; ++i) v[i] = NEG_INF;
@@ -613,7 +638,7 @@ void run(const Call& a) {
             for (int i = 0; i < G; ++i) {     // score order i = k * knb + jj is token jj * kper + k
               const int64_t p = p0 + (int64_t)(i % knb) * kper + i / knb;
               if (p < lo[tq] || p > hi[tq]) v[i] = NEG_INF;
-              else if (a.mask) v[i] += mask_at(r, p);
+              else if (a.mask) v[i] = apply_mask(r, p, v[i]);
             }
           }
           const float al = softmax_step(v, G, m[r], l[r]);
