@@ -13,10 +13,12 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
     check_finite=True                           NonFiniteError naming layer,     test_check_finite_* (here: compiled model and
                                                 row, head, position; unchanged   KVarNCache), test_ops::test_check_finite_*
     beyond fp16 range, bf16 model (<= 1e8)      works                            test_bf16_values_beyond_fp16_range
-      bf16, |x| ~ 1e12, fp16 scales             xfail: silent inf tiles          test_huge_bf16_values_with_fp16_scales
+      bf16, |x| ~ 1e12, fp16 scales             rejected: ValueError naming      test_huge_bf16_values_with_fp16_scales
+                                                scale_dtype; cache unchanged
       bf16 / fp32 + scale_dtype float32 etc.    works                            test_values_beyond_fp16_range_with_wider_*,
                                                                                  test_fp32_values_*_with_fp32_exact_storage
-      fp32 model, |x| > 65504, default          xfail: silent inf sink/tail      test_fp32_values_beyond_fp16_range_default
+      fp32 model, |x| > 65504, default          rejected: ValueError naming      test_fp32_values_beyond_fp16_range_default
+                                                exact_dtype; cache unchanged
     all-zero, constant, denormal tiles          works (zero/const exact,         test_zero_constant_and_denormal_tiles,
                                                 denormals flush toward 0)        test_reference::test_constant_tiles_*
     heavy-tailed channels (1000x)               works, error bounded             test_heavy_tailed_channels
@@ -383,21 +385,29 @@ def _works_or_refuses(dtype, magnitude, match, **overrides):
     _close_to_unit_scale(errs, dtype, **overrides)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bf16 K/V of |x| ~ 1e10..1e12 with the default fp16 scale storage: the tile scales overflow "
-    "to inf and the packed tiles read back inf/NaN, silently (no error, check_finite does not "
-    "see it). Expected: store the tile correctly or raise a ValueError naming scale_dtype."))
 def test_huge_bf16_values_with_fp16_scales():
+    """Tile scales in fp16 cannot hold |x| ~ 1e12: the append is refused, naming scale_dtype."""
     _works_or_refuses(torch.bfloat16, 1e12, "scale_dtype")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fp32 models keep sink and tail in fp16 by default (exact_dtype='auto'); K/V beyond 65504 "
-    "become inf there (and their tiles NaN-marked), the attention output is NaN, silently: "
-    "check_finite checks the fp32 input before the cast. Expected: keep such values (fp32 sink/"
-    "tail) or raise a ValueError naming exact_dtype."))
 def test_fp32_values_beyond_fp16_range_default():
+    """fp32 models keep sink/tail in fp16 by default: |x| > 65504 is refused, naming exact_dtype."""
     _works_or_refuses(torch.float32, 1e5, "exact_dtype")
+
+
+@pytest.mark.parametrize("dtype, magnitude", [(torch.float32, 1e5), (torch.bfloat16, 1e12)])
+def test_out_of_range_append_leaves_the_cache_unchanged(dtype, magnitude):
+    cfg = get_config("k4v2", group_size=G)
+    st = new_state(cfg, batch=1, heads=1, dtype=dtype)
+    k, v = kv(1, 1, 40, 64, dtype=dtype)
+    append(st, k, v)
+    before = [t.clone() for t in st.buffers]
+    k2, v2 = kv(1, 1, 60, 64, dtype=dtype)
+    k2[0, 0, 37, 5] = magnitude
+    match = "position 77 holds" if dtype == torch.float32 else r"positions 32\.\.\.95\): the K scales overflow"
+    with pytest.raises(ValueError, match=match):
+        append(st, k2, v2)
+    assert all(torch.equal(a, b) for a, b in zip(st.buffers, before))
 
 
 # ---------------------------------------------------------------- degenerate tiles

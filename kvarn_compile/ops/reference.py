@@ -25,6 +25,8 @@ Semantics in one place:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvarn_compile.reference.quantize import NonFiniteError, quantize_kv, unpack_codes
@@ -32,7 +34,7 @@ from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import BUF, has_fp8_factors, key_plain
 
 __all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append",
-           "check_method", "split_method", "TILE_CHUNK"]
+           "check_method", "check_range", "split_method", "TILE_CHUNK"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
 TILE_CHUNK = 64
@@ -130,6 +132,38 @@ def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                              "Commit tokens, or allocate the cache with more spec_tokens.")
 
 
+_FP16_MAX = 65504.0
+
+
+def check_range(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                start_pos: torch.Tensor, method: str, iters: int, name: str = "") -> None:
+    """Raise a ValueError when new K/V would overflow a float16 high-precision sink/tail.
+
+    fp32 models keep sink and tail in float16 by default (exact_dtype="auto"), so a finite
+    fp32 value beyond 65504 would silently become inf there. (Tile scales that overflow
+    float16 are caught when the tile is quantized, see ``_freeze``.) Non-finite values
+    are the NaN/inf policy's business, not this check's.
+    """
+    exact = _b(buffers, "tail_k").dtype
+    if exact != torch.float16 or k.dtype == torch.float16:
+        return
+    limits = [(_FP16_MAX, "the float16 high-precision sink/tail (exact_dtype='auto' keeps fp32 "
+               "models' sink and tail in fp16)",
+               "KVarNConfig(exact_dtype='float32', scale_dtype='float32')")]
+    peak = torch.maximum(torch.nan_to_num(k.float().abs(), nan=0.0, posinf=0.0).amax(-1),
+                         torch.nan_to_num(v.float().abs(), nan=0.0, posinf=0.0).amax(-1))
+    for limit, what, fix in limits:
+        over = peak > limit
+        if bool(over.any()):
+            row, head, t = over.nonzero()[0].tolist()
+            where = f" in {name}" if name else ""
+            raise ValueError(
+                f"KVarN append{where}: batch row {row}, kv head {head}, position "
+                f"{int(start_pos[row]) + t} holds |x| = {float(peak[row, head, t]):.3g}, beyond "
+                f"{what}. Expected smaller keys/values, or allocate the cache with {fix}. "
+                "The cache was left unchanged.")
+
+
 def _use_triton() -> bool:
     from kvarn_compile.kernels import triton_available
 
@@ -149,6 +183,9 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
     frames = key_plain(buffers)
     method, clip = split_method(method)
     sl = slice(first_tile, first_tile + f)
+    s_len = _b(buffers, "sink_k").shape[2]
+    s_pos = lambda tile: s_len + tile * g  # noqa: E731
+    quantized = {}
     if tokens_k.is_cuda and not check and clip == "none" and _use_triton():
         from kvarn_compile.ops.kernel_impl import freeze_tiles
 
@@ -162,6 +199,19 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
         except NonFiniteError as err:
             raise NonFiniteError(f"{name or 'KVarN cache'}, batch row {row}, tokens of tiles "
                                  f"{first_tile}..{first_tile + f - 1}: {err}") from None
+        # Non-finite tokens are stored as NaN, never inf: an inf scale is an overflow of
+        # the scale dtype (e.g. |x| ~ 1e10 with float16 scales).
+        if any(bool(torch.isinf(t.float()).any()) for t in q.tensors()[1:] if t.is_floating_point()):
+            raise ValueError(
+                f"KVarN append{' in ' + name if name else ''}: batch row {row}, tiles "
+                f"{first_tile}..{first_tile + f - 1} (positions {s_pos(first_tile)}..."
+                f"{s_pos(first_tile + f) - 1}): the {kind.upper()} scales overflow "
+                f"{scale_dtype} (largest |x| {float(x.float().abs().nan_to_num(0, 0, 0).max()):.3g}). "
+                "Expected smaller keys/values, or allocate the cache with "
+                "KVarNConfig(scale_dtype='bfloat16') or 'float32'. The cache was left unchanged.")
+        quantized[kind] = q
+    for kind in ("k", "v"):
+        q = quantized[kind]
         _b(buffers, f"{kind}_codes")[row, :, sl] = q.codes
         _b(buffers, f"{kind}_row_scale")[row, :, sl] = q.row_scale
         _b(buffers, f"{kind}_row_zero")[row, :, sl] = q.row_zero
@@ -190,11 +240,6 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
     if p0 == 0 and t > 0:
         lengths[row] = committed[row] = n_tiles[row] = 0
     end = p0 + t
-    # sink part
-    if p0 < s:
-        stop = min(end, s)
-        _b(buffers, "sink_k")[row, :, p0:stop] = k_new[:, :stop - p0]
-        _b(buffers, "sink_v")[row, :, p0:stop] = v_new[:, :stop - p0]
     tiles = int(n_tiles[row])
     frozen_end = s + tiles * g
     # tokens that belong after the frozen region: old tail tokens [frozen_end, p0) + new ones
@@ -211,9 +256,13 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
     seg_v = torch.cat([old_v, v_new[:, new_from - p0:].to(exact)], 1)
     done = min(max(int(committed[row]), commit_to), end)
     freeze = min(max(done - frozen_end - recent, 0) // g, n_max - tiles) if end > s else 0
-    if freeze:
+    if freeze:   # first: it may raise (scale overflow) before anything of this row is written
         _freeze(buffers, row, seg_k[:, :freeze * g], seg_v[:, :freeze * g], tiles, method,
                 iters, check, name)
+    if p0 < s:   # sink part
+        stop = min(end, s)
+        _b(buffers, "sink_k")[row, :, p0:stop] = k_new[:, :stop - p0]
+        _b(buffers, "sink_v")[row, :, p0:stop] = v_new[:, :stop - p0]
     keep_from = frozen_end + freeze * g
     keep_k, keep_v = seg_k[:, freeze * g:], seg_v[:, freeze * g:]
     if keep_k.shape[1]:
@@ -231,6 +280,7 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     """Write new K/V [B, H, T, D] at start_pos [B]; freeze complete committed tiles."""
     check_method(method)
     check_append(buffers, k, v, start_pos, recent, hold, name)
+    check_range(buffers, k, v, start_pos, split_method(method)[0], iters, name)
     # validate every value before writing anything (check mode): nothing lost on error
     if check_finite and not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
         bad = (~torch.isfinite(k).all(-1) | ~torch.isfinite(v).all(-1)).nonzero()[0].tolist()
@@ -238,10 +288,18 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             f"{name or 'KVarN cache'}: NaN/inf in the new keys/values at batch row {bad[0]}, "
             f"kv head {bad[1]}, token position {int(start_pos[bad[0]]) + bad[2]}. Expected finite "
             "values; the cache was left unchanged. Disable check_finite to store such tokens as NaN.")
-    for row, p0 in enumerate(start_pos.tolist()):
-        commit_to = max(p0, p0 + k.shape[2] - max(hold, 0))
-        _place(buffers, row, k[row], v[row], p0, recent, commit_to, method, iters,
-               check_finite, name)
+    counters = [_b(buffers, n).clone() for n in ("lengths", "committed", "n_tiles")]
+    try:
+        for row, p0 in enumerate(start_pos.tolist()):
+            commit_to = max(p0, p0 + k.shape[2] - max(hold, 0))
+            _place(buffers, row, k[row], v[row], p0, recent, commit_to, method, iters,
+                   check_finite, name)
+    except ValueError:
+        # A tile of a later row could not be stored (its scales overflow): earlier rows are
+        # rolled back by their counters (what they wrote lies past their lengths/tiles).
+        for n, before in zip(("lengths", "committed", "n_tiles"), counters):
+            _b(buffers, n).copy_(before)
+        raise
 
 
 def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str = "kvarn",
