@@ -323,16 +323,6 @@ def _masks(spec, p0, t, gen):
     return allowed, additive
 
 
-def _known_miscompile(spec, p0, t):
-    """The pinned defects (see the xfail tests at the end), or None."""
-    length = p0 + t if spec["write"] == "cat" else CAP
-    if spec["mask"] == "is_causal" and t != length:
-        return "is_causal with fewer queries than keys"
-    if spec["mask"] == "none" and spec["write"] == "cat" and 1 < t < length:
-        return "mask-free chunk after a cat-cache past"
-    return None
-
-
 def _is_kvarn_error(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, (ValueError, RuntimeError)) and ("KVarN" in text or "kvarn" in text)
@@ -387,10 +377,6 @@ def _matcher_case(data, target):
             else:
                 hat = fn(q, k_hat[:, :, p0:p0 + t], v_hat[:, :, p0:p0 + t], where,
                          k_hat.clone(), v_hat.clone(), mask, scale_t)
-            known = _known_miscompile(spec, p0, t)
-            if known and not torch.allclose(got[0], hat[0], rtol=1e-3, atol=1e-3):
-                outcome = f"miscompiled (known: {known})"
-                break                               # pinned by the strict xfails below
             torch.testing.assert_close(got[0], hat[0], rtol=1e-3, atol=1e-3,
                                        msg=lambda m: f"miscompiled (rewritten) {spec}: {m}")
             for a, c in zip(got[3:], hat[3:]):
@@ -461,11 +447,6 @@ def _causal_flag_step(q, k, v, pos, kc, vc):
     return (F.scaled_dot_product_attention(q, kc, vc, is_causal=True),)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "miscompile: sdpa(is_causal=True) with fewer queries than keys aligns the causal mask to the "
-    "top-left corner (a decode query over a preallocated cache sees key 0 only); the pass's check "
-    "in passes/rewrite.py (_pair: 'tq not in (1, lk)') lets tq == 1 through and the rewritten "
-    "attention sees every written position. Expected: refuse (report) is_causal unless tq == lk"))
 def test_is_causal_decode_over_a_cache():
     pairs, backend = _run_8bit(_causal_flag_step, [1, 1, 1], cat=False)
     for got, want in pairs:
@@ -477,13 +458,6 @@ def _maskless_cat_step(q, k, v, pos, past_k, past_v):
     return F.scaled_dot_product_attention(q, keys, values), keys, values
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "miscompile: a mask-free attention (sdpa or the eager chain) over a cat cache with a chunk of "
-    "1 < T < L queries attends every key (non-causal) in eager, but the rewrite passes "
-    "causal=True whenever the key length "
-    "differs from the query length (passes/rewrite.py: causal = is_causal or cache or lk != tq), "
-    "so the chunk's earlier queries lose its later tokens. Expected: non-causal over the chunk, "
-    "or refuse mask-free chunks"))
 def test_maskless_chunk_after_a_cat_past():
     pairs, backend = _run_8bit(_maskless_cat_step, [3, 2], cat=True)
     assert backend.report.rewritten

@@ -679,12 +679,6 @@ def _compiled(model, **kw):
 
 
 # ---------------------------------------------------------------- C. generation
-@pytest.mark.xfail(strict=True, reason=(
-    "beam search under kvarn_backend gives silently wrong tokens: transformers reorders the "
-    "DynamicCache (index_select on the zero-storage handles) but the backend's packed states "
-    "(KVarNBackend.states) are never reordered, so every beam keeps attending its own "
-    "pre-reorder history. Expected: reorder the packed rows (as KVarNCache.reorder_cache does) "
-    "or refuse num_beams > 1 with a clear error"))
 def test_beam_search_compiled(fresh_dynamo):
     model = _llama()
     ids = _prompt(1)

@@ -46,7 +46,7 @@ import torch
 from kvarn_compile.ops import reference
 
 __all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
-           "attention_keyed"]
+           "attention_keyed", "reorder_", "reorder_keyed"]
 
 
 @torch.library.custom_op("kvarn::append_", mutates_args=("buffers",))
@@ -242,3 +242,63 @@ def attention_keyed(q: torch.Tensor, token: torch.Tensor, mask: torch.Tensor | N
 @attention_keyed.register_fake
 def _attention_keyed_fake(q, token, mask, key, scale, causal, window):
     return q.new_empty(q.shape)
+
+
+# ------------------------------------------------------------------------------ beam reorder
+def _row_order(rows: torch.Tensor, batch: int, name: str) -> torch.Tensor | None:
+    """The batch-row order ``rows`` [B] (row tags of a cat-cache handle, see
+    passes/rewrite.py) asks for, or None when it is the identity."""
+    tags = rows.detach().float().reshape(-1).cpu()
+    idx = tags.round().long()
+    if tags.numel() != batch or not bool(torch.isfinite(tags).all()) \
+            or not torch.equal(idx.float(), tags) or bool((idx < 0).any()) or bool((idx >= batch).any()):
+        raise ValueError(
+            f"KVarN {name}: the past keys passed to the compiled model are not the handle its "
+            f"previous call returned (expected {batch} batch-row tags in [0, {batch}), got "
+            f"{tags[:8].tolist()}). Pass the cache the compiled model returned, reordered along "
+            "the batch only (beam search), or start a new cache.")
+    if torch.equal(idx, torch.arange(batch)):
+        return None
+    return idx
+
+
+def _reorder(buffers: list[torch.Tensor], rows: torch.Tensor, name: str) -> None:
+    idx = _row_order(rows, buffers[0].shape[0], name)
+    if idx is None:
+        return
+    for buf in buffers:
+        buf.copy_(buf.index_select(0, idx.to(buf.device)))
+
+
+@torch.library.custom_op("kvarn::reorder_", mutates_args=("buffers",))
+def reorder_(buffers: list[torch.Tensor], rows: torch.Tensor, name: str) -> None:
+    """Reorder the state's batch rows: row i becomes old row ``rows[i]`` (beam search).
+
+    ``rows``: the per-row tags the compiled graph read from the past handle a cat cache
+    handed back (each handle's row i holds i; ``index_select(0, beam_idx)`` on it gives
+    ``beam_idx``). Identity tags do nothing; anything but row tags raises ValueError.
+    """
+    _reorder(buffers, rows, name)
+
+
+@reorder_.register_fake
+def _reorder_fake(buffers, rows, name):
+    return None
+
+
+@torch.library.custom_op("kvarn::reorder_keyed", mutates_args=())
+def reorder_keyed(k: torch.Tensor, rows: torch.Tensor, key: str) -> torch.Tensor:
+    """``reorder_`` of the registry state ``key`` (if allocated); returns a copy of ``k``
+    that the site's ``append_keyed`` takes, which orders the append after the reorder."""
+    from kvarn_compile import registry
+
+    store, site = registry.resolve(key)
+    state = store.states.get((site, k.shape[0]))
+    if state is not None:
+        _reorder(state.buffers, rows, site)
+    return k.clone()
+
+
+@reorder_keyed.register_fake
+def _reorder_keyed_fake(k, rows, key):
+    return torch.empty_like(k)

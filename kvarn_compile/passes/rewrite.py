@@ -169,9 +169,6 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
             raise Unsupported("the graph returns the cache tensor itself")
     tq = qv.shape[2]
     lk = example(site.k).shape[2]
-    if site.is_causal and isinstance(tq, int) and isinstance(lk, int) and tq not in (1, lk):
-        raise Unsupported("is_causal=True with fewer queries than keys aligns the causal mask to "
-                          "the top-left corner; only a bottom-right (cache) alignment is rewritten")
     if wk.cache is not None and site.mask is None and not site.is_causal:
         raise Unsupported("no mask over a preallocated cache: the model attends unwritten slots")
     if site.mask is not None:
@@ -220,6 +217,50 @@ def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, device: torch.device
     return graph.call_function(torch.full, ((batch,), length), {"dtype": torch.int64, "device": device})
 
 
+def _past_row_tags(graph: fx.Graph, w: CacheWrite) -> fx.Node | None:
+    """The batch-row tags of a cat cache's past (the handle an earlier call returned, see
+    step 4 of rewrite_graph), read in the graph: ``past[:, 0, 0, 0]``. None for an in-place
+    cache, a single batch row or an empty past."""
+    past = example(w.start)
+    if w.cache is not None or example(w.new).shape[0] == 1:    # one row: nothing to reorder
+        return None
+    if past is None or past.dim() != 4 or (isinstance(past.shape[2], int) and past.shape[2] == 0):
+        return None
+    return graph.call_function(operator.getitem, (w.start, (slice(None), 0, 0, 0)))
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """``a == b`` known at compile time (ints, or one and the same symbol)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return str(a.node.expr) == str(b.node.expr)
+    return False
+
+
+def _key_length(graph: fx.Graph, w: CacheWrite, batch: int, heads: int, dim: int) -> Any:
+    """The key length the model's attention reads: the capacity of a preallocated cache, or
+    past + new tokens of a cat cache (built from the past's numel; the cat itself is gone)."""
+    if w.cache is not None:
+        return int(example(w.cache).shape[2])
+    past_len = graph.call_function(
+        operator.floordiv, (graph.call_method("numel", (w.start,)), batch * heads * dim))
+    return graph.call_function(operator.add, (past_len, graph.call_method("size", (w.new, 2))))
+
+
+def _top_left_causal(graph: fx.Graph, m: _Match, batch: int, heads: int, dim: int,
+                     device: torch.device) -> fx.Node:
+    """``sdpa(is_causal=True)`` with Tq != Lk aligns its mask to the top-left corner (query i
+    sees keys 0..i, PyTorch's ``tril(ones(Tq, Lk))``): that mask, [1, 1, Tq, Lk], indexed by
+    absolute key position as kvarn::attention reads it. Keys 0..i are always written (query
+    i sits at position >= i), so the bottom-right causal flag hides none of them."""
+    tq = graph.call_method("size", (m.site.q, 2))
+    lk = _key_length(graph, m.wk, batch, heads, dim)
+    ones = graph.call_function(torch.ones, ((tq, lk),), {"dtype": torch.bool, "device": device})
+    tril = graph.call_method("tril", (ones,))
+    return graph.call_function(operator.getitem, (tril, (None, None)))
+
+
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteContext,
                   graph_id: int = 0) -> tuple[list[torch.Tensor], list[SiteReport]]:
     """Rewrite ``gm`` in place; return (extra inputs to append, per-site reports).
@@ -261,10 +302,17 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                           key=lambda n: list(graph.nodes).index(n))
         with graph.inserting_before(first_write):
             start = _start_node(graph, m.wk, batch, kn.device)
+            new_k = m.wk.new
+            rows = _past_row_tags(graph, m.wk)
+            if rows is not None and keyed:
+                new_k = graph.call_function(torch.ops.kvarn.reorder_keyed.default,
+                                            (new_k, rows, ctx.state_key(name)))
+            elif rows is not None:
+                graph.call_function(torch.ops.kvarn.reorder_.default, (bufs, rows, name))
             if keyed:
                 append = graph.call_function(
                     torch.ops.kvarn.append_keyed.default,
-                    (m.wk.new, m.wv.new, start, None, None, ctx.state_key(name), max_len,
+                    (new_k, m.wv.new, start, None, None, ctx.state_key(name), max_len,
                      ctx.method, ctx.iters, ctx.recent, ctx.hold, ctx.check_finite, False))
             else:
                 append = graph.call_function(
@@ -273,16 +321,22 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                      ctx.hold, ctx.check_finite, name))
         # 3. fused attention in place of the model's attention
         scale = m.site.scale if m.site.scale is not None else dim ** -0.5
-        causal = bool(m.site.is_causal or m.wk.cache is not None
-                      or lk != example(m.site.q).shape[2])
+        # The model's own semantics, exactly: a mask-free, non-causal attention attends every
+        # key (a cat cache holds written keys only; a preallocated cache needs a mask or
+        # is_causal, see _pair); a preallocated cache is read causally, which hides nothing
+        # a causal mask shows.
+        causal = bool(m.site.is_causal or m.wk.cache is not None)
+        mask = m.site.mask
         with graph.inserting_before(m.site.out):
+            if m.site.is_causal and not _same_size(lk, example(m.site.q).shape[2]):
+                mask = _top_left_causal(graph, m, batch, heads, dim, kn.device)
             if keyed:
                 att = graph.call_function(torch.ops.kvarn.attention_keyed.default,
-                                          (m.site.q, append, m.site.mask, ctx.state_key(name),
+                                          (m.site.q, append, mask, ctx.state_key(name),
                                            float(scale), causal, 0))
             else:
                 att = graph.call_function(torch.ops.kvarn.attention.default,
-                                          (m.site.q, bufs, m.site.mask, float(scale), causal, 0))
+                                          (m.site.q, bufs, mask, float(scale), causal, 0))
             att.meta["example_value"] = example(m.site.out)
         m.site.out.replace_all_uses_with(att)
         # 4. the model's cache is no longer written; cat caches get a zero-storage handle
@@ -291,7 +345,11 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                 cat = w.full
                 with graph.inserting_before(att):
                     shape = example(cat).shape
-                    zero = graph.call_function(torch.zeros, ((),), {"dtype": kn.dtype, "device": kn.device})
+                    # row i of the handle holds i: a reorder of the cache outside the graph
+                    # (beam search) reaches the next call as the order of these tags
+                    tags = graph.call_function(torch.arange, (batch,),
+                                               {"dtype": kn.dtype, "device": kn.device})
+                    zero = graph.call_method("view", (tags, batch, 1, 1, 1))
                     past_len = graph.call_function(
                         operator.floordiv, (graph.call_method("numel", (w.start,)), batch * heads * dim))
                     new_len = graph.call_method("size", (w.new, 2))
