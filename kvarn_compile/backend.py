@@ -5,7 +5,8 @@
 For each graph Dynamo hands over, the backend copies it, runs the KVarN pass
 (:mod:`kvarn_compile.passes`), gives every rewritten attention site a packed
 :class:`~kvarn_compile.state.LayerState` (shared by all graphs of the same model, keyed by
-the attention module's path and the batch size), appends the states' buffers as extra
+the attention module's path and the batch size; a second model compiled with the same
+backend gets its own states), appends the states' buffers as extra
 graph inputs and compiles the result with Inductor (or runs it eagerly with
 ``compiler="eager"``). After every call it frees the model's own preallocated K/V buffers
 that the graph no longer uses. ``backend.report`` says what was rewritten, what was not and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -104,6 +106,9 @@ class KVarNBackend:
         self.compiler = compiler
         self.mode = mode
         self.states: dict[tuple[str, int], LayerState] = {}
+        #: id(parameter) -> (weak reference, model number): which model a graph belongs to
+        self._param_models: dict[int, tuple[Any, int]] = {}
+        self._n_models = 0
         self.report = Report()
         #: (before, after) normalized graph text of every compiled graph (see testing.py)
         self.graph_log: list[tuple[str, str]] = []
@@ -133,6 +138,28 @@ class KVarNBackend:
                                    spec_tokens=self.spec_tokens, name=name)
             self.states[key] = state
         return state
+
+    def _model_tag(self, example_inputs: list[Any]) -> str:
+        """Site-name prefix of the model a graph comes from: "" for the first model (and for
+        graphs without parameters), ``"model<N>/"`` for the N-th. Dynamo passes a model's
+        parameters as graph inputs; graphs sharing a parameter belong to one model, so one
+        backend compiled into two models keeps their packed states apart."""
+        params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+        if not params:
+            return ""
+        found = set()
+        for p in params:
+            entry = self._param_models.get(id(p))
+            if entry is not None and entry[0]() is p:
+                found.add(entry[1])
+        if found:
+            number = min(found)
+        else:
+            number = self._n_models
+            self._n_models += 1
+        for p in params:
+            self._param_models[id(p)] = (weakref.ref(p), number)
+        return f"model{number + 1}/" if number else ""
 
     @property
     def nbytes(self) -> int:
@@ -168,13 +195,23 @@ class KVarNBackend:
             _log_graph("kvarn graph %d before rewrite:\n%s", graph_id,
                        gm.print_readable(print_output=False))
             new_gm = _copy_graph_module(gm)
-            ctx = RewriteContext(get_state=self._get_state, method=self.config.op_method,
+            param_at = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
+            tag = self._model_tag([example_inputs[i] for i in param_at])
+            sites: list[tuple[str, dict[str, Any]]] = []
+
+            def get_state(name: str, **kw: Any) -> LayerState:
+                sites.append((name, kw))
+                return self._get_state(tag + name, **kw)
+
+            ctx = RewriteContext(get_state=get_state, method=self.config.op_method,
                                  iters=self.config.sinkhorn_iters, recent=self.config.recent_window,
                                  hold=self.spec_tokens, check_finite=self.config.check_finite,
                                  max_cache_len=self.max_cache_len,
                                  release_buffers=self.release_buffers,
                                  separate_adopt=self.knob_tuner is not None)
             extra, reports = rewrite_graph(new_gm, list(example_inputs), ctx, graph_id)
+            for r in reports:
+                r.name = tag + r.name
             self._check_consistent(reports)
             self.report.sites.extend(reports)
             from kvarn_compile.testing import normalize_graph
@@ -193,9 +230,23 @@ class KVarNBackend:
         else:
             compiled = self._compile(new_gm, list(example_inputs) + extra, mode, extra)
         released = tuple(ctx.released_inputs)
+        extras = {tag: extra}
+        first_param = weakref.ref(example_inputs[param_at[0]]) if param_at else None
+
+        def states_for(args: tuple[Any, ...]) -> list[torch.Tensor]:
+            # Dynamo does not guard on the module instance: a second model of the same
+            # class runs this graph with its own parameters; it gets its own states.
+            if first_param is None or args[param_at[0]] is first_param():
+                return extra
+            with self._lock:
+                model = self._model_tag([args[i] for i in param_at])
+                if model not in extras:
+                    extras[model] = [b for name, kw in sites
+                                     for b in self._get_state(model + name, **kw).buffers]
+                return extras[model]
 
         def run(*args: Any) -> Any:
-            out = compiled(*args, *extra)
+            out = compiled(*args, *states_for(args))
             # The model's own cache tensors this graph no longer reads: freed after the
             # call (kvarn::append_from_ has taken over any prompt written there before), on
             # every call, so a new cache passed in their place (a second StaticCache) is
@@ -235,9 +286,11 @@ def check_consistent(seen: set[str], reports: list[SiteReport]) -> None:
             raise RuntimeError(
                 f"kvarn_backend: attention site {r.name} was rewritten in an earlier graph but "
                 f"is left unchanged now ({r.reason}); its KV cache would be split between the "
-                "packed state and the model's buffers. Sliding-window layers are not supported; "
-                "compile a model whose sliding layers keep a full cache, or pass "
-                "release_buffers=False and leave such models uncompiled.")
+                "packed state and the model's buffers. This happens with a cache that stops "
+                "growing with the queries: a sliding-window layer once its window fills, or a "
+                "cross-attention cache whose encoder length equals the first decoder chunk. "
+                "Such layers are not supported; compile a model whose sliding layers keep a "
+                "full cache, or pass release_buffers=False and leave such models uncompiled.")
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -98,6 +98,14 @@ def cross_attention_fixed_cache(q, enc_k, enc_v):
     return F.scaled_dot_product_attention(q, enc_k, enc_v, enable_gqa=True)
 
 
+def cross_attention_first_step(q, enc_k, enc_v, empty_k, empty_v):
+    # transformers EncoderDecoderCache, first decoder step: the cross-attention cache is
+    # filled once with cat([empty, encoder K/V]) (9 encoder tokens for 1 decoder query)
+    keys = torch.cat([empty_k, enc_k], dim=-2)
+    values = torch.cat([empty_v, enc_v], dim=-2)
+    return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True), keys, values
+
+
 def attention_weights_returned(q, k, v, start: int, kc, vc, mask):
     kc[:, :, start:start + k.shape[2]] = k
     vc[:, :, start:start + v.shape[2]] = v
@@ -260,6 +268,12 @@ class TestLeftUnchanged(TestCase):
         q = torch.randn(B, HQ, 3, D)
         self._check_unchanged(cross_attention_fixed_cache, q, torch.randn(B, H, 9, D), torch.randn(B, H, 9, D),
                               reason="do not come from a recognized KV-cache update")
+
+    def test_cross_attention_cache_filled_once(self):
+        empty = torch.zeros(B, H, 0, D)
+        self._check_unchanged(cross_attention_first_step, torch.randn(B, HQ, 1, D),
+                              torch.randn(B, H, 9, D), torch.randn(B, H, 9, D), empty, empty,
+                              reason="writes 9 tokens for 1 queries: not a self-attention cache")
 
     def test_attention_weights_used_elsewhere(self):
         q, k, v = _inputs(5)

@@ -767,13 +767,6 @@ def _t5():
     return _build(tf.T5ForConditionalGeneration, cfg, "sdpa")
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "encoder-decoder models cannot be compiled: in the first decoder step the cross-attention "
-    "cache is filled with torch.cat([empty, encoder K/V]) and the pass rewrites it like a "
-    "self-attention cache; the next step reads that cache without an update, is left unchanged, "
-    "and KVarNBackend._check_consistent raises RuntimeError ('... Sliding-window layers are not "
-    "supported'). Expected: cross-attention reported and left unchanged (its K/V do not grow), "
-    "decoder self-attention rewritten"))
 def test_encoder_decoder_compiled(fresh_dynamo):
     model = _t5()
     ids = _prompt(1, length=20)
@@ -1129,12 +1122,6 @@ def test_two_models_inductor_pass_in_two_threads(fresh_dynamo):
         kv_pass.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "one kvarn_backend instance compiled into two models shares one packed state per module "
-    "path (KVarNBackend.states is keyed by (site name, batch)): interleaved decoding of the two "
-    "models mixes their caches (the first decode step of one model silently attends the other's "
-    "prompt, later steps raise 'tokens < N are committed'). Expected: one state per model "
-    "(or a clear error when a second model is compiled with the same backend)"))
 def test_one_backend_two_models_interleaved(fresh_dynamo):
     import transformers as tf
 

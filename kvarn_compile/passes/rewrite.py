@@ -169,6 +169,10 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
             raise Unsupported("the graph returns the cache tensor itself")
     tq = qv.shape[2]
     lk = example(site.k).shape[2]
+    if not _same_size(kn.shape[2], tq):
+        raise Unsupported(f"the cache update writes {kn.shape[2]} tokens for {tq} queries: not a "
+                          "self-attention cache that grows with the queries (e.g. cross-attention "
+                          "over an encoder's K/V, written once); it keeps its full-precision cache")
     if wk.cache is not None and site.mask is None and not site.is_causal:
         raise Unsupported("no mask over a preallocated cache: the model attends unwritten slots")
     if site.mask is not None:
