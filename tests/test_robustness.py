@@ -897,12 +897,6 @@ def test_hybrid_lfm2_compiled(fresh_dynamo):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "Jamba (Mamba + attention; transformers builds its masks with torch.vmap): the rewritten "
-    "graph fails with a functorch 'tensor escaped from inside a function being vmapped' "
-    "RuntimeError because the pass's dead-code elimination (passes/fx_utils.dce) deletes the "
-    "side-effecting, user-less _vmap_increment_nesting/_vmap_decrement_nesting calls. Plain "
-    "torch.compile(backend='eager') runs the model. Expected: keep those calls"))
 def test_hybrid_jamba_compiled(fresh_dynamo):
     import transformers as tf
 
@@ -930,10 +924,6 @@ def _vmap_step(q, k, v, pos, kc, vc, mask):
     return F.scaled_dot_product_attention(q, kc, vc, attn_mask=keep, enable_gqa=True)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "minimal form of the Jamba defect: a graph holding torch.vmap and a rewritten attention "
-    "fails at run time; passes/fx_utils.dce removes _vmap_increment_nesting/"
-    "_vmap_decrement_nesting (no users, but side effects)"))
 def test_rewrite_keeps_vmap_nesting_calls(fresh_dynamo):
     outs, refs, backend, _ = _run_static(_vmap_step, batch=1, hq=4, h=2, d=64, steps=[40, 1], cap=64)
     assert backend.report.rewritten

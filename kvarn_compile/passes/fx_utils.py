@@ -88,14 +88,27 @@ def _clean_path(path: str) -> str:
 
 def _impure(node: fx.Node) -> bool:
     # Dynamo records in-place methods (add_, index_copy_, copy_) as call_method nodes with
-    # no users; the default DCE would delete them and silently drop the mutation.
-    return node.is_impure() or (node.op == "call_method" and str(node.target).endswith("_")) \
-        or (node.op == "call_function" and node.target is operator.setitem)
+    # no users; the default DCE would delete them and silently drop the mutation. Calls into
+    # functorch's C API (torch.vmap's _vmap_increment_nesting / _vmap_decrement_nesting,
+    # grad levels) change interpreter state and often have no users either.
+    if node.is_impure() or (node.op == "call_method" and str(node.target).endswith("_")):
+        return True
+    if node.op != "call_function":
+        return False
+    if node.target is operator.setitem:
+        return True
+    module = getattr(node.target, "__module__", None) or ""
+    name = getattr(node.target, "__name__", "") or ""
+    return module.startswith("torch._C._functorch") or module.startswith("torch._functorch") \
+        or "nesting" in name
 
 
-def dce(graph: fx.Graph) -> None:
-    """Dead-code elimination that keeps in-place method calls and setitem."""
-    graph.eliminate_dead_code(is_impure_node=_impure)
+def dce(graph: fx.Graph, keep: Iterable[fx.Node] = ()) -> None:
+    """Dead-code elimination that keeps in-place method calls, setitem, functorch calls and
+    ``keep`` (the pass passes every node that had no users before it ran: Dynamo graphs hold
+    no dead pure code, so such a node is there for its side effect)."""
+    kept = set(keep)
+    graph.eliminate_dead_code(is_impure_node=lambda n: n in kept or _impure(n))
 
 
 def nodes_between(users: Iterable[fx.Node]) -> list[fx.Node]:

@@ -273,6 +273,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     ``_hand_over``); it stays for callers written against the earlier signature.
     """
     graph = gm.graph
+    side_effects = [n for n in graph.nodes if not n.users and n.op not in ("placeholder", "output")]
     matches, reports = find_sites(graph)
     for r in reports:
         r.graph = graph_id
@@ -373,7 +374,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         reports.append(report)
         if m.wk.cache is not None:
             caches.append((report, m.wk.cache, m.wv.cache, append))
-    dce(graph)
+    dce(graph, keep=[n for n in side_effects if not getattr(n, "_erased", False)])
     for report, cache_k, cache_v, append in caches:
         _hand_over(graph, ctx, report, cache_k, cache_v, append, placeholders)
     graph.lint()
