@@ -106,6 +106,15 @@ def cross_attention_first_step(q, enc_k, enc_v, empty_k, empty_v):
     return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True), keys, values
 
 
+def softcapped_eager(q, k, v, pos, kc, vc, mask):
+    # Gemma 2 eager attention: soft-capped logits (tanh), not a recognized form
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    s = torch.tanh((q @ _repeat_kv(kc, HQ // H).transpose(2, 3)) * 0.25 / 5.0) * 5.0
+    s = s + torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    return F.softmax(s, dim=-1) @ _repeat_kv(vc, HQ // H)
+
+
 def attention_weights_returned(q, k, v, start: int, kc, vc, mask):
     kc[:, :, start:start + k.shape[2]] = k
     vc[:, :, start:start + v.shape[2]] = v
@@ -274,6 +283,14 @@ class TestLeftUnchanged(TestCase):
         self._check_unchanged(cross_attention_first_step, torch.randn(B, HQ, 1, D),
                               torch.randn(B, H, 9, D), torch.randn(B, H, 9, D), empty, empty,
                               reason="writes 9 tokens for 1 queries: not a self-attention cache")
+
+    def test_unrecognized_softcapped_attention_is_reported(self):
+        q, k, v = _inputs(5)
+        mask = torch.tril(torch.ones(L, L, dtype=torch.bool))[None, None, :5]
+        self._check_unchanged(softcapped_eager, q, k, v, torch.arange(5), torch.zeros(B, H, L, D),
+                              torch.zeros(B, H, L, D), mask,
+                              reason="not recognized: softmax over a q·kᵀ product (matmul -> mul -> "
+                                     "truediv -> tanh -> mul -> add -> softmax)")
 
     def test_attention_weights_used_elsewhere(self):
         q, k, v = _inputs(5)

@@ -802,11 +802,6 @@ def test_softcap_left_unchanged_and_correct(fresh_dynamo):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "attention the pass does not recognize is not listed in backend.report at all: Gemma2's "
-    "soft-capped eager attention (softmax(tanh(s / cap) * cap + mask)), Bloom's ALiBi baddbmm "
-    "and T5's eager attention (softmax(...).type_as) leave the report empty although their "
-    "cache updates are matched. Expected: one [unchanged] line per such site with the reason"))
 @pytest.mark.parametrize("family", ["gemma2-softcap", "bloom-alibi"])
 def test_unrecognized_attention_is_reported(family, fresh_dynamo):
     model = _gemma2_softcap() if family == "gemma2-softcap" else _bloom()

@@ -11,8 +11,10 @@ Scope and invariants:
   check below passed; otherwise the graph is left exactly as it was for that site and the
   reason is reported. No site is ever half-rewritten.
 * After a rewrite, the model's own K/V cache is never written by the graph (in-place
-  caches: the write nodes are removed; ``cat`` caches: the graph hands back a zero-storage
-  tensor of the right shape so the model's bookkeeping of the length stays right). A
+  caches: the write nodes are removed; ``cat`` caches: the graph hands back a tensor of the
+  right shape, so the model's bookkeeping of the length stays right, with one element of
+  storage per batch row holding the row's index, so a reorder between calls (beam search)
+  reaches the next call, which reorders the packed rows). A
   preallocated cache that is a graph input is handed to the append (``kvarn::append_from_``
   or ``kvarn::append_keyed``), which reads it only while it still holds storage, to take
   over a prompt that a non-compiled forward wrote there; then its storage is freed.
@@ -110,25 +112,107 @@ def _find_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheWrite]]:
 
 
 def find_sites(graph: fx.Graph) -> tuple[list[_Match], list[SiteReport]]:
-    """Every attention of the graph: the rewritable ones, and reports for the others."""
+    """Every attention of the graph: the rewritable ones, and reports for the others
+    (including attention-like softmaxes no row of ``ATTENTIONS`` recognizes)."""
     writes = _find_writes(graph)
     matches, skipped = [], []
+    seen: set[fx.Node] = set()          # outputs of recognized (matched or refused) forms
+    covered: set[fx.Node] = set()       # nodes of recognized forms
     for node in list(graph.nodes):
         for form, matcher in ATTENTIONS:
             try:
                 site = matcher(node)
             except Unsupported as err:
                 skipped.append(SiteReport(site_name(node), False, form, reason=str(err)))
+                seen.add(node)
                 break
             if site is None:
                 continue
+            seen.add(node)
+            covered.update(site.nodes)
             name = site_name(node)
             try:
                 matches.append(_pair(site, writes))
             except Unsupported as err:
                 skipped.append(SiteReport(name, False, site.form, reason=str(err)))
             break
+    for node in graph.nodes:
+        reason = _unrecognized_attention(node, seen, covered)
+        if reason is not None:
+            skipped.append(SiteReport(site_name(node), False, "attention-like softmax",
+                                      reason=reason))
     return matches, skipped
+
+
+#: ops an unrecognized attention may put between the q·kᵀ product and the softmax
+_SCORE_OPS = {"add", "add_", "iadd", "sub", "mul", "truediv", "div", "tanh", "to", "float",
+              "type", "type_as", "half", "bfloat16", "masked_fill", "masked_fill_", "where",
+              "view", "reshape", "contiguous", "clamp", "getitem", "neg", "exp", "sigmoid"}
+_PRODUCTS = {"matmul", "bmm", "baddbmm", "einsum"}
+_WEIGHT_OPS = {"to", "float", "type", "type_as", "half", "bfloat16", "dropout", "contiguous"}
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    name = getattr(node.target, "__name__", "") or ""
+    return {"_scaled_dot_product_attention": "sdpa"}.get(name, name)
+
+
+def _unrecognized_attention(node: fx.Node, seen: set[fx.Node], covered: set[fx.Node]) -> str | None:
+    """A reason when ``node`` is a softmax over a q·kᵀ product (through elementwise score
+    ops: soft-capping, ALiBi, masks built from the scores, casts) that no attention form
+    covered; else None."""
+    if node.op not in ("call_function", "call_method") or _op_name(node) not in ("softmax", "_softmax") \
+            or node in covered:
+        return None
+    # the weights' consumers (through casts/dropout): a recognized (refused) form's output?
+    frontier, steps = [node], 0
+    while frontier and steps < 8:
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user in seen:
+                    return None
+                if user.op in ("call_function", "call_method") and _op_name(user) in _WEIGHT_OPS:
+                    nxt.append(user)
+        frontier, steps = nxt, steps + 1
+    path, cur = [], node.args[0] if node.args else None
+    for _ in range(12):
+        if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
+            return None
+        name = _op_name(cur)
+        if name in _PRODUCTS:
+            chain = " -> ".join([name, *reversed(path), "softmax"])
+            return (f"not recognized: softmax over a q·kᵀ product ({chain}); the pass rewrites "
+                    "matmul [* or / scale] [+ mask] -> softmax -> matmul and scaled_dot_product_"
+                    "attention only, so this attention keeps its full-precision cache")
+        if name not in _SCORE_OPS:
+            return None
+        path.append(name)
+        tensors = [a for a in cur.args if isinstance(a, fx.Node)]
+        # follow the operand that leads to a product (the scores, not a mask or a bias)
+        cur = next((a for a in tensors if _leads_to_product(a)), tensors[0] if tensors else None)
+    return None
+
+
+def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
+    cur = node
+    for _ in range(depth):
+        if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
+            return False
+        name = _op_name(cur)
+        if name in _PRODUCTS:
+            return True
+        if name not in _SCORE_OPS:
+            return False
+        tensors = [a for a in cur.args if isinstance(a, fx.Node)]
+        if not tensors:
+            return False
+        if len(tensors) > 1:
+            return any(_leads_to_product(a, depth - 1) for a in tensors)
+        cur = tensors[0]
+    return False
 
 
 def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
@@ -169,7 +253,7 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
             raise Unsupported("the graph returns the cache tensor itself")
     tq = qv.shape[2]
     lk = example(site.k).shape[2]
-    if not _same_size(kn.shape[2], tq):
+    if _known_different(kn.shape[2], tq):
         raise Unsupported(f"the cache update writes {kn.shape[2]} tokens for {tq} queries: not a "
                           "self-attention cache that grows with the queries (e.g. cross-attention "
                           "over an encoder's K/V, written once); it keeps its full-precision cache")
@@ -231,6 +315,17 @@ def _past_row_tags(graph: fx.Graph, w: CacheWrite) -> fx.Node | None:
     if past is None or past.dim() != 4 or (isinstance(past.shape[2], int) and past.shape[2] == 0):
         return None
     return graph.call_function(operator.getitem, (w.start, (slice(None), 0, 0, 0)))
+
+
+def _known_different(a: Any, b: Any) -> bool:
+    """``a != b`` provable at compile time (ints, or symbols whose value ranges exclude it:
+    Dynamo specializes sizes 0 and 1, so a symbolic size is never 1)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a != b))
+    except Exception:  # noqa: BLE001 - unknown: not provably different
+        return False
 
 
 def _same_size(a: Any, b: Any) -> bool:
@@ -344,7 +439,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                                           (m.site.q, bufs, mask, float(scale), causal, 0))
             att.meta["example_value"] = example(m.site.out)
         m.site.out.replace_all_uses_with(att)
-        # 4. the model's cache is no longer written; cat caches get a zero-storage handle
+        # 4. the model's cache is no longer written; cat caches get a row-tagged handle
         for w in (m.wk, m.wv):
             if w.cache is None:
                 cat = w.full
