@@ -9,13 +9,15 @@ from kvarn_compile import PRESETS, KVarNConfig, get_config
 def test_presets_match_the_method_table():
     expected = {"k4v2": (4, 2, 128), "k4v4": (4, 4, 128), "k2v2": (2, 2, 128),
                 "k4v2_g64": (4, 2, 64), "k4v4_g64": (4, 4, 64)}
-    assert set(PRESETS) == set(expected)
+    assert set(PRESETS) == set(expected) | {"k2v2_clip"}
     for name, (kb, vb, g) in expected.items():
         cfg = get_config(name)
         assert (cfg.key_bits, cfg.value_bits, cfg.group_size) == (kb, vb, g)
         assert cfg.sinkhorn_iters == 8 and cfg.method == "kvarn" and cfg.scale_dtype == "float16"
-        assert cfg.sink == g and cfg.recent_window == 0
+        assert cfg.sink == g and cfg.recent_window == 0 and cfg.clip == "none"
     assert get_config() == PRESETS["k4v2"]
+    # the beyond-the-paper preset: k2v2 with MSE-clipped 2-bit key ranges, nothing else
+    assert PRESETS["k2v2_clip"] == get_config("k2v2", clip="mse")
 
 
 def test_config_is_frozen():
