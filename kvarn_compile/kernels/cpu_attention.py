@@ -150,6 +150,30 @@ inline v16f vexp(v16f x) {
   return dead ? v16f{} : out;
 }
 
+// out[i] = sum of the lanes of v[i], i < 16 (a transposing add tree: ~3 ops per vector
+// instead of a full horizontal sum each)
+inline v16f reduce16(const v16f* v) {
+#if defined(__AVX512F__)
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {      // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {      // per 128-bit lane: the lane sums of 4 vectors
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)        // add 128-bit lanes pairwise
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return (v16f)_mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+#else
+  v16f out;
+  for (int i = 0; i < 16; ++i) out[i] = hsum(v[i]);
+  return out;
+#endif
+}
+
 // ---------------------------------------------------------------- dtype conversion
 enum Dt { F32 = 0, F16 = 1, BF16 = 2 };
 
@@ -300,6 +324,33 @@ void v_sums(const uint8_t* codes, int NB, int kper, int knb, const float* w, int
   }
 }
 
+// o[r][c] += sum_i w[r][i] * x[i][c] for NR rows over cnt exact rows x [cnt, D] (fp32)
+template <int NR>
+void exact_pv(const float* x, int cnt, int D, const float* w, int wstride, float* o, int ostride) {
+  for (int c = 0; c < D; c += 16) {
+    v16f acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = vld(o + r * ostride + c);
+    for (int i = 0; i < cnt; ++i) {
+      const v16f xv = vld(x + (int64_t)i * D + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[r] += w[r * wstride + i] * xv;
+    }
+    for (int r = 0; r < NR; ++r) vst(o + r * ostride + c, acc[r]);
+  }
+}
+typedef void (*PFn)(const float*, int, int, const float*, int, float*, int);
+PFn pick_pv(int nr) {
+  switch (nr) {
+    case 1: return exact_pv<1>;
+    case 2: return exact_pv<2>;
+#if defined(__AVX512F__)
+    case 3: return exact_pv<3>;
+    case 4: return exact_pv<4>;
+#endif
+  }
+  return nullptr;
+}
+
 typedef void (*KFn)(const uint8_t*, int, int, const float*, int, float*, int);
 typedef void (*VFn)(const uint8_t*, int, int, int, const float*, int, float*, int);
 
@@ -402,8 +453,8 @@ void run(const Call& a) {
   const int kbits = k_native ? a.kb : 8, vbits = v_native ? a.vb : 8;
   const int kper = 8 / kbits, vper = 8 / vbits;
   const int knb = G / kper, vnb = D / vper;   // bytes per row as the loops read them
-  KFn kf[MAX_NR + 1]; VFn vf[MAX_NR + 1];
-  for (int nr = 1; nr <= MAX_NR; ++nr) { kf[nr] = pick_k(kbits, nr); vf[nr] = pick_v(vbits, nr); }
+  KFn kf[MAX_NR + 1]; VFn vf[MAX_NR + 1]; PFn pf[MAX_NR + 1];
+  for (int nr = 1; nr <= MAX_NR; ++nr) { kf[nr] = pick_k(kbits, nr); vf[nr] = pick_v(vbits, nr); pf[nr] = pick_pv(nr); }
   const int splits = a.splits;
   const int64_t ntasks = (int64_t)B * H * splits;
   std::vector<float> part_plain(fused ? ntasks * R * D : 0), part_rot(ntasks * R * D);
@@ -411,6 +462,9 @@ void run(const Call& a) {
   std::atomic<int64_t> next{0};
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
 
+  // value-code order of the rotated accumulators: index k * vnb + j holds channel j * vper + k
+  std::vector<int> chan(D);
+  for (int i = 0; i < D; ++i) chan[i] = (i % vnb) * vper + i / vnb;
   // Merge the splits of one (batch row, kv head) into the output; run by the task that
   // finishes its last split (one parallel region: no second barrier).
   auto merge = [&](int64_t bh, float* rot, float* plain) {
@@ -453,26 +507,36 @@ void run(const Call& a) {
       }
       const float inv = L > 0.f ? 1.f / L : 0.f;
       if (a.lse) a.lse[orow] = L > 0.f ? std::log(L) + M : NEG_INF;
-      // rot is in the value-code order: index k * vnb + j holds channel j * vper + k
       if (a.rot_t) {
-        for (int c = 0; c < D; ++c) o[c] = plain[c];
-        for (int i = 0; i < D; ++i) {
-          const float x = rot[i];
-          if (x == 0.f) continue;
-          const float* hr = a.rot_t + (int64_t)((i % vnb) * vper + i / vnb) * D;
-          for (int c = 0; c < D; ++c) o[c] += x * hr[c];
+        for (int j = 0; j < D; j += 16) {   // accumulate in a register, not through memory
+          v16f acc = vld(plain + j);
+          for (int i = 0; i < D; ++i) acc += rot[i] * vld(a.rot_t + (int64_t)chan[i] * D + j);
+          vst(o + j, acc * splat(inv));
         }
-        for (int c = 0; c < D; ++c) o[c] *= inv;
       } else {
-        for (int i = 0; i < D; ++i) o[(i % vnb) * vper + i / vnb] = (rot[i] + (fused ? plain[(i % vnb) * vper + i / vnb] : 0.f)) * inv;
+        for (int i = 0; i < D; ++i) o[chan[i]] = (rot[i] + (fused ? plain[chan[i]] : 0.f)) * inv;
       }
     }
   };
+  // rotated queries q @ rot, once for all tasks
+  std::vector<float> qrot_buf;
+  const float* qrot = a.qrot;
+  if (!qrot) {
+    const int64_t rows = (int64_t)B * HQ * TQ;
+    qrot_buf.assign(rows * D, 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < D; j += 16) {     // accumulate in a register, not through memory
+        v16f acc{};
+        for (int c = 0; c < D; ++c) acc += a.q[r * D + c] * vld(a.rot + (int64_t)c * D + j);
+        vst(qrot_buf.data() + r * D + j, acc);
+      }
+    qrot = qrot_buf.data();
+  }
   std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[B * H]);
   for (int64_t i = 0; i < (int64_t)B * H; ++i) done[i].store(0, std::memory_order_relaxed);
 
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    std::vector<float> qr((size_t)R * D), qs((size_t)R * D), s((size_t)R * std::max(G, EB)),
+    std::vector<float> qs((size_t)R * D), s((size_t)R * std::max(G, EB)),
         tmp((size_t)R * D), bias(R), zsum(R), alpha(R), kfl((size_t)EB * D), vfl((size_t)EB * D);
     std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(D), ctmp(std::max(G, D));
     std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
@@ -499,19 +563,7 @@ void run(const Call& a) {
       if (u0 >= u1) continue;
       const int64_t qoff = ((int64_t)b * HQ + (int64_t)h * grp) * TQ * D;   // rows r = gi * TQ + tq
       const float* qp = a.q ? a.q + qoff : nullptr;
-      // rotated queries
-      if (a.qrot) {
-        std::memcpy(qr.data(), a.qrot + qoff, sizeof(float) * R * D);
-      } else {
-        std::fill(qr.begin(), qr.end(), 0.f);
-        for (int r = 0; r < R; ++r)
-          for (int c = 0; c < D; ++c) {
-            const float x = qp[r * D + c];
-            const float* hr = a.rot + (int64_t)c * D;
-            float* o = qr.data() + r * D;
-            for (int j = 0; j < D; ++j) o[j] += x * hr[j];
-          }
-      }
+      const float* qr = qrot + qoff;
       // visible positions per query: [lo, hi]
       int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = std::numeric_limits<int64_t>::min();
       const int64_t len = fused ? a.lengths[b] : 0;
@@ -545,15 +597,18 @@ void run(const Call& a) {
           const void* vb_ = tail ? a.tail_v : a.sink_v;
           const int64_t row0 = bh * slots;
           const int64_t base = a.S + (int64_t)a.n_tiles[b] * G;
+          // ring slot sl holds position base + (sl - (base - S)) mod W
+          int64_t off0 = tail ? (0 - (base - a.S)) % a.W : 0;
+          if (off0 < 0) off0 += a.W;
           for (int t0 = 0; t0 < slots; t0 += EB) {
             int cnt = 0; int64_t pos[EB]; int slot[EB];
+            int64_t off = tail ? (off0 + t0) % a.W : 0;
             for (int sl = t0; sl < std::min(slots, t0 + EB); ++sl) {
               int64_t p;
               bool ok;
               if (tail) {
-                int64_t off = (sl - (base - a.S)) % a.W;
-                if (off < 0) off += a.W;
                 p = base + off;
+                if (++off == a.W) off = 0;
                 ok = p < len && len > a.S;
               } else {
                 p = sl;
@@ -564,36 +619,41 @@ void run(const Call& a) {
             }
             if (!cnt) continue;
             const int n16 = (cnt + 15) / 16 * 16;
-            for (int i = 0; i < cnt; ++i) to_float(kb_, a.exact_dt, (row0 + slot[i]) * D, kfl.data() + i * D, D);
+            const bool run_of_slots = slot[cnt - 1] - slot[0] == cnt - 1;   // one conversion call
+            if (run_of_slots) to_float(kb_, a.exact_dt, (row0 + slot[0]) * D, kfl.data(), cnt * D);
+            else for (int i = 0; i < cnt; ++i) to_float(kb_, a.exact_dt, (row0 + slot[i]) * D, kfl.data() + i * D, D);
+            std::fill(kfl.begin() + (int64_t)cnt * D, kfl.begin() + (int64_t)n16 * D, 0.f);
             for (int r = 0; r < R; ++r) {
               const int tq = r % TQ;
               float* v = s.data() + r * EB;
               const float* qrow = qp + r * D;
+              for (int i0 = 0; i0 < n16; i0 += 16) {      // 16 tokens' dot products, then one add tree
+                v16f acc[16];
+                for (int i = 0; i < 16; ++i) acc[i] = v16f{};
+                const float* kr = kfl.data() + (int64_t)i0 * D;
+                for (int c = 0; c < D; c += 16) {       // 16 independent accumulators
+                  const v16f qv = vld(qrow + c);
+#pragma GCC unroll 16
+                  for (int i = 0; i < 16; ++i) acc[i] += qv * vld(kr + (int64_t)i * D + c);
+                }
+                vst(v + i0, reduce16(acc) * splat(a.scale));
+              }
               for (int i = 0; i < cnt; ++i) {
-                v16f acc{};
-                const float* kr = kfl.data() + i * D;
-                for (int c = 0; c < D; c += 16) acc += vld(qrow + c) * vld(kr + c);
-                float x = hsum(acc) * a.scale;
-                if (pos[i] < lo[tq] || pos[i] > hi[tq]) x = NEG_INF;
-                else if (a.mask) x = apply_mask(r, pos[i], x);
-                v[i] = x;
+                if (pos[i] < lo[tq] || pos[i] > hi[tq]) v[i] = NEG_INF;
+                else if (a.mask) v[i] = apply_mask(r, pos[i], v[i]);
               }
               for (int i = cnt; i < n16; ++i) v[i] = NEG_INF;
               const float al = softmax_step(v, n16, m[r], l[r]);
               live[r] = al >= 0.f;
               if (al >= 0.f && al != 1.f) { scale_rows(acc_plain + r * D, D, al); scale_rows(acc_rot + r * D, D, al); }
             }
-            for (int i = 0; i < cnt; ++i) to_float(vb_, a.exact_dt, (row0 + slot[i]) * D, vfl.data() + i * D, D);
-            for (int r = 0; r < R; ++r) {
-              if (!live[r]) continue;
-              const float* p = s.data() + r * EB;
-              float* o = acc_plain + r * D;
-              for (int i = 0; i < cnt; ++i) {
-                if (p[i] == 0.f) continue;
-                const v16f w = splat(p[i]);
-                const float* vr = vfl.data() + i * D;
-                for (int c = 0; c < D; c += 16) vst(o + c, vld(o + c) + w * vld(vr + c));
-              }
+            if (run_of_slots) to_float(vb_, a.exact_dt, (row0 + slot[0]) * D, vfl.data(), cnt * D);
+            else for (int i = 0; i < cnt; ++i) to_float(vb_, a.exact_dt, (row0 + slot[i]) * D, vfl.data() + i * D, D);
+            // (rows that see none of these tokens have all-zero weights: as in p @ V, a
+            // NaN value there still reaches them)
+            for (int r0 = 0; r0 < R; r0 += MAX_NR) {
+              const int nr = std::min(MAX_NR, R - r0);
+              pf[nr](vfl.data(), cnt, D, s.data() + r0 * EB, EB, acc_plain + r0 * D, D);
             }
           }
           continue;
@@ -611,7 +671,7 @@ void run(const Call& a) {
         to_float_perm(a.vrz, a.scale_dt, tile * G, ctmp.data(), vz.data(), G, kper);
         to_float_perm(a.vcs, a.scale_dt, tile * D, ctmp.data(), vcs.data(), D, vper);
         const bool plain = a.k_plain && a.k_plain[tile];
-        const float* qsrc = plain ? qp : qr.data();
+        const float* qsrc = plain ? qp : qr;
         for (int r = 0; r < R; ++r) {
           const float* x = qsrc + r * D;
           float* o = qs.data() + r * D;
