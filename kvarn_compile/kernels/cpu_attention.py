@@ -769,7 +769,8 @@ std::vector<torch::Tensor> kvarn_attention(
   const torch::Tensor& qref = q.has_value() && q->defined() ? *q : *q_rot;
   a.B = qref.size(0); a.HQ = qref.size(1); a.TQ = qref.size(2); a.D = qref.size(3);
   a.H = kc.size(1); a.N = kc.size(2); a.G = kcs.size(3); a.kb = kb; a.vb = vb;
-  TORCH_CHECK(a.D % 16 == 0 && a.HQ % a.H == 0, "kvarn CPU kernel: expected head_dim % 16 == 0 and q heads a multiple of kv heads");
+  TORCH_CHECK(a.D % 16 == 0 && a.G % 16 == 0 && a.HQ % a.H == 0,
+              "kvarn CPU kernel: expected head_dim and group size multiples of 16 and q heads a multiple of kv heads");
   TORCH_CHECK(kb == 2 || kb == 3 || kb == 4 || kb == 8, "kvarn CPU kernel: unsupported key bits ", kb);
   TORCH_CHECK(vb == 2 || vb == 3 || vb == 4 || vb == 8, "kvarn CPU kernel: unsupported value bits ", vb);
   TORCH_CHECK(kc.size(3) == a.D && kc.size(4) * 8 == a.G * kb && vc.size(3) == a.G && vc.size(4) * 8 == a.D * vb,
