@@ -32,7 +32,7 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
                                                 but ... allocated for M";        test_hf_cache::test_generation_past_capacity
                                                 state unchanged
     beam search, KVarNCache                     works                            test_hf_cache::test_beam_search_*
-    beam search, kvarn_backend                  xfail: silently wrong tokens     test_beam_search_compiled
+    beam search, kvarn_backend                  works (rows reordered)           test_beam_search_compiled
     left-padded batches                         works                            test_hf_cache::test_left_padded_*,
                                                                                  test_backend_models::test_llama_left_padded_*
     sampling                                    works                            test_backend_models::test_hf_family (llama,gpt2)
@@ -45,17 +45,17 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
                                                                                  test_backend_models::test_hf_family (same len)
     sliding-window layers                       reported, left unchanged         test_backend_models (qwen2-swa),
                                                 (KVarNCache refuses)             test_hf_cache::test_unsupported_configs_raise
-    encoder-decoder cross-attention             xfail: RuntimeError at step 2    test_encoder_decoder_compiled
+    encoder-decoder cross-attention             cross-attn reported, unchanged   test_encoder_decoder_compiled
     logit soft-capping (Gemma2, eager)          unchanged, correct;              test_softcap_left_unchanged_and_correct,
-                                                xfail: not in the report         test_unrecognized_attention_is_reported
+                                                reported "not recognized"        test_unrecognized_attention_is_reported
                                                                                  (slow), test_fuzz::test_unrecognized_*
       KVarNCache fused attention                NotImplementedError              test_softcap_kvarn_cache_fused_path_refuses
     ALiBi as an sdpa mask (Falcon)              works (kvarn_backend);           test_alibi_falcon_compiled,
                                                 KVarNCache: NotImplementedError  test_alibi_falcon_kvarn_cache_refuses
     ALiBi via baddbmm (Bloom, eager)            unchanged, correct;              test_alibi_bloom_left_unchanged_and_correct,
-                                                xfail: not in the report         test_unrecognized_attention_is_reported
+                                                reported "not recognized"        test_unrecognized_attention_is_reported
     hybrid, short-conv layers (LFM2)            works                            test_hybrid_lfm2_compiled
-    hybrid, Mamba layers (Jamba, vmap masks)    xfail: functorch RuntimeError    test_hybrid_jamba_compiled (slow),
+    hybrid, Mamba layers (Jamba, vmap masks)    works                            test_hybrid_jamba_compiled (slow),
                                                                                  test_rewrite_keeps_vmap_nesting_calls
     graph break inside attention                reported, left unchanged         test_graph_break_inside_attention
     dynamic shapes (dynamic=True)               reported, left unchanged         test_dynamic_true_is_reported
@@ -67,9 +67,9 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
     two models, two threads, two backends       works                            test_two_models_in_two_threads
     state registry (inductor_pass), threads     works: one state per site and    test_state_registry_is_thread_safe,
                                                 store; two passes in 2 threads   test_two_models_inductor_pass_in_two_threads
-    two models, one backend                     xfail: states shared by path     test_one_backend_two_models_interleaved
+    two models, one backend                     works, one state per model       test_one_backend_two_models_interleaved
     fuzzing                                     see tests/test_fuzz.py (two miscompiles found,
-                                                pinned there as strict xfails)
+                                                fixed; pinned there by minimal programs)
 
 Small shapes throughout (G=32 tiles, tiny random-weight transformers configs, no hub),
 ``compiler="eager"`` (the rewritten graph run as is) except the Inductor tests marked slow.
