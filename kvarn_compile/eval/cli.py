@@ -27,7 +27,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS,
                    help="default: none kivi hadamard kvarn")
     p.add_argument("--lengths", nargs="+", type=int, default=None,
-                   help="context lengths L (default: 512 1024 2048; --quick: 512 1024)")
+                   help="context lengths L (default: 512 1024 2048; --quick: 384 768)")
     p.add_argument("--windows", type=int, default=None, help="text windows averaged (default 3; --quick 1)")
     p.add_argument("--block", type=int, default=None, help="pseudo-decode block size b (default 128)")
     p.add_argument("--offset", type=int, default=None, help="token offset of the first window (default 0)")

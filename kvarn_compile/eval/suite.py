@@ -112,7 +112,7 @@ class EvalSettings:
 
 def quick_settings(**overrides: Any) -> EvalSettings:
     """The smoke run (~2 minutes on 2 cores): one window, short contexts, one preset."""
-    lengths = tuple(overrides.get("lengths", (512, 1024)))
+    lengths = tuple(overrides.get("lengths", (384, 768)))
     base = dict(lengths=lengths, windows=1, presets=("k2v2",), diag_windows=1, diag_length=min(lengths),
                 product_length=min(lengths), retrieval_lines=(40,), retrieval_questions=2, quick=True)
     base.update(overrides)
