@@ -3,7 +3,7 @@ and the cost of quantizing one completed tile as a share of the G decode steps t
 filled it.
 
     python benchmarks/bench_decode_attention_cpu.py [--lengths 1024 4096 8192 16384 32768]
-        [--threads 2] [--seconds 3] [--preset k4v2]
+        [--threads 2] [--seconds 3] [--preset k4v2] [--shapes 3,9,64 8,32,128]
 
 The KVarN side is the op as dispatched on this device (on CPU: the C++ decode kernel
 where it applies and builds, else the pure-torch reference; ``KVARN_CPU_KERNEL=0`` forces
@@ -97,10 +97,13 @@ def main() -> None:
     p.add_argument("--preset", default="k4v2")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=3.0, help="timing budget per row")
+    # SmolLM2-135M layer; a Llama-8B-like layer (GQA 4:1)
+    p.add_argument("--shapes", nargs="+", default=["3,9,64", "8,32,128"],
+                   help="kv_heads,q_heads,head_dim per shape")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    shapes = [(3, 9, 64), (8, 32, 128)]   # SmolLM2-135M layer; a Llama-8B-like layer (GQA 4:1)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     rows = [run(n, h, hq, d, args.preset, args.seconds) for (h, hq, d) in shapes for n in args.lengths]
     print(json.dumps({"benchmark": "decode_attention_cpu", "env": env(), "rows": rows}, indent=1))
 
