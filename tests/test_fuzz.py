@@ -236,8 +236,9 @@ def _program(spec):
             if mask_kind == "is_causal":
                 kw["is_causal"] = True
             am = None if mask_kind in ("none", "is_causal") else mask
-            if mask_kind == "float_from_scores":
-                am = torch.zeros_like(q @ kk.transpose(2, 3)).masked_fill(~mask, float("-inf"))
+            if mask_kind == "float_from_scores":   # (GQA read directly: score the repeated keys)
+                kr = kk if kk.shape[1] == q.shape[1] else kk.repeat_interleave(q.shape[1] // kk.shape[1], 1)
+                am = torch.zeros_like(q @ kr.transpose(2, 3)).masked_fill(~mask, float("-inf"))
             out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=am, scale=scale, **kw)
         else:
             s = q @ kk.transpose(2, 3)
