@@ -9,7 +9,8 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
     NaN/+-inf: one channel, one token, a tile   poisons only queries that see    test_non_finite_* (here), test_ops::
       (K or V; sink, packed tile, tail)         the token; cache: that token     test_nan_token_reads_back_*, test_reference::
                                                 only; other rows/heads clean     test_a_non_finite_token_*, *_whole_non_finite_tile
-      ... a whole bad packed K tile, decode     xfail: C++ kernel hides it       test_non_finite_output_*[*-k-whole-tile-*-tq1]
+      ... a whole bad packed K tile, decode     works (C++ kernel: NaN output    test_non_finite_output_*[*-k-whole-tile-*-tq1]
+                                                like the reference)
     check_finite=True                           NonFiniteError naming layer,     test_check_finite_* (here: compiled model and
                                                 row, head, position; unchanged   KVarNCache), test_ops::test_check_finite_*
     beyond fp16 range, bf16 model (<= 1e8)      works                            test_bf16_values_beyond_fp16_range
@@ -110,12 +111,6 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _cpu_kernel_on() -> bool:
-    from kvarn_compile.kernels import cpu_attention
-
-    return os.environ.get("KVARN_CPU_KERNEL", "1") != "0" and cpu_attention.available()
-
-
 # ------------------------------------------------------------------------------ helpers
 def new_state(cfg=None, *, batch=2, heads=2, head_dim=64, max_len=CAP, dtype=torch.float32,
               spec_tokens=0):
@@ -188,14 +183,6 @@ def _nf_cases():
         if region == "whole-tile" and extent == "token":
             continue
         marks = []
-        if which == "k" and region == "whole-tile" and tq == 1:
-            marks = [pytest.mark.xfail(
-                condition=_cpu_kernel_on(), strict=True,
-                reason="the C++ CPU decode kernel (kernels/cpu_attention.py, used by kvarn::attention "
-                       "for decode steps) silently drops a packed key tile whose tokens are all "
-                       "stored as NaN (NaN column scales): the decode output is finite, while the "
-                       "reference path and full-precision attention give NaN for every query that "
-                       "sees those tokens")]
         yield pytest.param(bad, which, region, extent, tq, marks=marks,
                            id=f"{bad}-{which}-{region}-{extent}-tq{tq}")
 
