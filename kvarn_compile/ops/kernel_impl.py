@@ -20,14 +20,14 @@ import torch
 
 from kvarn_compile.ops import reference
 from kvarn_compile.reference.rotation import rotation_matrix
-from kvarn_compile.state import BUF, N_BASE_BUFFERS
+from kvarn_compile.state import BUF, N_BASE_BUFFERS, has_fp8_factors, key_plain
 
 __all__ = ["attention", "kernel_applies", "freeze_tiles"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None) -> bool:
     """True when the tile kernel computes exactly what the reference computes."""
-    if len(buffers) > N_BASE_BUFFERS:          # fp8 scales: the kernel reads fp16/bf16/fp32
+    if has_fp8_factors(buffers):               # fp8 scales: the kernel reads fp16/bf16/fp32
         return False
     s = buffers[BUF["sink_k"]].shape[2]
     g = buffers[BUF["k_col_scale"]].shape[-1]
@@ -49,14 +49,16 @@ def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Ten
     return True
 
 
-def _triton_tiles(q_rot, buffers, scale, kv_start):
+def _triton_tiles(q_rot, buffers, scale, kv_start, q_plain=None):
     from kvarn_compile.kernels import kvarn_decode_attention
 
+    frames = key_plain(buffers)              # key_frame="auto": per-tile key frames
     return kvarn_decode_attention(
         q_rot, *(buffers[BUF[n]] for n in (
             "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
             "v_codes", "v_row_scale", "v_row_zero", "v_col_scale")),
-        buffers[BUF["n_tiles"]], scale=float(scale), kv_start=kv_start)
+        buffers[BUF["n_tiles"]], scale=float(scale), kv_start=kv_start,
+        q_plain=None if frames is None else q_plain, k_plain=frames)
 
 
 def _cpu_attention(q, buffers, mask, scale, causal, window, k_plain=None):
@@ -90,7 +92,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     if not kernel_applies(q, buffers, mask):
         return reference.attention(q, buffers, mask, scale, causal, window)
     if kernel == "cpu":
-        out = _cpu_attention(q, buffers, mask, scale, causal, window)
+        out = _cpu_attention(q, buffers, mask, scale, causal, window, k_plain=key_plain(buffers))
         if out is None:
             return reference.attention(q, buffers, mask, scale, causal, window)
         return out.to(q.dtype)
@@ -104,7 +106,8 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
         lengths = buffers[BUF["lengths"]]
         q_pos = lengths[:, None] - q.shape[2] + torch.arange(q.shape[2], device=q.device)[None, :]
         kv_start = (q_pos - window + 1 - s).clamp(min=0)
-    out_t, lse_t = _triton_tiles((q.float() @ rot).contiguous(), buffers, scale, kv_start)
+    q32 = q.float().contiguous()
+    out_t, lse_t = _triton_tiles((q32 @ rot).contiguous(), buffers, scale, kv_start, q32)
     peak = torch.maximum(lse_e, lse_t)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     w_e, w_t = torch.exp(lse_e - peak), torch.exp(lse_t - peak)
@@ -122,7 +125,8 @@ def freeze_tiles(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
     """
     from kvarn_compile.kernels import quantize_tiles_into
 
-    if len(buffers) > N_BASE_BUFFERS or not bool(torch.isfinite(tokens_k).all() & torch.isfinite(tokens_v).all()):
+    # fp8 scales and per-tile key frames (key_frame="auto") are quantized by the reference
+    if len(buffers) != N_BASE_BUFFERS or not bool(torch.isfinite(tokens_k).all() & torch.isfinite(tokens_v).all()):
         return False
     g = buffers[BUF["k_col_scale"]].shape[-1]
     f = tokens_k.shape[1] // g
