@@ -13,6 +13,17 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """Run a test single-threaded. For tiny tensors and models intra-op threads only add
+    overhead (up to 10x on a busy 2-core machine); modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -46,18 +46,12 @@ from kvarn_compile import get_config, kvarn_backend
 from kvarn_compile.ops import reference as R
 from kvarn_compile.state import allocate_layer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FUZZ_CI = 60
 FUZZ_SLOW = 200
 COUNTS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,23 +22,16 @@ from transformers import AttentionInterface
 
 from kvarn_compile import hf
 from kvarn_compile.hf import KVarNCache, KVarNLayer, use_kvarn_attention
-from kvarn_compile.ops import reference as R
 from kvarn_compile.state import BUF
+from kvarn_compile.testing import oracle_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 G = 32
 VOCAB = 128
 LLAMA = dict(vocab_size=VOCAB, hidden_size=192, head_dim=32, num_attention_heads=6,
              num_key_value_heads=2, num_hidden_layers=2, intermediate_size=256)
 HANDOFF_WARNING = "transient dequantized K/V"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add overhead (10x on a busy 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def build(kind="llama", **overrides):
@@ -104,35 +97,14 @@ def checked_attention(monkeypatch):
         out, w = original(module, query, key, value, attention_mask, scaling=scaling,
                           dropout=dropout, **kw)
         state = getattr(key, hf._STATE_ATTR)
-        ref = manual_attention(query, state.buffers, attention_mask, scaling,
-                               kw.get("sliding_window") or 0)
+        ref = oracle_attention(query, state.buffers, attention_mask, scale=scaling,
+                               window=kw.get("sliding_window") or 0).transpose(1, 2)
         diffs.append(((out.double() - ref).abs().max() / ref.abs().max()).item())
         return out, w
 
     monkeypatch.setattr(hf, "kvarn_attention_forward", checking)  # use_kvarn_attention registers it
     yield diffs
     AttentionInterface.register("kvarn", original)
-
-
-def manual_attention(q, buffers, mask, scaling, window):
-    """Softmax attention in float64 over the dequantized cache: [B, Tq, Hq, D]."""
-    k, v = R.materialize(buffers, dtype=torch.float64)
-    bsz, hq, tq, d = q.shape
-    grp = hq // k.shape[1]
-    k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
-    cap = k.shape[2]
-    lengths = buffers[BUF["lengths"]]
-    kpos = torch.arange(cap)
-    qpos = lengths[:, None] - tq + torch.arange(tq)[None]
-    allowed = (kpos[None, None] < lengths[:, None, None]) & (kpos[None, None] <= qpos[..., None])
-    if window:
-        allowed = allowed & (kpos[None, None] > qpos[..., None] - window)
-    allowed = allowed[:, None]
-    if mask is not None:
-        allowed = allowed & mask[..., :cap].bool()
-    scores = (q.double() @ k.transpose(-1, -2)) * (scaling or d ** -0.5)
-    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
-    return (p @ v).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------ generate

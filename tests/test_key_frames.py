@@ -17,18 +17,12 @@ import transformers as tf
 from kvarn_compile import kvarn_backend
 from kvarn_compile.hf import KVarNCache, use_kvarn_attention
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CFG = dict(preset="k4v2", group_size=32, key_frame="auto")
 MAX_LEN = 192
 PROMPT = 90          # sink 32 + 1 tile + 26 tail; decoding freezes the next tile at 127
 NEW = 40
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _biased_qwen2():

@@ -23,6 +23,9 @@ from kvarn_compile import get_config
 from kvarn_compile.ops import reference as R
 from kvarn_compile.reference import NonFiniteError, quantize_cache
 from kvarn_compile.state import BUF, N_BASE_BUFFERS, allocate_layer, fp16_cache_bytes, has_fp8_factors, key_plain
+from kvarn_compile.testing import oracle_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 G = 32          # tile length (and sink length) used throughout
 D = 32          # head dim
@@ -42,14 +45,6 @@ FACTOR_BUFFERS = ("k_row_factor", "k_col_factor", "v_row_factor", "v_col_factor"
 
 
 # ------------------------------------------------------------------------------ helpers
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (a lot of it on a busy
-    2-core machine), so run single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def new_state(cfg=PRESETS["k4v2"], *, batch=2, heads=H, head_dim=D, max_len=CAP,
@@ -100,33 +95,6 @@ class Seq:
 
     def lengths(self):
         return [x.shape[1] for x in self.k]
-
-
-def oracle_attention(q, buffers, mask=None, *, scale=None, causal=True, window=0):
-    """Plain float64 softmax attention over materialize()'s dequantized cache."""
-    k, v = R.materialize(buffers, dtype=torch.float64)          # [B, H, cap, D]
-    bsz, hq, tq, d = q.shape
-    grp = hq // k.shape[1]
-    k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
-    cap = k.shape[2]
-    lengths = buffers[BUF["lengths"]]
-    kpos = torch.arange(cap)
-    qpos = lengths[:, None] - tq + torch.arange(tq)[None]        # [B, Tq]
-    allowed = (kpos[None, None] < lengths[:, None, None]).expand(bsz, tq, cap)
-    if causal:
-        allowed = allowed & (kpos[None, None] <= qpos[..., None])
-    if window:
-        allowed = allowed & (kpos[None, None] > qpos[..., None] - window)
-    allowed = allowed[:, None]                                    # [B, 1, Tq, cap]
-    scores = (q.double() @ k.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            allowed = allowed & mask[..., :cap]
-        else:
-            scores = scores + mask[..., :cap].double()
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(scores, -1).nan_to_num(0.0)               # rows seeing no key -> 0
-    return p @ v
 
 
 def fused(q, buffers, mask=None, *, scale=None, causal=True, window=0):

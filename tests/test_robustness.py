@@ -98,17 +98,10 @@ from kvarn_compile.ops import reference as R
 from kvarn_compile.reference import NonFiniteError
 from kvarn_compile.state import BUF, allocate_layer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 G = 32
 CAP = 160
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors and models: intra-op threads only add overhead on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -1002,6 +995,25 @@ def test_long_generate_does_not_recompile(fresh_dynamo):
     assert got.sequences.tolist() == want.sequences.tolist()
 
 
+def _in_threads(work, n: int) -> None:
+    """Run ``work(i)`` for i in range(n) in n threads at once; re-raise the first error."""
+    errors: list[BaseException] = []
+
+    def guarded(i):
+        try:
+            work(i)
+        except BaseException as err:      # surfaced below, in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def test_two_models_in_two_threads(fresh_dynamo):
     """Two models, each with its own backend, compiled and generating concurrently in two
     threads: each equals its own eager KVarN run."""
@@ -1009,21 +1021,13 @@ def test_two_models_in_two_threads(fresh_dynamo):
     prompts = [_prompt(1), _prompt(2)]
     wants = [_kvarn_eager(m, p, 8) for m, p in zip(models, prompts)]
     backends = [_compiled(m) for m in models]
-    results, errors = [None, None], []
+    results = [None, None]
 
     def work(i):
-        try:
-            for _ in range(2):
-                results[i] = _generate(models[i], prompts[i], 8)
-        except BaseException as err:      # surfaced below
-            errors.append(err)
+        for _ in range(2):
+            results[i] = _generate(models[i], prompts[i], 8)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _in_threads(work, 2)
     for got, want, backend in zip(results, wants, backends):
         _same(got, want)
         assert not backend.report.unchanged
@@ -1045,11 +1049,7 @@ def test_state_registry_is_thread_safe():
         store = stores[i % 2]
         got.append((i % 2, store.for_append("model.layers.0.self_attn", torch.zeros(2, 2, 1, 64), 128)))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, 8)
     for s_index, store in enumerate(stores):
         states = {id(state) for i, state in got if i == s_index}
         assert len(states) == 1 and len(store.states) == 1
@@ -1074,20 +1074,12 @@ def test_two_models_inductor_pass_in_two_threads(fresh_dynamo):
     passes = [kvarn_compile.inductor_pass(**PRESET, max_cache_len=256) for _ in models]
     for m, kv_pass in zip(models, passes):
         m.compile(options={"pre_grad_custom_pass": kv_pass})
-    results, errors = [None, None], []
+    results = [None, None]
 
     def work(i):
-        try:
-            results[i] = _generate(models[i], prompts[i], 6)
-        except BaseException as err:      # surfaced below
-            errors.append(err)
+        results[i] = _generate(models[i], prompts[i], 6)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _in_threads(work, 2)
     for got, want, kv_pass in zip(results, wants, passes):
         _same(got, want, rtol=1e-3)
         assert kv_pass.report.rewritten and not kv_pass.report.unchanged
