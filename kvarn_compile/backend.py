@@ -89,6 +89,14 @@ class Report:
     __repr__ = __str__
 
 
+def checked_max_cache_len(value: Any) -> int:
+    """``value`` if it is a valid ``max_cache_len`` (a positive int); else a clear error."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Expected max_cache_len to be a positive int (tokens per sequence), "
+                         f"but got {value!r}.")
+    return value
+
+
 class KVarNBackend:
     """A torch.compile backend (see :func:`kvarn_backend`). Thread-safe."""
 
@@ -97,10 +105,8 @@ class KVarNBackend:
                  mode: str | None = None, tune_knobs: Any = None):
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"Expected compiler 'inductor' or 'eager', but got {compiler!r}.")
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"Expected max_cache_len to be a positive int, but got {max_cache_len!r}.")
         self.config = config
-        self.max_cache_len = max_cache_len
+        self.max_cache_len = checked_max_cache_len(max_cache_len)
         self.release_buffers = release_buffers
         self.spec_tokens = spec_tokens
         self.compiler = compiler

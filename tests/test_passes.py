@@ -157,6 +157,15 @@ class TestGraphRewrites(TestCase):
     def _after(self, backend, i=-1):
         return backend.graph_log[i][1]
 
+    def _rewrite_matching_eager(self, fn, **static_run_kw):
+        """Compile ``fn``; check its last output against the eager KVarN oracle; return the
+        rewritten graph."""
+        be = _backend()
+        outs, _, _ = _static_run(fn, be, **static_run_kw)
+        out, q, mask = outs[-1]
+        torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
+        return self._after(be)
+
     def test_index_copy_sdpa(self):
         be = _backend()
         outs, _, (kc, _) = _static_run(index_copy_sdpa, be)
@@ -172,11 +181,7 @@ v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
 return (v2,)""")
 
     def test_setitem_positions_sdpa(self):
-        be = _backend()
-        outs, _, _ = _static_run(setitem_positions_sdpa, be)
-        out, q, mask = outs[-1]
-        torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
-        self.assertExpectedInline(self._after(be), """\
+        self.assertExpectedInline(self._rewrite_matching_eager(setitem_positions_sdpa), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
 v1 = kvarn.append_from_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa', in0, in3, True)
@@ -184,11 +189,7 @@ v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
 return (v2,)""")
 
     def test_narrow_copy_enable_gqa_float_mask(self):
-        be = _backend()
-        outs, _, _ = _static_run(narrow_copy_gqa, be, positions_kind="int")
-        out, q, mask = outs[-1]
-        torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
-        self.assertExpectedInline(self._after(be), """\
+        self.assertExpectedInline(self._rewrite_matching_eager(narrow_copy_gqa, positions_kind="int"), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = full((1,), in2, dtype=int64, device='cpu')
 v1 = kvarn.append_from_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'narrow_copy_gqa', in0, in3, True)
@@ -199,11 +200,7 @@ v5 = kvarn.attention(in5, [<16 state buffers>], v4, 0.25, True, 0)
 return (v5,)""")
 
     def test_setitem_slice_eager_chain(self):
-        be = _backend()
-        outs, _, _ = _static_run(setitem_slice_eager, be, positions_kind="int")
-        out, q, mask = outs[-1]
-        torch.testing.assert_close(out, _eager_reference(be, q, mask, D ** -0.5), atol=1e-5, rtol=1e-5)
-        self.assertExpectedInline(self._after(be), """\
+        self.assertExpectedInline(self._rewrite_matching_eager(setitem_slice_eager, positions_kind="int"), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = full((1,), in1, dtype=int64, device='cpu')
 v1 = kvarn.append_from_([<16 state buffers>], in0, in3, v0, 'kvarn', 8, 0, 0, False, 'setitem_slice_eager', in2, in4, True)
@@ -325,6 +322,15 @@ def test_backend_accepts_torch_compile_keywords():
 def test_backend_rejects_bad_options(bad):
     with pytest.raises(ValueError, match="Expected|expected"):
         kvarn_backend("k4v2", **bad)
+
+
+@pytest.mark.parametrize("value", [0, -8, True, 4096.0, "8192"])
+def test_backend_and_inductor_pass_reject_the_same_bad_max_cache_len(value):
+    import kvarn_compile
+
+    for make in (kvarn_backend, kvarn_compile.inductor_pass):
+        with pytest.raises(ValueError, match=f"max_cache_len to be a positive int.*{value!r}"):
+            make("k4v2", max_cache_len=value)
 
 
 def test_torch_logs_shows_graphs_before_and_after(capfd):

@@ -54,12 +54,10 @@ class KVarNInductorPass(custom_graph_pass_base()):
 
     def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
                  release_buffers: bool = True, spec_tokens: int = 0) -> None:
-        from kvarn_compile.backend import Report
+        from kvarn_compile.backend import Report, checked_max_cache_len
 
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"Expected max_cache_len to be a positive int, but got {max_cache_len!r}.")
         self.config = config
-        self.max_cache_len = max_cache_len
+        self.max_cache_len = checked_max_cache_len(max_cache_len)
         self.release_buffers = release_buffers
         self.spec_tokens = spec_tokens
         #: the packed states, found by the compiled graphs through kvarn_compile.registry
