@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from typing import Any
 
 import torch

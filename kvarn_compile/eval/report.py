@@ -166,6 +166,13 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str | pathlib.Path) -> pathlib.Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return pathlib.Path(path)
+
+
 def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
     """KL vs context length: one subplot per preset (row per text source), static dashed, pseudo solid."""
     plt = _plt()
@@ -193,10 +200,7 @@ def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> path
             if r == 0 and c == 0:
                 ax.legend(fontsize=7)
     fig.suptitle("static (dashed, last block) vs pseudo-decode (solid, all positions after the sink)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return pathlib.Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
@@ -223,10 +227,7 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
         ax.set_title(f"{preset} — {g['corpus']}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return pathlib.Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_error_quantiles(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
@@ -267,10 +268,7 @@ def plot_error_quantiles(result: dict[str, Any], path: str | pathlib.Path) -> pa
             ax.legend(fontsize=7, loc="center right")
     fig.suptitle("per-token error by rank bucket: magnitude (solid) vs direction (hatched); "
                  "label = bucket's share of all error")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return pathlib.Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_layer_errors(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
@@ -291,10 +289,7 @@ def plot_layer_errors(result: dict[str, Any], path: str | pathlib.Path) -> pathl
         ax.set_title(preset)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return pathlib.Path(path)
+    return _save(plt, fig, path)
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | pathlib.Path) -> dict[str, pathlib.Path]:

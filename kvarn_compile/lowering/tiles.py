@@ -249,7 +249,7 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
         from kvarn_compile.lowering import templates
         from kvarn_compile._torch_compat import kvarn_sources_hash
 
-        heads, n_max = shapes["k_codes"][1], shapes["k_codes"][2]
+        heads = shapes["k_codes"][1]
         group = int(k_col_scale.get_size()[-1])
         kb, vb = 8 * int(k_codes.get_size()[-1]) // group, 8 * int(v_codes.get_size()[-1]) // d
         contiguous = all(_tile_contiguous(t) for t in tensors[1:9])

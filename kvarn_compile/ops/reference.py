@@ -25,7 +25,6 @@ Semantics in one place:
 
 from __future__ import annotations
 
-import math
 
 import torch
 

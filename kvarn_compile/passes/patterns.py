@@ -177,6 +177,18 @@ def _written_tokens(cache: fx.Node) -> set[Any]:
     return counts
 
 
+def _position_slice(n: fx.Node) -> Any:
+    """The index on the position axis when ``n`` is ``x[:, :, i]`` or ``x[:, :, i, :]``
+    (every other axis whole); else None."""
+    if not is_op(n, "getitem"):
+        return None
+    index = n.args[1]
+    if not (isinstance(index, tuple) and len(index) in (3, 4) and _full_slices(index, 2)
+            and (len(index) == 3 or index[3] == slice(None))):
+        return None
+    return index[2]
+
+
 def _prefix_slice(n: fx.Node) -> KVRead | None:
     # transformers sdpa_attention_forward, prefill of an empty StaticCache (Qwen2, Qwen3):
     #   key = key[:, :, :q_length, :]     (after repeat_kv when it ran)
@@ -186,13 +198,7 @@ def _prefix_slice(n: fx.Node) -> KVRead | None:
     # exactly the tokens this step wrote, so attending the whole packed cache is the same.
     # Matched only in that exact form: the slice length equals the token count (> 1) written
     # into that cache, and its one user is a causal, mask-free sdpa.
-    if not (is_op(n, "getitem") and single_user(n)):
-        return None
-    index = n.args[1]
-    if not (isinstance(index, tuple) and len(index) in (3, 4) and _full_slices(index, 2)
-            and (len(index) == 3 or index[3] == slice(None))):
-        return None
-    sl = index[2]
+    sl = _position_slice(n) if single_user(n) else None
     if not (isinstance(sl, slice) and sl.start in (None, 0) and sl.step in (None, 1)
             and isinstance(sl.stop, int) and sl.stop > 1):
         return None
@@ -237,13 +243,7 @@ class AttentionSite:
 
 def _last_rows(n: fx.Node) -> int | None:
     """N when ``n`` is ``x[:, :, -N:]`` / ``x[:, :, -N:, :]`` (keep the newest N positions)."""
-    if not is_op(n, "getitem"):
-        return None
-    index = n.args[1]
-    if not (isinstance(index, tuple) and len(index) in (3, 4) and _full_slices(index, 2)
-            and (len(index) == 3 or index[3] == slice(None))):
-        return None
-    sl = index[2]
+    sl = _position_slice(n)
     if isinstance(sl, slice) and isinstance(sl.start, int) and sl.start < 0 \
             and sl.stop is None and sl.step in (None, 1):
         return -sl.start
