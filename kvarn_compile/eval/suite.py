@@ -26,8 +26,9 @@ from kvarn_compile.config import PRESETS, KVarNConfig
 from kvarn_compile.reference import split_lengths
 
 from . import diagnostics as diag
-from .harness import (ALL_METHODS, RULES, PseudoQuantCache, QuantBackend, block_logits, fp_reference,
-                      kl_top1, method_config, n_layers, pseudo_decode_metrics, quantize_prefix)
+from .harness import (DEFAULT_METHODS, OUTLIER_METHODS, RULES, PseudoQuantCache, QuantBackend,
+                      block_logits, fp_reference, kl_top1, method_config, n_layers,
+                      pseudo_decode_metrics, quantize_prefix, same_quantizer)
 from .product import generation_check, product_pseudo_decode, simulated_like_product
 
 __all__ = ["EvalSettings", "quick_settings", "run_eval", "FaithfulnessError", "FAITHFUL_KL"]
@@ -44,17 +45,18 @@ class FaithfulnessError(AssertionError):
 class EvalSettings:
     """Everything that defines one evaluation run (recorded verbatim in the JSON).
 
-    The defaults are the full run (about 15 minutes on 2 CPU cores for the default model);
-    :func:`quick_settings` gives the 2-minute smoke run.
+    The defaults are the full run (about 13 minutes on 2 idle CPU cores for the default
+    model); :func:`quick_settings` gives the 2-minute smoke run. ``methods=None`` resolves to
+    :data:`~.harness.DEFAULT_METHODS` (with ``key_outliers``: :data:`~.harness.OUTLIER_METHODS`).
     """
 
     model: str | None = None                 # None: SmolLM2-135M-Instruct; else a local folder
     key_outliers: bool = False               # stress model: models.add_key_outliers (bias-like keys)
     corpus: str = "lee"
     presets: tuple[str, ...] = ("k2v2", "k4v2", "k4v4")
-    methods: tuple[str, ...] = ALL_METHODS
+    methods: tuple[str, ...] | None = None
     lengths: tuple[int, ...] = (512, 1024, 2048)
-    windows: int = 3
+    windows: int = 2
     block: int = 128
     offset_tokens: int = 0                   # token offset of the first window
     rule: str = "after_block"                # pseudo-decode freezing rule (harness.RULES)
@@ -81,6 +83,10 @@ class EvalSettings:
     retrieval_max_new_tokens: int = 6
     seed: int = 0
     quick: bool = False
+
+    def __post_init__(self) -> None:
+        if self.methods is None:
+            self.methods = OUTLIER_METHODS if self.key_outliers else DEFAULT_METHODS
 
     def validate(self) -> None:
         for p in (*self.presets, *(self.diag_presets or ()), *(self.product_presets or ()),
@@ -197,25 +203,23 @@ def _grid(model, windows_fn: Callable[..., torch.Tensor], s: EvalSettings, corpu
         prog.label(f"{corpus} window {w}: fp reference")
         ref, kv = fp_reference(model, ids)
         prog.step(f"{corpus} window {w}: fp")
-        none_result = None
+        done = {}            # same_quantizer(config) -> results: configs that quantize alike run once
         q_full_by_key = {}
         for (preset, method), cfg in configs.items():
             tag = f"{corpus} w{w} {method} {preset}"
-            if method == "none" and none_result is not None:
-                kl, agree, stat = none_result
-            else:
+            same = same_quantizer(cfg)
+            if same not in done:
                 prog.label(tag + " pseudo-decode")
                 cache = PseudoQuantCache(model, cfg, rule=s.rule)
                 kl, agree = pseudo_decode_metrics(model, ids, ref, cache, b)
                 q_full = quantize_prefix(kv, cfg, l_max)
-                q_full_by_key[(preset, method)] = q_full
                 stat = {}
                 for L in s.lengths:
                     logits = block_logits(model, ids[:, L - b:L], _static_prefix(kv, q_full, cfg, L - b))
                     skl, sag = kl_top1(ref[L - b:L], logits)
                     stat[L] = (float(skl.mean()), float(sag.mean()))
-                if method == "none":
-                    none_result = (kl, agree, stat)
+                done[same] = (kl, agree, stat, q_full)
+            kl, agree, stat, q_full_by_key[(preset, method)] = done[same]
             pseudo[(preset, method)][0].append(kl)
             pseudo[(preset, method)][1].append(agree)
             for L in s.lengths:
@@ -226,7 +230,7 @@ def _grid(model, windows_fn: Callable[..., torch.Tensor], s: EvalSettings, corpu
             window_pseudo = {key: (kls[-1], agrees[-1]) for key, (kls, agrees) in pseudo.items()}
             per_window(w, ids, ref, kv, {"configs": configs, "q_full": q_full_by_key,
                                          "pseudo": window_pseudo})
-        del ref, kv, q_full_by_key
+        del ref, kv, q_full_by_key, done
 
     sink = _sink(s)
     results: dict[str, Any] = {}
@@ -357,14 +361,12 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
     diag_presets = s.diag_presets or s.presets
     prod_presets = s.product_presets or s.presets[:2]
     q_methods = [m for m in s.methods if m != "none"]
-    n_cfg = len(s.presets) * len(q_methods) + (1 if "none" in s.methods else 0)
     n_diag = len(diag_presets) * len(q_methods)
     steps = (len(sources) * s.windows * (1 + len(s.presets) * len(s.methods))
              + (min(s.diag_windows, s.windows) * n_diag if s.diagnostics else 0)
              + (min(s.product_windows, s.windows) * len(prod_presets) * len(q_methods) if s.product else 0)
              + (1 if s.generate else 0))
     prog = _Progress(progress, steps)
-    del n_cfg
 
     diag_len = s.resolved_length(s.diag_length)
     prod_len = s.resolved_length(s.product_length)
@@ -446,15 +448,27 @@ def _diagnose(model, s: EvalSettings, w: int, ids, ref, kv, configs, q_full, pre
     fp_prefix = [(k[..., :prefix, :], v[..., :prefix, :]) for k, v in kv]
     ids_block, ref_block = ids[:, prefix:length], ref[prefix:length]
     keys = [(p, m) for p in presets for m in s.methods if m != "none" and (p, m) in configs]
-    q_prefix = {key: _static_prefix(kv, q_full[key], configs[key], prefix) for key in keys}
+    first: dict[Any, tuple[str, str]] = {}     # same_quantizer(config) -> first key: run once
+    for key in keys:
+        first.setdefault(same_quantizer(configs[key]), key)
+    runs = list(first.values())
+    q_prefix = {key: _static_prefix(kv, q_full[key], configs[key], prefix) for key in runs}
     prog.label(f"diagnostics w{w}: attention outputs")
     try:
         attn = diag.attention_output_errors(model, ids_block, fp_prefix,
-                                            {f"{p}/{m}": q_prefix[(p, m)] for p, m in keys})
+                                            {f"{p}/{m}": q_prefix[(p, m)] for p, m in runs})
     except RuntimeError:  # no '*.self_attn' modules: report K/V errors only
-        attn = {f"{p}/{m}": [float("nan")] * len(kv) for p, m in keys}
+        attn = {f"{p}/{m}": [float("nan")] * len(kv) for p, m in runs}
     for key in keys:
         cfg = configs[key]
+        twin = first[same_quantizer(cfg)]
+        if twin != key:     # quantizes exactly like an earlier config: copy its window
+            src = acc[twin]
+            dst = acc.setdefault(key, {name: [] for name in src})
+            for name, rows in src.items():
+                dst[name].append(rows[-1])
+            prog.step(f"diagnostics {key[1]} {key[0]}")
+            continue
         region = diag.quantized_region(prefix, cfg)
         a = acc.setdefault(key, {"k_rel": [], "v_rel": [], "attn_rel": [], "k_terms": [], "v_terms": [],
                                  "outliers": [], "baseline": []})
