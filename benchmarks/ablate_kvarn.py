@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import time
 
 import torch
@@ -31,6 +30,7 @@ from _common import env
 from kvarn_compile.config import PRESETS, get_config
 from kvarn_compile.eval.diagnostics import error_terms
 from kvarn_compile.eval.harness import PseudoQuantCache, fp_reference, pseudo_decode_metrics
+from kvarn_compile.eval.suite import paired_difference
 from kvarn_compile.models import load_model, text_windows
 from kvarn_compile.reference import fake_quantize
 from kvarn_compile.reference import quantize as qmod
@@ -128,19 +128,16 @@ def main() -> None:
                 per_window[v].append(float(kl[sink:].mean()))
                 splits[v].append(error_split(kv, quantizer, config, sink, args.length))
 
-    base = per_window["hadamard"]
-    n = len(base)
+    n = len(windows)
     results = {}
     for v in args.variants:
-        diffs = [a - b for a, b in zip(per_window[v], base)]
-        mean = sum(diffs) / n
-        se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
+        paired = paired_difference(per_window[v], per_window["hadamard"])
         split = {kind: {key: sum(s[kind][key] for s in splits[v]) / n
                         for key in ("rel_sq_error", "magnitude_share", "mean_rel_norm_error")}
                  for kind in ("k", "v")}
         results[v] = {"pseudo_kl": sum(per_window[v]) / n, "pseudo_kl_windows": per_window[v],
-                      "diff_vs_hadamard": mean, "diff_se": se,
-                      "windows_better_than_hadamard": sum(d < 0 for d in diffs),
+                      "diff_vs_hadamard": paired["mean_diff"], "diff_se": paired["se"],
+                      "windows_better_than_hadamard": paired["lower_in"],
                       "error_split": split}
     print(json.dumps({"benchmark": "ablate_kvarn", "env": env(), "preset": args.preset,
                       "length": args.length, "block": args.block, "sink": sink,

@@ -249,6 +249,18 @@ def test_run_eval_writes_json_markdown_and_plots(tiny, tmp_path):
     assert "| kvarn | k2v2 | 160 |" in paths["markdown"].read_text()
 
 
+def test_paired_difference_counts_windows_and_gives_the_standard_error():
+    from kvarn_compile.eval import paired_difference
+
+    r = paired_difference([0.10, 0.12, 0.09], [0.11, 0.11, 0.10])
+    assert r["lower_in"] == 2 and r["windows"] == 3
+    assert r["mean_diff"] == pytest.approx(-0.01 / 3)
+    d = [-0.01, 0.01, -0.01]
+    m = sum(d) / 3
+    assert r["se"] == pytest.approx((sum((x - m) ** 2 for x in d) / 2 / 3) ** 0.5)
+    assert paired_difference([0.2], [0.1])["se"] is None
+
+
 def test_default_methods_follow_the_model_and_can_be_overridden():
     from kvarn_compile.eval.harness import DEFAULT_METHODS, OUTLIER_METHODS
 

@@ -25,12 +25,12 @@ from .harness import (ALL_METHODS, RULES, PseudoQuantCache, PseudoQuantLayer, Qu
 from .product import generation_check, product_pseudo_decode, simulated_like_product
 from .report import markdown_summary, write_outputs
 from .retrieval import build_prompts, retrieval_eval
-from .suite import FAITHFUL_KL, EvalSettings, FaithfulnessError, quick_settings, run_eval
+from .suite import FAITHFUL_KL, EvalSettings, FaithfulnessError, paired_difference, quick_settings, run_eval
 
 __all__ = [
     "ALL_METHODS", "RULES", "EvalSettings", "FAITHFUL_KL", "FaithfulnessError", "PseudoQuantCache",
     "PseudoQuantLayer", "QuantBackend", "block_logits", "build_prompts", "fp_reference",
-    "generation_check", "kl_top1", "markdown_summary", "method_config", "packed_backend",
+    "generation_check", "kl_top1", "markdown_summary", "method_config", "packed_backend", "paired_difference",
     "product_pseudo_decode", "pseudo_decode_metrics", "quantize_prefix", "quick_settings",
     "retrieval_eval", "run_blocks", "run_eval", "simulated_backend", "simulated_like_product",
     "static_block_logits", "write_outputs",

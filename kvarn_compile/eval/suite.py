@@ -31,7 +31,8 @@ from .harness import (DEFAULT_METHODS, OUTLIER_METHODS, RULES, PseudoQuantCache,
                       pseudo_decode_metrics, quantize_prefix, same_quantizer)
 from .product import generation_check, product_pseudo_decode, simulated_like_product
 
-__all__ = ["EvalSettings", "quick_settings", "run_eval", "FaithfulnessError", "FAITHFUL_KL"]
+__all__ = ["EvalSettings", "quick_settings", "run_eval", "FaithfulnessError", "FAITHFUL_KL",
+           "paired_difference"]
 
 #: Method "none" must reproduce the plain model within this mean KL (nats per token).
 FAITHFUL_KL = 1e-6
@@ -265,6 +266,16 @@ def _sink(s: EvalSettings) -> int:
 
 
 # ------------------------------------------------------------------------------ findings
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """a vs b over the same windows: in how many a is lower, the mean difference a - b and
+    its standard error (None for one window)."""
+    d = [x - y for x, y in zip(a, b)]
+    n = len(d)
+    mean = sum(d) / n
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else None
+    return {"lower_in": sum(x < 0 for x in d), "windows": n, "mean_diff": mean, "se": se}
+
+
 def _findings(grid: dict[str, Any], s: EvalSettings) -> dict[str, Any]:
     """Check the paper's claims on one text source; every check lists the numbers it used."""
     res, out = grid["results"], {}
@@ -291,6 +302,10 @@ def _findings(grid: dict[str, Any], s: EvalSettings) -> dict[str, Any]:
                     kv, hd, ki = (by_m[m]["by_length"][L][setting]["kl"] for m in ("kvarn", "hadamard", "kivi"))
                     order[f"{setting}@{L}"] = kv <= hd <= ki
             f["ordering_kvarn_le_hadamard_le_kivi"] = order
+            # how sure: the windows are paired (same text), so compare them one by one
+            f["kvarn_vs_hadamard_pseudo_per_window"] = {
+                L: paired_difference(by_m["kvarn"]["by_length"][L]["pseudo"]["kl_windows"],
+                           by_m["hadamard"]["by_length"][L]["pseudo"]["kl_windows"]) for L in lengths}
         out[preset] = f
     return out
 
