@@ -28,7 +28,8 @@ from kvarn_compile.ops import library as ops
 from kvarn_compile.ops.reference import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
 
-__all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward"]
+__all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward",
+           "static_cache_for"]
 
 _STATE_ATTR = "_kvarn_layer_state"
 
@@ -226,3 +227,19 @@ def use_kvarn_attention(model) -> None:
     AttentionInterface.register("kvarn", kvarn_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register("kvarn", sdpa_mask)
     model.set_attn_implementation("kvarn")
+
+
+def static_cache_for(model, max_cache_len: int, *, batch: int = 1):
+    """A transformers ``StaticCache`` for ``model``, with its buffers allocated now
+    (``early_initialization``), for a model compiled with ``kvarn_backend``: the pass then
+    sees the cache writes in the first compiled graph, takes the cache over into packed
+    states and releases these buffers. (A lazily initialized ``StaticCache`` works too, but
+    its prefill stays in full precision.)"""
+    from transformers import StaticCache
+
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    param = next(model.parameters())
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    cache.early_initialization(batch, text.num_key_value_heads, head_dim, param.dtype, param.device)
+    return cache

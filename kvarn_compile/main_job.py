@@ -30,9 +30,10 @@ def run_main_job(model_name: str | None = None, *, preset: str = "k4v2", prompt_
                  new_tokens: int = 128, corpus: str = "lee", compiler: str = "inductor",
                  progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
-    from transformers import DynamicCache, StaticCache
+    from transformers import DynamicCache
 
     from kvarn_compile.backend import kvarn_backend
+    from kvarn_compile.hf import static_cache_for
     from kvarn_compile.models import load_model, text_windows
     from kvarn_compile.state import fp16_cache_bytes
 
@@ -67,16 +68,12 @@ def run_main_job(model_name: str | None = None, *, preset: str = "k4v2", prompt_
     backend = kvarn_backend(cfg, max_cache_len=max_len, compiler=compiler)
     kv_model.compile(backend=backend)
 
-    def static_cache():
-        cache = StaticCache(config=kv_model.config, max_cache_len=max_len)
-        cache.early_initialization(1, text.num_key_value_heads, head_dim, torch.float32,
-                                   next(kv_model.parameters()).device)
-        return cache
-
     t0 = time.perf_counter()
-    _, kv_tokens, kv_prefill, kv_tps = decode(kv_model, static_cache(), None, f"KVarN {preset}")
+    _, kv_tokens, kv_prefill, kv_tps = decode(kv_model, static_cache_for(kv_model, max_len), None,
+                                              f"KVarN {preset}")
     first_run_s = time.perf_counter() - t0
-    kv_logits, _, _, _ = decode(kv_model, static_cache(), fp_tokens, f"KVarN {preset} (teacher-forced)")
+    kv_logits, _, _, _ = decode(kv_model, static_cache_for(kv_model, max_len), fp_tokens,
+                                f"KVarN {preset} (teacher-forced)")
 
     logp_fp, logp_kv = torch.log_softmax(fp_logits, -1), torch.log_softmax(kv_logits, -1)
     kl = (logp_fp.exp() * (logp_fp - logp_kv)).sum(-1)

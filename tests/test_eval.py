@@ -341,11 +341,53 @@ def test_packed_cache_with_deferred_commit_is_the_papers_pseudo_decode(tiny, win
 
 def test_generation_check_through_the_packed_cache(tiny, window):
     from kvarn_compile.eval import generation_check
+    from kvarn_compile.eval.product import default_generation_backends
 
     ids, _, _ = window
-    out = generation_check(tiny, ids[:, :70], 6, {"kvarn-k4v2": cfg("k4v2"), "kivi": cfg(method="kivi")})
+    backends = default_generation_backends(70)
+    assert set(backends) == {"kvarn_backend", "packed", "packed_deferred_prefill"}
+    del backends["kvarn_backend"]            # compiled with Inductor: see the test below
+    out = generation_check(tiny, ids[:, :70], 6, {"kvarn-k4v2": cfg("k4v2"), "kivi": cfg(method="kivi")},
+                           backend=backends)
     assert set(out["by_backend"]) == {"packed", "packed_deferred_prefill"}
     for res in out["by_backend"].values():
         r = res["kvarn-k4v2"]
         assert 0 <= r["first_divergence"] <= 6 and 0 <= r["teacher_forced_top1"] <= 1
         assert r["teacher_forced_kl"] >= 0 and "skipped" in res["kivi"]
+
+
+def test_generation_check_through_kvarn_backend_matches_the_packed_cache(tiny, window):
+    """The compiled product (kvarn_backend over a StaticCache the pass takes over) generates
+    what the eager packed cache generates, and says how many attentions it rewrote."""
+    from kvarn_compile.eval import generation_check
+    from kvarn_compile.eval.harness import compiled_backend, packed_backend
+
+    ids, _, _ = window
+    configs = {"kvarn-k4v2": cfg("k4v2"), "kivi": cfg(method="kivi")}
+    out = generation_check(tiny, ids[:, :70], 8, configs,
+                           backend={"compiled": compiled_backend(compiler="eager"), "packed": packed_backend()})
+    got, want = out["by_backend"]["compiled"]["kvarn-k4v2"], out["by_backend"]["packed"]["kvarn-k4v2"]
+    rewritten, total = map(int, got["sites_rewritten"].split("/"))
+    assert rewritten == total >= 2       # both layers, in every graph (prefill, decode)
+    assert got["first_divergence"] == want["first_divergence"] and got["greedy_match"] == want["greedy_match"]
+    assert got["teacher_forced_kl"] == pytest.approx(want["teacher_forced_kl"], rel=1e-3, abs=1e-7)
+    assert "skipped" in out["by_backend"]["compiled"]["kivi"]
+    assert next(tiny.parameters()).requires_grad is False and not hasattr(tiny, "kvarn_report")  # a copy ran
+
+
+def test_compiled_backend_refuses_to_report_a_run_it_did_not_rewrite():
+    """Soft-capped attention (Gemma 2) is not rewritten: its numbers would be full precision,
+    so the compiled backend raises instead of reporting them as KVarN."""
+    import transformers as tf
+
+    from kvarn_compile.eval import generation_check
+    from kvarn_compile.eval.harness import compiled_backend
+
+    torch.manual_seed(0)
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["full_attention"], attn_logit_softcapping=5.0,
+        final_logit_softcapping=None, query_pre_attn_scalar=16, attn_implementation="eager")).eval()
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="rewrote no attention"):
+        generation_check(model, ids, 3, {"kvarn": cfg("k4v2")}, backend=compiled_backend(compiler="eager"))

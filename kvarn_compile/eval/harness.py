@@ -44,7 +44,7 @@ __all__ = [
     "ALL_METHODS", "DEFAULT_METHODS", "OUTLIER_METHODS", "RULES", "QuantBackend", "PseudoQuantCache", "PseudoQuantLayer",
     "method_config", "same_quantizer", "forward", "n_layers", "kl_top1", "fp_reference", "quantize_prefix",
     "block_logits", "static_block_logits", "run_blocks", "pseudo_decode_metrics",
-    "packed_backend", "simulated_backend",
+    "packed_backend", "compiled_backend", "simulated_backend",
 ]
 
 #: Methods the harness compares. "none" is the unquantized model run through the same code.
@@ -342,16 +342,17 @@ def pseudo_decode_metrics(model, ids: torch.Tensor, ref_logits: torch.Tensor, ca
 class QuantBackend:
     """How to build the quantized model and cache for a product-path run.
 
-    ``activate(model)`` is a context manager yielding the callable model to run (the model
-    itself, or later a ``torch.compile``-d one); ``make_cache(model, config, max_len)`` builds a
-    fresh cache for one sequence; ``supports(method)`` says which methods it can run.
-    The default is the packed runtime cache (:func:`packed_backend`); a compile-backend path
-    plugs in here by providing its own ``activate``.
+    ``activate(model, config)`` is a context manager yielding the callable model to run for
+    ``config`` (the model itself, or a compiled copy); ``make_cache(runner, config, max_len)``
+    builds a fresh cache for one sequence; ``supports(method)`` says which methods it can run.
+    The default is the packed runtime cache (:func:`packed_backend`); :func:`compiled_backend`
+    is the one-line product, ``kvarn_backend`` under ``torch.compile``.
     """
 
     name: str
     make_cache: Callable[[Any, KVarNConfig, int], Cache]
-    activate: Callable[[Any], contextlib.AbstractContextManager] = lambda model: contextlib.nullcontext(model)
+    activate: Callable[[Any, KVarNConfig], contextlib.AbstractContextManager] = \
+        lambda model, config: contextlib.nullcontext(model)
     supports: Callable[[str], bool] = lambda method: True
 
 
@@ -359,7 +360,7 @@ def packed_backend(**overrides: Any) -> QuantBackend:
     """The real packed cache: ``use_kvarn_attention(model)`` + ``KVarNCache`` (kvarn/hadamard)."""
 
     @contextlib.contextmanager
-    def activate(model):
+    def activate(model, config: KVarNConfig):
         from kvarn_compile.hf import use_kvarn_attention
         previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
         use_kvarn_attention(model)
@@ -373,6 +374,43 @@ def packed_backend(**overrides: Any) -> QuantBackend:
         return KVarNCache(model.config, max_cache_len=max_len, preset=config, **overrides)
 
     return QuantBackend(name="packed-kvarncache", make_cache=make_cache, activate=activate,
+                        supports=lambda method: method in ("kvarn", "hadamard"))
+
+
+def compiled_backend(compiler: str = "inductor") -> QuantBackend:
+    """What a user runs: a copy of the model compiled with ``kvarn_backend(config)`` and a
+    transformers ``StaticCache`` (:func:`~kvarn_compile.hf.static_cache_for`), which the pass
+    takes over into packed states (its buffers are released).
+
+    The runner carries the backend's report as ``runner.kvarn_report``; a run in which the
+    pass rewrote no attention raises instead of reporting full-precision numbers as KVarN.
+    Dynamo is reset around each config, so every config compiles afresh.
+    """
+
+    @contextlib.contextmanager
+    def activate(model, config: KVarNConfig):
+        import copy
+
+        from kvarn_compile.backend import kvarn_backend
+
+        backend = kvarn_backend(config, compiler=compiler)
+        runner = copy.deepcopy(model)
+        runner.compile(backend=backend)
+        runner.kvarn_report = backend.report
+        torch._dynamo.reset()
+        try:
+            yield runner
+            if not backend.report.rewritten:
+                raise RuntimeError(f"kvarn_backend rewrote no attention of this model, so the run was "
+                                   f"not KVarN; report:\n{backend.report}")
+        finally:
+            torch._dynamo.reset()
+
+    def make_cache(model, config: KVarNConfig, max_len: int) -> Cache:
+        from kvarn_compile.hf import static_cache_for
+        return static_cache_for(model, max_len)
+
+    return QuantBackend(name=f"kvarn_backend-{compiler}", make_cache=make_cache, activate=activate,
                         supports=lambda method: method in ("kvarn", "hadamard"))
 
 

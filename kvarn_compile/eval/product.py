@@ -15,8 +15,9 @@
   model: tokens until the first divergence, teacher-forced top-1 and KL on the generated
   positions.
 
-``backend`` is the "how to build the quantized model/cache" parameter: a later
-torch.compile backend path plugs in as another :class:`~.harness.QuantBackend`.
+``backend`` is the "how to build the quantized model/cache" parameter
+(:class:`~.harness.QuantBackend`): the packed cache eager (:func:`~.harness.packed_backend`)
+or the model compiled with ``kvarn_backend`` (:func:`~.harness.compiled_backend`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from transformers.cache_utils import DynamicCache
 
 from kvarn_compile.config import KVarNConfig
 
-from .harness import (PseudoQuantCache, QuantBackend, forward, kl_top1, packed_backend,
-                      pseudo_decode_metrics)
+from .harness import (PseudoQuantCache, QuantBackend, compiled_backend, forward, kl_top1,
+                      packed_backend, pseudo_decode_metrics)
 
 __all__ = ["exact_dtype_of", "product_pseudo_decode", "simulated_like_product", "generation_check",
            "default_generation_backends"]
@@ -47,7 +48,7 @@ def product_pseudo_decode(model, ids: torch.Tensor, ref_logits: torch.Tensor, co
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position KL / top-1 [T] of the backend's cache fed in blocks of ``block`` tokens."""
     backend = backend or packed_backend()
-    with backend.activate(model) as runner:
+    with backend.activate(model, config) as runner:
         cache = backend.make_cache(runner, config, ids.shape[-1])
         return pseudo_decode_metrics(runner, ids, ref_logits, cache, block)
 
@@ -82,14 +83,17 @@ def _greedy(model, cache, prompt: torch.Tensor, new_tokens: int, forced: torch.T
 
 
 def default_generation_backends(prompt_tokens: int) -> dict[str, QuantBackend]:
-    """The packed cache as shipped, and with the prompt kept exact while it is prefilled.
+    """The one-line product, and the packed cache with and without an exact prefill.
 
-    ``packed``: the whole prompt is one prefill chunk and its complete tiles are frozen before
-    it attends. ``packed_deferred_prefill``: ``spec_tokens = prompt length`` keeps the prompt
-    uncommitted during its own prefill (it attends exact K/V, as the method describes) and
-    freezes it at the first decode step; each decoded token then stays exact for one step.
+    ``kvarn_backend``: the model compiled with ``kvarn_backend(config)`` (Inductor) over a
+    transformers ``StaticCache`` the pass takes over. ``packed``: ``KVarNCache`` + the
+    ``kvarn`` attention, eager; the whole prompt is one prefill chunk and its complete tiles
+    are frozen before it attends (as in the compiled model). ``packed_deferred_prefill``:
+    ``spec_tokens = prompt length`` keeps the prompt uncommitted during its own prefill (it
+    attends exact K/V, as the method describes) and freezes it at the first decode step.
     """
-    return {"packed": packed_backend(),
+    return {"kvarn_backend": compiled_backend(),
+            "packed": packed_backend(),
             "packed_deferred_prefill": packed_backend(spec_tokens=prompt_tokens)}
 
 
@@ -120,16 +124,19 @@ def generation_check(model, prompt: torch.Tensor, new_tokens: int, configs: dict
             if not be.supports(config.method):
                 res[name] = {"skipped": f"backend {be.name} does not run {config.method}"}
                 continue
-            with be.activate(model) as runner:
+            with be.activate(model, config) as runner:
                 free, _ = _greedy(runner, be.make_cache(runner, config, max_len), prompt, new_tokens)
                 _, forced_logits = _greedy(runner, be.make_cache(runner, config, max_len), prompt,
                                            new_tokens, forced=fp_tokens)
+                report = getattr(runner, "kvarn_report", None)
             same = free == fp_tokens
             first = int((~same).nonzero()[0]) if bool((~same).any()) else new_tokens
             kl, agree = kl_top1(fp_logits, forced_logits)
             res[name] = {"first_divergence": first, "greedy_match": float(same.double().mean()),
                          "teacher_forced_top1": float(agree.mean()),
                          "teacher_forced_kl": float(kl.mean()), "teacher_forced_kl_max": float(kl.max())}
+            if report is not None:
+                res[name]["sites_rewritten"] = f"{len(report.rewritten)}/{len(report.sites)}"
             if progress is not None:
                 progress(f"{bname} {name}")
     return out

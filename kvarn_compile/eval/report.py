@@ -130,15 +130,17 @@ def markdown_summary(result: dict[str, Any]) -> str:
     if gen:
         lines += ["", f"## Greedy generation ({gen['new_tokens']} tokens after a {gen['prompt_tokens']}-token "
                       "prompt of the corpus)", "",
-                  "| backend | config | first divergence | greedy match | teacher-forced top-1 | teacher-forced KL |",
-                  "|---|---|---|---|---|---|"]
+                  "| backend | config | sites rewritten | first divergence | greedy match | teacher-forced top-1 "
+                  "| teacher-forced KL |",
+                  "|---|---|---|---|---|---|---|"]
         for bname, by_c in gen["by_backend"].items():
             for name, r in by_c.items():
                 if "skipped" in r:
-                    lines.append(f"| {bname} | {name} | skipped | | | |")
+                    lines.append(f"| {bname} | {name} | skipped | | | | |")
                     continue
-                lines.append(f"| {bname} | {name} | {r['first_divergence']} | {_fmt(r['greedy_match'], '.3f')} | "
-                             f"{_fmt(r['teacher_forced_top1'], '.3f')} | {_fmt(r['teacher_forced_kl'])} |")
+                lines.append(f"| {bname} | {name} | {r.get('sites_rewritten', 'n/a')} | {r['first_divergence']} | "
+                             f"{_fmt(r['greedy_match'], '.3f')} | {_fmt(r['teacher_forced_top1'], '.3f')} | "
+                             f"{_fmt(r['teacher_forced_kl'])} |")
     ret = result.get("retrieval")
     if ret:
         rs = ret["settings"]

@@ -336,7 +336,9 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
         settings: what to run (default: the full run, :class:`EvalSettings`).
         model, tokenizer: use these instead of loading ``settings.model``.
         backend: how to build the quantized model/cache for the product-path check and the
-            generation check (default: ``use_kvarn_attention`` + ``KVarNCache``).
+            generation check (default: ``use_kvarn_attention`` + ``KVarNCache`` for the
+            product check; for generation that, the same with an exact prefill, and the
+            model compiled with ``kvarn_backend``: :func:`~.product.default_generation_backends`).
         progress: show a tqdm bar on stderr.
         check: raise :class:`FaithfulnessError` when method "none" does not reproduce the
             plain model (the result is attached to the exception as ``.result``).
@@ -551,13 +553,20 @@ def _product(model, s: EvalSettings, ids, ref, presets, methods, length, backend
         kl, agree = kl_agree
         return float(kl[sink:length].mean()), float(agree[sink:length].mean())
 
+    first: dict[Any, tuple[str, str]] = {}     # same_quantizer(config) -> first (preset, method)
     for i, preset in enumerate(presets):
         for method in methods:
             cfg = method_config(method, preset)
             r = rows.setdefault((preset, method), {})
-            if not backend.supports(method):
+            if not backend.supports(cfg.method):
                 r["skipped"] = f"{backend.name} does not run method {method!r}"
                 prog.step(f"product {method} {preset} (skipped)")
+                continue
+            twin = first.setdefault(same_quantizer(cfg), (preset, method))
+            if twin != (preset, method):   # quantizes exactly like an earlier config: copy it
+                for name, values in rows[twin].items():
+                    r.setdefault(name, []).append(values[-1])
+                prog.step(f"product {method} {preset}")
                 continue
             prog.label(f"product path {method} {preset}")
             runs = {
