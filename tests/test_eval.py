@@ -391,3 +391,12 @@ def test_compiled_backend_refuses_to_report_a_run_it_did_not_rewrite():
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="rewrote no attention"):
         generation_check(model, ids, 3, {"kvarn": cfg("k4v2")}, backend=compiled_backend(compiler="eager"))
+
+
+def test_plots_fold_methods_with_identical_results_into_one_curve():
+    from kvarn_compile.eval.report import _color, _curves
+
+    a, b = {"by_length": {"512": 1}}, {"by_length": {"512": 2}}
+    got = _curves({"none": a, "kvarn": a, "kivi": b, "kvarn+clip": a})
+    assert [(label, method) for label, _, method in got] == [("kvarn = kvarn+clip", "kvarn"), ("kivi", "kivi")]
+    assert len({_color(m) for m in ("kivi", "hadamard", "kvarn", "kvarn+clip", "kvarn+kauto")}) == 5

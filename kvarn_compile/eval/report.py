@@ -16,7 +16,30 @@ from typing import Any
 __all__ = ["to_jsonable", "write_json", "markdown_summary", "write_outputs", "plot_kl_vs_context",
            "plot_block_curves", "plot_error_quantiles", "plot_layer_errors"]
 
-_COLORS = {"none": "tab:gray", "kivi": "tab:red", "hadamard": "tab:orange", "kvarn": "tab:blue"}
+_COLORS = {"none": "tab:gray", "kivi": "tab:red", "hadamard": "tab:orange", "kvarn": "tab:blue",
+           "kvarn+clip": "tab:green", "kvarn+kauto": "tab:purple", "hadamard+kauto": "tab:brown"}
+
+
+def _color(method: str) -> str:
+    """A fixed color per method; names not listed get one from a spare palette."""
+    spare = ("tab:pink", "tab:olive", "tab:cyan", "black")
+    return _COLORS.get(method) or spare[sum(map(ord, method)) % len(spare)]
+
+
+def _curves(by_method: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """(label, result, method) of every quantized method to draw; a method whose results equal an
+    earlier one's (the same quantizer under another name, e.g. kvarn+clip at 4-bit keys) is
+    folded into that one's label instead of drawn on top of it."""
+    out: list[list] = []
+    for method, res in by_method.items():
+        if method == "none":
+            continue  # KL ~ 1e-12: the faithfulness check, not a curve
+        twin = next((c for c in out if c[1] == res), None)
+        if twin is not None:
+            twin[0] += f" = {method}"
+        else:
+            out.append([method, res, method])
+    return [(label, res, method) for label, res, method in out]
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -185,14 +208,11 @@ def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> path
     for r, g in enumerate(grids):
         for c, preset in enumerate(presets):
             ax = axes[r][c]
-            for method, res in g["results"][preset].items():
-                if method == "none":
-                    continue  # KL ~ 1e-12: the faithfulness check, not a curve
+            for label, res, method in _curves(g["results"][preset]):
                 Ls = sorted(int(L) for L in res["by_length"])
                 for setting, style in (("static", "--"), ("pseudo", "-")):
                     ys = [res["by_length"][str(L)][setting]["kl"] for L in Ls]
-                    ax.plot(Ls, ys, style, marker="o", color=_COLORS.get(method),
-                            label=f"{method} {setting}")
+                    ax.plot(Ls, ys, style, marker="o", color=_color(method), label=f"{label} {setting}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("context length L (tokens)")
@@ -214,15 +234,13 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
     sink = g["sink_tokens"]
     for c, preset in enumerate(presets):
         ax = axes[0][c]
-        for method, res in g["results"][preset].items():
-            if method == "none":
-                continue
+        for label, res, method in _curves(g["results"][preset]):
             cur = res["block_curve"]
             # blocks that read no quantized token (the sink, and with after_block the first block
             # after it) have KL ~1e-11; they are left out of the log plot
             pts = [(x, y) for x, y in zip(cur["block_start"], cur["kl"]) if x >= sink and y > 1e-9]
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, "-", marker=".", color=_COLORS.get(method), label=method)
+            ax.plot(xs, ys, "-", marker=".", color=_color(method), label=label)
         ax.set_yscale("log")
         ax.set_xlabel("block start position")
         ax.set_ylabel("pseudo-decode KL of the block")
@@ -253,9 +271,9 @@ def plot_error_quantiles(result: dict[str, Any], path: str | pathlib.Path) -> pa
                 for name in buckets:
                     b = bk[name]
                     mag, dirn = b["magnitude_share"], b["direction_share"]
-                    ax.bar(x, mag, color=_COLORS.get(method), edgecolor="black",
+                    ax.bar(x, mag, color=_color(method), edgecolor="black",
                            label="magnitude" if not ticks else None)
-                    ax.bar(x, dirn, bottom=mag, color=_COLORS.get(method), alpha=0.35, hatch="//",
+                    ax.bar(x, dirn, bottom=mag, color=_color(method), alpha=0.35, hatch="//",
                            edgecolor="black", label="direction" if not ticks else None)
                     ax.text(x, 1.01, f"{b['error_share']:.0%}", ha="center", va="bottom", fontsize=6)
                     ticks.append(x)
@@ -283,9 +301,9 @@ def plot_layer_errors(result: dict[str, Any], path: str | pathlib.Path) -> pathl
         ax = axes[0][c]
         for method, res in d[preset].items():
             lay = res["layers"]
-            ax.plot(lay["k_rel"], ":", color=_COLORS.get(method), label=f"{method} K")
-            ax.plot(lay["v_rel"], "--", color=_COLORS.get(method), label=f"{method} V")
-            ax.plot(lay["attn_out_rel"], "-", color=_COLORS.get(method), label=f"{method} attn out")
+            ax.plot(lay["k_rel"], ":", color=_color(method), label=f"{method} K")
+            ax.plot(lay["v_rel"], "--", color=_color(method), label=f"{method} V")
+            ax.plot(lay["attn_out_rel"], "-", color=_color(method), label=f"{method} attn out")
         ax.set_xlabel("layer")
         ax.set_ylabel("relative error")
         ax.set_title(preset)
