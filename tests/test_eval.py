@@ -400,3 +400,21 @@ def test_plots_fold_methods_with_identical_results_into_one_curve():
     got = _curves({"none": a, "kvarn": a, "kivi": b, "kvarn+clip": a})
     assert [(label, method) for label, _, method in got] == [("kvarn = kvarn+clip", "kvarn"), ("kivi", "kivi")]
     assert len({_color(m) for m in ("kivi", "hadamard", "kvarn", "kvarn+clip", "kvarn+kauto")}) == 5
+
+
+def test_auto_threads_follow_what_other_processes_use_now(monkeypatch):
+    """--threads auto samples the CPU time others use (not the lagging load average): 1
+    thread when they keep >= cores - 0.5 cores busy, torch's choice otherwise."""
+    from kvarn_compile.eval import cli
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    samples = iter([(100.0, 1000.0), (100.0 + 170.0, 1000.0 + 200.0)])   # 85% of 2 cores busy
+    monkeypatch.setattr(cli, "_cpu_times", lambda: next(samples))
+    assert cli._busy_cores(sample_s=0) == pytest.approx(1.7)
+    samples = iter([(100.0, 1000.0), (100.0 + 170.0, 1000.0 + 200.0)])
+    assert cli._threads("auto") == 1
+    samples = iter([(100.0, 1000.0), (100.0 + 20.0, 1000.0 + 200.0)])      # 0.2 cores busy
+    assert cli._threads("auto") is None
+    assert cli._threads("3") == 3
+    with pytest.raises(SystemExit, match="expected --threads >= 1"):
+        cli._threads("0")

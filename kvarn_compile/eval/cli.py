@@ -58,9 +58,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of worst entries restored in the outlier experiment (default 0.01 0.05 0.1)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", default="auto",
-                   help="torch CPU threads, or 'auto' (default): 1 when the machine is already busy "
-                        "(load average >= cores - 0.5; several multi-threaded processes on few cores "
-                        "slow each other down several times), else torch's choice")
+                   help="torch CPU threads, or 'auto' (default): 1 when other processes already keep "
+                        ">= cores - 0.5 cores busy (sampled for 0.5 s; several multi-threaded processes "
+                        "on few cores slow each other down several times), else torch's choice")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -93,6 +93,36 @@ def settings_from_args(args: argparse.Namespace):
     return quick_settings(**over) if args.quick else EvalSettings(**over)
 
 
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) CPU jiffies of the whole machine from /proc/stat; None where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)      # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _busy_cores(sample_s: float = 0.5) -> float | None:
+    """How many cores other processes keep busy right now: sampled over ``sample_s`` seconds
+    from /proc/stat (this process sleeps meanwhile), else the 1-minute load average. The load
+    average lags: right after another run it still counts that run for a minute or more."""
+    import os
+    import time
+
+    first = _cpu_times()
+    if first is not None:
+        time.sleep(sample_s)
+        second = _cpu_times()
+        if second is not None and second[1] > first[1]:
+            return (os.cpu_count() or 1) * (second[0] - first[0]) / (second[1] - first[1])
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+
+
 def _threads(value: str | int | None) -> int | None:
     """Threads to use: an explicit count, or for 'auto' 1 on a busy machine and None otherwise."""
     if value is None or value == "":
@@ -104,13 +134,10 @@ def _threads(value: str | int | None) -> int | None:
         return n
     import os
     cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # not available on this platform
-        return None
-    if cores > 1 and load >= cores - 0.5:
-        print(f"kvarn-compile eval: load average {load:.1f} on {cores} cores, using 1 torch thread "
-              "(pass --threads N to override)", file=sys.stderr)
+    busy = _busy_cores() if cores > 1 else None
+    if busy is not None and busy >= cores - 0.5:
+        print(f"kvarn-compile eval: other processes keep {busy:.1f} of {cores} cores busy, using 1 "
+              "torch thread (pass --threads N to override)", file=sys.stderr)
         return 1
     return None
 
