@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
-from kvarn_compile.config import KVarNConfig, get_config
+from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
 from kvarn_compile.registry import release_storage
 from kvarn_compile.state import LayerState, allocate_layer
@@ -87,14 +87,6 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
-
-
-def checked_max_cache_len(value: Any) -> int:
-    """``value`` if it is a valid ``max_cache_len`` (a positive int); else a clear error."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"Expected max_cache_len to be a positive int (tokens per sequence), "
-                         f"but got {value!r}.")
-    return value
 
 
 class KVarNBackend:

@@ -20,7 +20,8 @@ from typing import Literal
 
 import torch
 
-__all__ = ["KVarNConfig", "PRESETS", "get_config", "METHODS", "SCALE_DTYPES", "KEY_FRAMES", "CLIPS"]
+__all__ = ["KVarNConfig", "PRESETS", "get_config", "METHODS", "SCALE_DTYPES", "KEY_FRAMES", "CLIPS",
+           "checked_max_cache_len"]
 
 Method = Literal["kvarn", "kivi", "hadamard"]
 
@@ -206,3 +207,12 @@ def get_config(preset: str | KVarNConfig = "k4v2", **overrides: object) -> KVarN
                 "Pass overrides such as key_bits=... to customize a preset.")
         base = PRESETS[preset]
     return base.replace(**overrides) if overrides else base
+
+
+def checked_max_cache_len(value: object) -> int:
+    """``value`` if it is a valid ``max_cache_len`` (a positive int: tokens per sequence);
+    else a clear ``ValueError``. Shared by every entry point that takes one."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Expected max_cache_len to be a positive int (tokens per sequence), "
+                         f"but got {value!r}.")
+    return value

@@ -23,13 +23,13 @@ import warnings
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvarn_compile.config import KVarNConfig, get_config
+from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.ops import library as ops
 from kvarn_compile.ops.reference import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward",
-           "static_cache_for"]
+           "static_cache_for", "kv_geometry"]
 
 _STATE_ATTR = "_kvarn_layer_state"
 
@@ -163,6 +163,7 @@ class KVarNCache(Cache):
 
     def __init__(self, config, max_cache_len: int, preset: str | KVarNConfig = "k4v2", *,
                  spec_tokens: int = 0, **overrides):
+        max_cache_len = checked_max_cache_len(max_cache_len)
         self.kvarn_config = get_config(preset, **overrides)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n_layers = text.num_hidden_layers
@@ -229,17 +230,28 @@ def use_kvarn_attention(model) -> None:
     model.set_attn_implementation("kvarn")
 
 
+def kv_geometry(model) -> tuple[int, int]:
+    """(KV heads, head dim) of a transformers model's attention layers, from its config."""
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return heads, head_dim
+
+
 def static_cache_for(model, max_cache_len: int, *, batch: int = 1):
     """A transformers ``StaticCache`` for ``model``, with its buffers allocated now
-    (``early_initialization``), for a model compiled with ``kvarn_backend``: the pass then
-    sees the cache writes in the first compiled graph, takes the cache over into packed
-    states and releases these buffers. (A lazily initialized ``StaticCache`` works too, but
-    its prefill stays in full precision.)"""
+    (``early_initialization``, in the model's dtype and device), for a model compiled with
+    ``kvarn_backend``: the pass then sees the cache writes in the first compiled graph, takes
+    the cache over into packed states and releases these buffers. (A lazily initialized
+    ``StaticCache`` works too, but its prefill stays in full precision.)"""
     from transformers import StaticCache
 
-    text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    max_cache_len = checked_max_cache_len(max_cache_len)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"Expected batch to be a positive int, but got {batch!r}.")
+    heads, head_dim = kv_geometry(model)
     param = next(model.parameters())
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    cache.early_initialization(batch, text.num_key_value_heads, head_dim, param.dtype, param.device)
+    cache.early_initialization(batch, heads, head_dim, param.dtype, param.device)
     return cache

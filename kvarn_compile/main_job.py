@@ -33,7 +33,7 @@ def run_main_job(model_name: str | None = None, *, preset: str = "k4v2", prompt_
     from transformers import DynamicCache
 
     from kvarn_compile.backend import kvarn_backend
-    from kvarn_compile.hf import static_cache_for
+    from kvarn_compile.hf import kv_geometry, static_cache_for
     from kvarn_compile.models import load_model, text_windows
     from kvarn_compile.state import fp16_cache_bytes
 
@@ -41,7 +41,7 @@ def run_main_job(model_name: str | None = None, *, preset: str = "k4v2", prompt_
     model, tok = load_model(model_name)
     ids = text_windows(tok, 1, prompt_tokens, corpus)
     text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads, head_dim = kv_geometry(model)
     max_len = prompt_tokens + new_tokens
 
     def decode(m, cache, forced: torch.Tensor | None, desc: str):
@@ -82,7 +82,7 @@ def run_main_job(model_name: str | None = None, *, preset: str = "k4v2", prompt_
     first_div = int((~same).nonzero()[0]) if bool((~same).any()) else new_tokens
 
     tokens_held = max_len - 1
-    fp16 = fp16_cache_bytes(batch=1, kv_heads=text.num_key_value_heads, head_dim=head_dim,
+    fp16 = fp16_cache_bytes(batch=1, kv_heads=kv_heads, head_dim=head_dim,
                             tokens=tokens_held) * text.num_hidden_layers
     used = {}
     for state in backend.states.values():

@@ -82,7 +82,7 @@ from transformers.cache_utils import Cache, StaticSlidingWindowLayer
 
 from kvarn_compile import kvarn_backend
 from kvarn_compile.config import get_config
-from kvarn_compile.hf import KVarNCache, KVarNLayer, use_kvarn_attention
+from kvarn_compile.hf import KVarNCache, KVarNLayer, kv_geometry, static_cache_for, use_kvarn_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESET = dict(preset="k4v2", group_size=32)
@@ -141,23 +141,13 @@ def _build(family: str, attn: str) -> torch.nn.Module:
     return model
 
 
-def _kv_shape(model) -> tuple[int, int]:
-    c = model.config
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return heads, dim
-
-
 def _sliding_layers(model) -> set[int]:
     types = getattr(model.config, "layer_types", None) or []
     return {i for i, t in enumerate(types) if t == "sliding_attention"}
 
 
 def _static_cache(model, batch: int) -> StaticCache:
-    cache = StaticCache(config=model.config, max_cache_len=MAX_LEN)
-    heads, dim = _kv_shape(model)
-    cache.early_initialization(batch, heads, dim, torch.float32, "cpu")
-    return cache
+    return static_cache_for(model, MAX_LEN, batch=batch)
 
 
 def _prompt(seed: int, batch: int = 1, length: int = PROMPT) -> torch.Tensor:
@@ -325,7 +315,7 @@ def _run_hf_case(family, cache_kind, attn, *, compiler, rtol):
             assert nbytes == 0 if static else nbytes <= 16, f"layer {i} keeps {nbytes} bytes"
     if static:
         released = sum(s.released_bytes for s in backend.report.sites)
-        heads, dim = _kv_shape(model)
+        heads, dim = kv_geometry(model)
         assert released == 2 * len(full_layers) * heads * MAX_LEN * dim * 4
         assert "released" in str(backend.report)
     for i in sliding:   # sliding-window layers keep their own (small) cache

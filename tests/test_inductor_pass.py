@@ -20,10 +20,11 @@ import torch
 import transformers as tf
 
 from kvarn_compile import inductor_pass, kvarn_backend
+from kvarn_compile.hf import kv_geometry
 from kvarn_compile.passes.inductor import KVarNInductorPass
 from test_backend_models import (
     INDUCTOR_RTOL, MAX_LEN, NEW, NEW_SHORT, PRESET, PROMPT, Oracle, _assert_same, _build,
-    _buffers, _check_sites, _generate, _gpt_fast, _kv_shape, _prompt, _static_cache,
+    _buffers, _check_sites, _generate, _gpt_fast, _prompt, _static_cache,
     fp_prefill_then_kvarn,
 )
 
@@ -69,7 +70,7 @@ def test_llama_static_cache():
     # memory: the StaticCache's fp buffers are freed, the packed states are what remains
     assert _freed(cache) and kv.report.released_bytes == fp_bytes
     assert f"released {fp_bytes} bytes" in str(kv.report)
-    heads, dim = _kv_shape(model)
+    heads, dim = kv_geometry(model)
     assert sorted(kv.states) == [("model.layers.0.self_attn", 1), ("model.layers.1.self_attn", 1)]
     assert kv.nbytes == sum(s.nbytes for s in kv.states.values()) < fp_bytes
     assert kv.report.sites[0].state_bytes == kv.states[("model.layers.0.self_attn", 1)].nbytes

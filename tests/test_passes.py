@@ -325,12 +325,24 @@ def test_backend_rejects_bad_options(bad):
 
 
 @pytest.mark.parametrize("value", [0, -8, True, 4096.0, "8192"])
-def test_backend_and_inductor_pass_reject_the_same_bad_max_cache_len(value):
-    import kvarn_compile
+def test_every_entry_point_rejects_the_same_bad_max_cache_len(value):
+    import transformers as tf
 
-    for make in (kvarn_backend, kvarn_compile.inductor_pass):
+    import kvarn_compile
+    from kvarn_compile.hf import KVarNCache, static_cache_for
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = tf.LlamaForCausalLM(cfg)
+    makers = [lambda v: kvarn_backend("k4v2", max_cache_len=v),
+              lambda v: kvarn_compile.inductor_pass("k4v2", max_cache_len=v),
+              lambda v: KVarNCache(cfg, max_cache_len=v),
+              lambda v: static_cache_for(model, v)]
+    for make in makers:
         with pytest.raises(ValueError, match=f"max_cache_len to be a positive int.*{value!r}"):
-            make("k4v2", max_cache_len=value)
+            make(value)
+    with pytest.raises(ValueError, match="batch to be a positive int"):
+        static_cache_for(model, 16, batch=0)
 
 
 def test_torch_logs_shows_graphs_before_and_after(capfd):

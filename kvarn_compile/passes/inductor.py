@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import custom_graph_pass_base, kvarn_sources_hash
-from kvarn_compile.config import KVarNConfig, get_config
+from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, rewrite_graph
 from kvarn_compile.registry import StateStore
 from kvarn_compile.state import LayerState, allocate_layer
@@ -54,7 +54,7 @@ class KVarNInductorPass(custom_graph_pass_base()):
 
     def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
                  release_buffers: bool = True, spec_tokens: int = 0) -> None:
-        from kvarn_compile.backend import Report, checked_max_cache_len
+        from kvarn_compile.backend import Report
 
         self.config = config
         self.max_cache_len = checked_max_cache_len(max_cache_len)
