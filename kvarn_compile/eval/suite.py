@@ -305,7 +305,8 @@ def _findings(grid: dict[str, Any], s: EvalSettings) -> dict[str, Any]:
             # how sure: the windows are paired (same text), so compare them one by one
             f["kvarn_vs_hadamard_pseudo_per_window"] = {
                 L: paired_difference(by_m["kvarn"]["by_length"][L]["pseudo"]["kl_windows"],
-                           by_m["hadamard"]["by_length"][L]["pseudo"]["kl_windows"]) for L in lengths}
+                                     by_m["hadamard"]["by_length"][L]["pseudo"]["kl_windows"])
+                for L in lengths}
         out[preset] = f
     return out
 
@@ -457,6 +458,13 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
     return result
 
 
+def _copy_window(src: dict[str, list], dst: dict[str, list]) -> None:
+    """Append the newest window of every per-window list of ``src`` to ``dst``: the results
+    of a config that quantizes exactly like the one ``src`` holds (see ``same_quantizer``)."""
+    for name, values in src.items():
+        dst.setdefault(name, []).append(values[-1])
+
+
 # ------------------------------------------------------------------------------ diagnostics
 def _diagnose(model, s: EvalSettings, w: int, ids, ref, kv, configs, q_full, presets, length,
               acc, prog: _Progress) -> None:
@@ -480,10 +488,7 @@ def _diagnose(model, s: EvalSettings, w: int, ids, ref, kv, configs, q_full, pre
         cfg = configs[key]
         twin = first[same_quantizer(cfg)]
         if twin != key:     # quantizes exactly like an earlier config: copy its window
-            src = acc[twin]
-            dst = acc.setdefault(key, {name: [] for name in src})
-            for name, rows in src.items():
-                dst[name].append(rows[-1])
+            _copy_window(acc[twin], acc.setdefault(key, {}))
             prog.step(f"diagnostics {key[1]} {key[0]}")
             continue
         region = diag.quantized_region(prefix, cfg)
@@ -564,8 +569,7 @@ def _product(model, s: EvalSettings, ids, ref, presets, methods, length, backend
                 continue
             twin = first.setdefault(same_quantizer(cfg), (preset, method))
             if twin != (preset, method):   # quantizes exactly like an earlier config: copy it
-                for name, values in rows[twin].items():
-                    r.setdefault(name, []).append(values[-1])
+                _copy_window(rows[twin], r)
                 prog.step(f"product {method} {preset}")
                 continue
             prog.label(f"product path {method} {preset}")

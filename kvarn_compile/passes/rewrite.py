@@ -450,10 +450,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                     tags = graph.call_function(torch.arange, (batch,),
                                                {"dtype": kn.dtype, "device": kn.device})
                     zero = graph.call_method("view", (tags, batch, 1, 1, 1))
-                    past_len = graph.call_function(
-                        operator.floordiv, (graph.call_method("numel", (w.start,)), batch * heads * dim))
-                    new_len = graph.call_method("size", (w.new, 2))
-                    length = graph.call_function(operator.add, (past_len, new_len))
+                    length = _key_length(graph, w, batch, heads, dim)
                     handle = graph.call_method("expand", (zero, shape[0], shape[1], length, shape[3]))
                 for user in list(cat.users):
                     if user.op == "output":
