@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--corpora", nargs="+", default=["lee", "enwiki"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
+    if args.windows < 1 or args.length <= args.block or args.block < 1:
+        parser.error(f"expected --windows >= 1 and --length > --block >= 1, got {args.windows}, "
+                     f"{args.length}, {args.block}")
     if "hadamard" not in args.variants:
         args.variants.insert(0, "hadamard")   # the paired baseline
 

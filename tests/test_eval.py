@@ -259,6 +259,9 @@ def test_paired_difference_counts_windows_and_gives_the_standard_error():
     m = sum(d) / 3
     assert r["se"] == pytest.approx((sum((x - m) ** 2 for x in d) / 2 / 3) ** 0.5)
     assert paired_difference([0.2], [0.1])["se"] is None
+    for a, b in (([], []), ([0.1, 0.2], [0.1])):
+        with pytest.raises(ValueError, match="equally long, non-empty"):
+            paired_difference(a, b)
 
 
 def test_default_methods_follow_the_model_and_can_be_overridden():

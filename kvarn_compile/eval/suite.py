@@ -269,6 +269,9 @@ def _sink(s: EvalSettings) -> int:
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
     """a vs b over the same windows: in how many a is lower, the mean difference a - b and
     its standard error (None for one window)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"Expected two equally long, non-empty per-window lists, but got "
+                         f"{len(a)} and {len(b)} values.")
     d = [x - y for x, y in zip(a, b)]
     n = len(d)
     mean = sum(d) / n
