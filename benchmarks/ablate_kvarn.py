@@ -31,7 +31,7 @@ from kvarn_compile.config import PRESETS, get_config
 from kvarn_compile.eval.diagnostics import error_terms
 from kvarn_compile.eval.harness import PseudoQuantCache, fp_reference, pseudo_decode_metrics
 from kvarn_compile.eval.suite import paired_difference
-from kvarn_compile.models import load_model, text_windows
+from kvarn_compile.eval.models import load_model, text_windows
 from kvarn_compile.reference import fake_quantize
 from kvarn_compile.reference import quantize as qmod
 

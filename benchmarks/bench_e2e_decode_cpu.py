@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
 
     from kvarn_compile import kvarn_backend, lowering
-    from kvarn_compile.models import load_model
+    from kvarn_compile.eval.models import load_model
 
     rows = []
     for length in args.lengths:

@@ -167,7 +167,7 @@ def default_db_path() -> pathlib.Path | None:
         return None
     if env:
         return pathlib.Path(env)
-    from kvarn_compile.models import cache_dir
+    from kvarn_compile.paths import cache_dir
 
     return cache_dir() / "autotune.json"
 

@@ -212,7 +212,7 @@ class KVarNBackend:
                 r.name = tag + r.name
             self._check_consistent(reports)
             self.report.sites.extend(reports)
-            from kvarn_compile.testing import normalize_graph
+            from kvarn_compile.passes.graph_text import normalize_graph
 
             self.graph_log.append((normalize_graph(gm), normalize_graph(new_gm)))
             _log_graph("kvarn graph %d after rewrite:\n%s", graph_id,

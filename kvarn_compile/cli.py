@@ -38,7 +38,7 @@ def kv_report(model_name: str | None = None, *, tokens: int = 1024, windows: int
     """
     from tqdm import tqdm
 
-    from kvarn_compile.models import capture_kv, load_model, text_windows
+    from kvarn_compile.eval.models import capture_kv, load_model, text_windows
     from kvarn_compile.reference import quantize_cache
 
     model, tok = load_model(model_name)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_kv_report(rep)
         results["kv_report"] = rep
     if args.command == "run":
-        from kvarn_compile.main_job import print_main_job, run_main_job
+        from kvarn_compile.eval.main_job import print_main_job, run_main_job
 
         res = run_main_job(args.model, preset=args.preset, prompt_tokens=args.prompt_tokens,
                            new_tokens=args.new_tokens, corpus=args.corpus, compiler=args.compiler,

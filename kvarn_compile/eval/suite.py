@@ -347,7 +347,7 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
         check: raise :class:`FaithfulnessError` when method "none" does not reproduce the
             plain model (the result is attached to the exception as ``.result``).
         windows_fn: ``(n_windows, length, corpus, offset_tokens=...) -> ids [n, length]``;
-            default :func:`kvarn_compile.models.text_windows` with ``tokenizer``.
+            default :func:`kvarn_compile.eval.models.text_windows` with ``tokenizer``.
 
     With ``settings.held_out`` the grid runs on held-out text instead of the tuning windows:
     the same corpus from ``held_out_offset`` tokens on, and the second corpus
@@ -361,7 +361,7 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
     timings: dict[str, float] = {}
     torch.manual_seed(s.seed)
     if model is None:
-        from kvarn_compile.models import load_model
+        from kvarn_compile.eval.models import load_model
         t0 = time.perf_counter()
         model, tokenizer = load_model(s.model)
         timings["load_model"] = time.perf_counter() - t0
@@ -369,10 +369,10 @@ def run_eval(settings: EvalSettings | None = None, *, model=None, tokenizer=None
         raise ValueError("Expected a tokenizer together with the model.")
     hooks = None
     if s.key_outliers:
-        from kvarn_compile.models import add_key_outliers
+        from kvarn_compile.eval.models import add_key_outliers
         hooks = add_key_outliers(model)
     if windows_fn is None:
-        from kvarn_compile.models import text_windows
+        from kvarn_compile.eval.models import text_windows
 
         def windows_fn(n, length, corpus, offset_tokens=0):
             return text_windows(tokenizer, n, length, corpus, offset_tokens=offset_tokens)

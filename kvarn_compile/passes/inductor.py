@@ -71,7 +71,7 @@ class KVarNInductorPass(custom_graph_pass_base()):
     # ------------------------------------------------------------------ CustomGraphPass
     def __call__(self, graph: fx.Graph) -> None:
         from kvarn_compile.backend import _log_graph, check_consistent
-        from kvarn_compile.testing import normalize_graph
+        from kvarn_compile.passes.graph_text import normalize_graph
 
         gm = graph.owning_module
         if gm is None:      # a bare graph: wrap it so that rewrite_graph can recompile

