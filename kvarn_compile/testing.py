@@ -3,7 +3,6 @@ float64 attention oracle over a packed cache."""
 
 from __future__ import annotations
 
-
 import torch
 
 from kvarn_compile.passes.graph_text import normalize_graph
