@@ -17,7 +17,7 @@ import torch
 from _common import env
 from kvarn_compile.config import PRESETS, get_config
 from kvarn_compile.ops.reference import append_
-from kvarn_compile.state import BUF, allocate_layer, fp16_cache_bytes
+from kvarn_compile.state import TILE_FIELDS, allocate_layer, fp16_cache_bytes
 
 
 def measure(preset: str, head_dim: int, tokens: int, kv_heads: int = 1) -> dict:
@@ -31,8 +31,10 @@ def measure(preset: str, head_dim: int, tokens: int, kv_heads: int = 1) -> dict:
         append_(st.buffers, kv, kv, torch.tensor([start]))
     assert int(st.lengths[0]) == tokens
     fp16 = fp16_cache_bytes(batch=1, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens)
-    tile_names = [n for n in BUF if n.startswith(("k_", "v_")) and BUF[n] < len(st.buffers)]
-    tile_bytes = sum(st.buffers[BUF[n]].numel() * st.buffers[BUF[n]].element_size() for n in tile_names)
+    named = st.fields.named()
+    tile_names = [f"{kind}_{n}" for kind in "kv" for n in TILE_FIELDS + ("row_factor", "col_factor")]
+    tile_names += ["k_plain"]
+    tile_bytes = sum(named[n].numel() * named[n].element_size() for n in tile_names if n in named)
     tile_tokens = st.max_tiles * cfg.group_size
     return {"preset": preset, "head_dim": head_dim, "tokens": tokens, "fp16_bytes": fp16,
             "kvarn_bytes": st.nbytes, "ratio_vs_fp16": fp16 / st.nbytes,

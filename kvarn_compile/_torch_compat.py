@@ -3,7 +3,8 @@
 Tested with torch 2.13. These internals (``torch._inductor``, ``torch._logging._internal``)
 change between releases; when they move, only this module should need an edit. Each
 helper fails with a clear message naming the torch version instead of an AttributeError
-deep inside a compile.
+deep inside a compile. It is a leaf: it imports nothing of kvarn_compile (state it needs
+for cache keys is registered with :func:`register_cache_salt`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 __all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn_sources_hash",
            "KVarNUUIDPass", "custom_graph_pass_base", "inductor", "triton_version",
-           "device_identity", "has_triton_gpu"]
+           "device_identity", "has_triton_gpu", "register_cache_salt", "cache_salt",
+           "tag_inductor_caches"]
 
 TESTED_TORCH = ((2, 13), (2, 14))   # inclusive range of minor versions
 
@@ -61,6 +63,40 @@ def kvarn_sources_hash() -> str:
     return _hash_sources(pathlib.Path(__file__).parent)
 
 
+#: name -> callable returning a string: state outside the sources that changes generated code
+#: (the lowering registers whether it is installed and which path it is forced to).
+_CACHE_SALTS: dict[str, Any] = {}
+
+
+def register_cache_salt(name: str, fn: Any) -> None:
+    """Add ``fn()`` (a string) to kvarn's Inductor cache key under ``name``."""
+    _CACHE_SALTS[name] = fn
+
+
+def cache_salt() -> str:
+    """The registered salts, in name order (see :func:`register_cache_salt`)."""
+    return ";".join(f"{name}:{_CACHE_SALTS[name]()}" for name in sorted(_CACHE_SALTS))
+
+
+def tag_inductor_caches(tag: str, *, remove: bool = False) -> None:
+    """Add ``tag`` to (or remove it from) ``torch.compiler.config.cache_key_tag``.
+
+    Inductor's FX-graph and AOTAutograd caches key on that tag, not on registered lowerings.
+    While kvarn's lowerings are installed, every compile of the process carries a tag that
+    hashes kvarn's sources, so generated code that calls kvarn's extern kernels or
+    templates is never loaded into a process without them (or with other sources), even
+    for a plain ``torch.compile`` without kvarn's uuid pass. A tag the user set is kept.
+    """
+    import torch.compiler.config as compiler_config
+
+    parts = [p for p in compiler_config.cache_key_tag.split("|") if p]
+    if remove:
+        parts = [p for p in parts if p != tag]
+    elif tag not in parts:
+        parts.append(tag)
+    compiler_config.cache_key_tag = "|".join(parts)
+
+
 @functools.lru_cache(maxsize=1)
 def _uuid_pass_class() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -76,9 +112,7 @@ def _uuid_pass_class() -> type:
             return None
 
         def uuid(self) -> Any:
-            from kvarn_compile import lowering
-
-            return f"{kvarn_sources_hash()};{lowering.cache_salt()}"
+            return f"{kvarn_sources_hash()};{cache_salt()}"
 
     return _KVarNUUIDPass
 

@@ -1,4 +1,4 @@
-"""The packed KV-cache state of one attention layer: preallocated, static-shaped tensors.
+"""The packed KV-cache state of one attention layer: its typed layout and its allocation.
 
 Token layout of batch row b (S sink tokens, G tokens per tile, n_tiles[b] frozen tiles)::
 
@@ -13,50 +13,198 @@ then free again. Nothing else holds these tokens: no full-precision copy of the 
 region exists. Every buffer is allocated once to the maximum length so compiled graphs
 and CUDA graphs see static shapes.
 
-The buffers travel to the custom ops as one flat list (``LayerState.buffers``); the
-``BUF`` table names the positions in that list.
+The buffers travel to the custom ops as one flat list (a custom-op schema takes
+``Tensor[]``). :class:`StateLayout` is the one place that knows the order of that list and
+which optional members it holds; :func:`unpack` turns a list (of tensors, Inductor IR
+nodes or FX nodes alike) into :class:`StateFields` with named members, and every op,
+kernel and lowering reads the state through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from kvarn_compile.config import KVarNConfig
 
-__all__ = ["BUF", "LayerState", "allocate_layer", "fp16_cache_bytes"]
+__all__ = ["StateLayout", "StateFields", "Tiles", "Geometry", "unpack", "LayerState",
+           "allocate_layer", "fp16_cache_bytes", "BASE_FIELDS", "FP8_FACTOR_FIELDS",
+           "KEY_FRAME_FIELDS", "TILE_FIELDS", "BUF"]
 
-#: Positions of the tensors in the flat buffer list handed to the ops.
-BUF = {name: i for i, name in enumerate((
-    "sink_k", "sink_v",                                   # [B, H, S, D] exact dtype
-    "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",  # [B,H,n,D,G*kb/8] [B,H,n,D] [B,H,n,D] [B,H,n,G]
-    "v_codes", "v_row_scale", "v_row_zero", "v_col_scale",  # [B,H,n,G,D*vb/8] [B,H,n,G] [B,H,n,G] [B,H,n,D]
-    "tail_k", "tail_v",                                   # [B, H, W, D] exact dtype, ring buffer
-    "lengths", "committed", "n_tiles",                    # [B] int64
-    "capacity",                                           # [B] int64: max_len, constant
-    "k_row_factor", "k_col_factor", "v_row_factor", "v_col_factor",  # [B,H,n,1] fp16 (fp8 scales only)
-))}
-N_BASE_BUFFERS = BUF["k_row_factor"]
-#: Count of the fp8 scale factors that follow the base buffers when scales are fp8.
-N_FP8_FACTORS = 4
+T = TypeVar("T")
 
-__all__ += ["N_BASE_BUFFERS", "has_fp8_factors", "key_plain"]
-
-
-def has_fp8_factors(buffers: list[torch.Tensor]) -> bool:
-    """True when the state stores its scales as fp8 (the four factor buffers follow)."""
-    return len(buffers) >= N_BASE_BUFFERS + N_FP8_FACTORS
+#: Members every state has, in list order.
+BASE_FIELDS = (
+    "sink_k", "sink_v",                                     # [B, H, S, D] exact dtype
+    "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",  # [B,H,n,D,G*kb/8] [B,H,n,D] x2 [B,H,n,G]
+    "v_codes", "v_row_scale", "v_row_zero", "v_col_scale",  # [B,H,n,G,D*vb/8] [B,H,n,G] x2 [B,H,n,D]
+    "tail_k", "tail_v",                                     # [B, H, W, D] exact dtype, ring buffer
+    "lengths", "committed", "n_tiles",                      # [B] int64
+    "capacity",                                             # [B] int64: max_len, constant
+)
+#: Per-vector fp16 factors of fp8 scales ([B, H, n, 1] each), after the base members.
+FP8_FACTOR_FIELDS = ("k_row_factor", "k_col_factor", "v_row_factor", "v_col_factor")
+#: Per-tile key frames (uint8 [B, H, n]; 1 = that K tile is stored un-rotated), last.
+KEY_FRAME_FIELDS = ("k_plain",)
+#: The members of one side (K or V) of the packed tiles, without the ``k_``/``v_`` prefix.
+TILE_FIELDS = ("codes", "row_scale", "row_zero", "col_scale")
 
 
-def key_plain(buffers: list[torch.Tensor]) -> torch.Tensor | None:
-    """The per-tile key-frame flags (uint8 [B, H, n]; 1 = tile stored un-rotated), if any.
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Which optional members a state holds, and so the order of its flat buffer list."""
 
-    Only states of a ``key_frame="auto"`` config have them: they are the last buffer, after
-    the fp8 factors when scales are fp8.
-    """
-    return buffers[-1] if (len(buffers) - N_BASE_BUFFERS) % N_FP8_FACTORS == 1 else None
+    fp8_factors: bool = False
+    key_frames: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return _names(self)
+
+    def index(self, name: str) -> int:
+        """Position of member ``name`` in the buffer list (KeyError if this layout lacks it)."""
+        return _indices(self)[name]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def of(cls, buffers: Sequence[Any] | int) -> StateLayout:
+        """The layout of a buffer list (or of a list of that length)."""
+        n = buffers if isinstance(buffers, int) else len(buffers)
+        layout = _BY_LENGTH.get(n)
+        if layout is None:
+            raise ValueError(f"Expected a KVarN state of {sorted(_BY_LENGTH)} buffers, but got {n}.")
+        return layout
+
+
+@functools.lru_cache(maxsize=None)
+def _names(layout: StateLayout) -> tuple[str, ...]:
+    return (BASE_FIELDS + (FP8_FACTOR_FIELDS if layout.fp8_factors else ())
+            + (KEY_FRAME_FIELDS if layout.key_frames else ()))
+
+
+@functools.lru_cache(maxsize=None)
+def _indices(layout: StateLayout) -> dict[str, int]:
+    return {name: i for i, name in enumerate(_names(layout))}
+
+
+_BY_LENGTH = {len(_names(lay)): lay for lay in (StateLayout(f, k) for f in (False, True)
+                                                for k in (False, True))}
+
+#: Positions of the members that sit at a fixed place in every layout that has them (the
+#: base members, then the fp8 factors). Prefer :func:`unpack`; this is for tests and tools.
+BUF = {name: i for i, name in enumerate(BASE_FIELDS + FP8_FACTOR_FIELDS)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles(Generic[T]):
+    """One side (K or V) of the packed tiles: codes and the dual scales."""
+
+    codes: T
+    row_scale: T
+    row_zero: T
+    col_scale: T
+    row_factor: T | None = None     # fp8 scales only
+    col_factor: T | None = None
+
+    @property
+    def core(self) -> tuple[T, T, T, T]:
+        """(codes, row_scale, row_zero, col_scale)."""
+        return self.codes, self.row_scale, self.row_zero, self.col_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFields(Generic[T]):
+    """A state's buffer list with named members; ``T`` is whatever the list holds."""
+
+    layout: StateLayout
+    sink_k: T
+    sink_v: T
+    k: Tiles[T]
+    v: Tiles[T]
+    tail_k: T
+    tail_v: T
+    lengths: T
+    committed: T
+    n_tiles: T
+    capacity: T
+    k_plain: T | None = None
+
+    def tiles(self, kind: str) -> Tiles[T]:
+        return self.k if kind == "k" else self.v
+
+    def pack(self) -> list[T]:
+        """The flat list, in the layout's order."""
+        named = self.named()
+        return [named[n] for n in self.layout.names]
+
+    def named(self) -> dict[str, T]:
+        """Every member present, by its flat name (``k_codes``, ``lengths``, ...)."""
+        out: dict[str, Any] = {"sink_k": self.sink_k, "sink_v": self.sink_v}
+        for kind, tiles in (("k", self.k), ("v", self.v)):
+            for f in TILE_FIELDS:
+                out[f"{kind}_{f}"] = getattr(tiles, f)
+        out.update(tail_k=self.tail_k, tail_v=self.tail_v, lengths=self.lengths,
+                   committed=self.committed, n_tiles=self.n_tiles, capacity=self.capacity)
+        if self.layout.fp8_factors:
+            for kind, tiles in (("k", self.k), ("v", self.v)):
+                out[f"{kind}_row_factor"] = tiles.row_factor
+                out[f"{kind}_col_factor"] = tiles.col_factor
+        if self.layout.key_frames:
+            out["k_plain"] = self.k_plain
+        return out
+
+
+def unpack(buffers: Sequence[T]) -> StateFields[T]:
+    """Named members of a state's flat buffer list (tensors, IR nodes or FX nodes)."""
+    layout = StateLayout.of(buffers)
+    at = _indices(layout)
+    b = lambda name: buffers[at[name]]  # noqa: E731
+    opt = lambda name: buffers[at[name]] if name in at else None  # noqa: E731
+
+    def side(kind: str) -> Tiles:
+        return Tiles(*(b(f"{kind}_{f}") for f in TILE_FIELDS),
+                     row_factor=opt(f"{kind}_row_factor"), col_factor=opt(f"{kind}_col_factor"))
+
+    return StateFields(layout, b("sink_k"), b("sink_v"), side("k"), side("v"), b("tail_k"),
+                       b("tail_v"), b("lengths"), b("committed"), b("n_tiles"), b("capacity"),
+                       opt("k_plain"))
+
+
+def _tensor_size(t: Any) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Sizes of a state, read off its buffers' shapes."""
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    sink: int          # S: high-precision sink tokens
+    group: int         # G: tokens per packed tile
+    max_tiles: int     # n_max: tile slots per row
+    tail: int          # W: tail ring slots
+    key_bits: int
+    value_bits: int
+
+    @classmethod
+    def of(cls, state: StateFields | Sequence[Any],
+           size: Callable[[Any], Sequence[int]] = _tensor_size) -> Geometry:
+        """From fields or a buffer list; ``size`` reads a member's shape (IR nodes: static ints)."""
+        f = state if isinstance(state, StateFields) else unpack(state)
+        bsz, heads, s, d = size(f.sink_k)
+        g = size(f.k.col_scale)[-1]
+        kc, vc = size(f.k.codes), size(f.v.codes)
+        return cls(batch=bsz, kv_heads=heads, head_dim=d, sink=s, group=g, max_tiles=kc[2],
+                   tail=size(f.tail_k)[2], key_bits=8 * kc[-1] // g, value_bits=8 * vc[-1] // d)
 
 
 @dataclasses.dataclass
@@ -68,19 +216,30 @@ class LayerState:
     max_len: int
     name: str = ""
 
+    @property
+    def fields(self) -> StateFields[torch.Tensor]:
+        return unpack(self.buffers)
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry.of(self.fields)
+
     def __getattr__(self, item: str) -> torch.Tensor:
-        index = BUF.get(item)
-        if index is None:
+        # flat member names (state.lengths, state.k_codes, ...), through the layout
+        buffers = self.__dict__.get("buffers")
+        if buffers is None or item.startswith("__"):
             raise AttributeError(item)
-        buffers = self.__dict__["buffers"]
-        if index >= len(buffers) or (index >= N_BASE_BUFFERS and not has_fp8_factors(buffers)):
+        layout = StateLayout.of(buffers)
+        if item in _indices(layout):
+            return buffers[layout.index(item)]
+        if item in FP8_FACTOR_FIELDS:
             raise AttributeError(f"{item} is only allocated for float8_e4m3fn scales")
-        return buffers[index]
+        raise AttributeError(item)
 
     @property
     def k_plain(self) -> torch.Tensor | None:
         """Per-tile key-frame flags (``key_frame="auto"`` states only), else None."""
-        return key_plain(self.buffers)
+        return self.fields.k_plain
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -113,22 +272,24 @@ class LayerState:
         """Bytes of every tensor the state holds, counted from the live tensors."""
         return sum(t.numel() * t.element_size() for t in self.buffers)
 
+    def tile_bytes(self) -> int:
+        """Bytes of one packed tile of one batch row, all KV heads (codes, scales, factors
+        and key-frame flags)."""
+        f = self.fields
+        members = [t for tiles in (f.k, f.v) for t in (*tiles.core, tiles.row_factor, tiles.col_factor)]
+        members.append(f.k_plain)
+        return sum(t[0, :, 0].numel() * t.element_size() for t in members if t is not None)
+
     def used_bytes(self) -> dict[str, int]:
         """Bytes that hold the current tokens, by region (for bits-per-element reports).
 
         Preallocated but still empty tile slots are not counted here; ``nbytes`` counts
         them. Per batch row: the sink and the W tail slots are always in use.
         """
-        tiles = self.n_tiles.tolist()
-        per_tile = sum(self.buffers[BUF[n]][0, :, 0].numel() * self.buffers[BUF[n]].element_size()
-                       for n in ("k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
-                                 "v_codes", "v_row_scale", "v_row_zero", "v_col_scale"))
-        per_tile += sum(self.buffers[i][0, :, 0].numel() * self.buffers[i].element_size()
-                        for i in range(N_BASE_BUFFERS, len(self.buffers)))  # fp8 factors, frames
         exact = lambda t: t[0].numel() * t.element_size()  # noqa: E731
         return {
             "sink": self.batch * (exact(self.sink_k) + exact(self.sink_v)),
-            "tiles": sum(tiles) * per_tile,
+            "tiles": sum(self.n_tiles.tolist()) * self.tile_bytes(),
             "tail": self.batch * (exact(self.tail_k) + exact(self.tail_v)),
         }
 
@@ -144,6 +305,15 @@ def _tail_slots(config: KVarNConfig, spec_tokens: int) -> int:
     """Ring size: one tile still filling + the recent window + room for uncommitted tokens."""
     g = config.group_size
     return g + config.recent_window + g * math.ceil(spec_tokens / g)
+
+
+def exact_dtype_for(config: KVarNConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of sink and tail: fp16 for fp32 models (like the reference, so the
+    comparison with an fp16 cache is fair), the model's own dtype for fp16/bf16 models;
+    ``exact_dtype="float32"`` keeps fp32."""
+    if config.exact_dtype == "float32":
+        return torch.float32
+    return torch.float16 if dtype == torch.float32 else dtype
 
 
 def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: int,
@@ -162,11 +332,7 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
         raise ValueError(f"Expected positive batch, kv_heads and max_len, but got "
                          f"{batch}, {kv_heads}, {max_len}.")
     g = config.group_size
-    # sink and tail are "high precision": fp16 like the reference for fp32 models (so the
-    # comparison with an fp16 cache is fair), the model's own dtype for fp16/bf16 models
-    exact = torch.float16 if dtype == torch.float32 and config.exact_dtype == "auto" else dtype
-    if config.exact_dtype == "float32":
-        exact = torch.float32
+    exact = exact_dtype_for(config, dtype)
     sink = min(config.sink, max_len)
     tiles = max(max_len - sink, 0) // g
     tail = _tail_slots(config, spec_tokens)
@@ -174,29 +340,32 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
     if (g * kb) % 8 or (head_dim * vb) % 8:
         raise ValueError(f"{kb}/{vb}-bit codes do not pack whole bytes for G={g}, D={head_dim}.")
     sdt = config.torch_scale_dtype
-    zdt = torch.float16 if sdt == torch.float8_e4m3fn else sdt
-    shape = (batch, kv_heads)
+    fp8 = sdt == torch.float8_e4m3fn
+    zdt = torch.float16 if fp8 else sdt
+    layout = StateLayout(fp8_factors=fp8, key_frames=config.key_frame == "auto" and config.method != "kivi")
 
     def new(*dims: int, dt: torch.dtype) -> torch.Tensor:
-        return torch.zeros(*shape, *dims, dtype=dt, device=device)
+        return torch.zeros(batch, kv_heads, *dims, dtype=dt, device=device)
 
-    buffers = [
-        new(sink, head_dim, dt=exact), new(sink, head_dim, dt=exact),
-        new(tiles, head_dim, g * kb // 8, dt=torch.uint8), new(tiles, head_dim, dt=sdt),
-        new(tiles, head_dim, dt=zdt), new(tiles, g, dt=sdt),
-        new(tiles, g, head_dim * vb // 8, dt=torch.uint8), new(tiles, g, dt=sdt),
-        new(tiles, g, dt=zdt), new(tiles, head_dim, dt=sdt),
-        new(tail, head_dim, dt=exact), new(tail, head_dim, dt=exact),
-        torch.zeros(batch, dtype=torch.int64, device=device),
-        torch.zeros(batch, dtype=torch.int64, device=device),
-        torch.zeros(batch, dtype=torch.int64, device=device),
-        torch.full((batch,), max_len, dtype=torch.int64, device=device),
-    ]
-    if sdt == torch.float8_e4m3fn:
-        buffers += [new(tiles, 1, dt=torch.float16) for _ in range(N_FP8_FACTORS)]
-    if config.key_frame == "auto" and config.method != "kivi":
-        buffers.append(new(tiles, dt=torch.uint8))   # k_plain: 1 = tile stored un-rotated
-    return LayerState(config=config, buffers=buffers, max_len=max_len, name=name)
+    def factors() -> dict[str, torch.Tensor | None]:
+        if not fp8:
+            return {}
+        return {"row_factor": new(tiles, 1, dt=torch.float16), "col_factor": new(tiles, 1, dt=torch.float16)}
+
+    def counter(value: int = 0) -> torch.Tensor:
+        return torch.full((batch,), value, dtype=torch.int64, device=device)
+
+    fields = StateFields(
+        layout,
+        sink_k=new(sink, head_dim, dt=exact), sink_v=new(sink, head_dim, dt=exact),
+        k=Tiles(new(tiles, head_dim, g * kb // 8, dt=torch.uint8), new(tiles, head_dim, dt=sdt),
+                new(tiles, head_dim, dt=zdt), new(tiles, g, dt=sdt), **factors()),
+        v=Tiles(new(tiles, g, head_dim * vb // 8, dt=torch.uint8), new(tiles, g, dt=sdt),
+                new(tiles, g, dt=zdt), new(tiles, head_dim, dt=sdt), **factors()),
+        tail_k=new(tail, head_dim, dt=exact), tail_v=new(tail, head_dim, dt=exact),
+        lengths=counter(), committed=counter(), n_tiles=counter(), capacity=counter(max_len),
+        k_plain=new(tiles, dt=torch.uint8) if layout.key_frames else None)
+    return LayerState(config=config, buffers=fields.pack(), max_len=max_len, name=name)
 
 
 def fp16_cache_bytes(*, batch: int, kv_heads: int, head_dim: int, tokens: int) -> int:

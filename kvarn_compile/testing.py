@@ -29,14 +29,14 @@ def oracle_attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.T
     runtime never does.
     """
     from kvarn_compile.ops.reference import materialize
-    from kvarn_compile.state import BUF
+    from kvarn_compile.state import unpack
 
     k, v = materialize(buffers, dtype=torch.float64)           # [B, H, cap, D]
     bsz, hq, tq, d = q.shape
     grp = hq // k.shape[1]
     k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
     cap = k.shape[2]
-    lengths = buffers[BUF["lengths"]]
+    lengths = unpack(buffers).lengths
     kpos = torch.arange(cap)
     qpos = lengths[:, None] - tq + torch.arange(tq)[None]        # [B, Tq]
     allowed = (kpos[None, None] < lengths[:, None, None]).expand(bsz, tq, cap)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvarn_compile import _torch_compat, autotune, lowering
-from kvarn_compile.autotune import KnobTuning, QuantKnobs, TuneKey, select_quant_knobs
+from kvarn_compile.autotune import KnobTuning, QuantKnobs, TuneKey, select_quant_knobs, tuning
 from kvarn_compile.config import get_config
 from kvarn_compile.ops import reference
 from kvarn_compile.state import allocate_layer
@@ -98,9 +98,9 @@ def test_first_tile_rows_are_the_full_precision_rows_about_to_be_frozen():
     st = allocate_layer(cfg, batch=1, kv_heads=2, head_dim=16, max_len=200, dtype=torch.float32)
     k, v = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
     reference.append_(st.buffers, k[:, :, :50], v[:, :, :50], torch.tensor([0]))   # sink + 18
-    assert autotune.first_tile_rows(st.buffers, k[:, :, 50:60], v[:, :, 50:60],
+    assert tuning.first_tile_rows(st.buffers, k[:, :, 50:60], v[:, :, 50:60],
                                     torch.tensor([50]), 0, 0) is None      # 60 < 32 + 32
-    rows = autotune.first_tile_rows(st.buffers, k[:, :, 50:], v[:, :, 50:], torch.tensor([50]), 0, 0)
+    rows = tuning.first_tile_rows(st.buffers, k[:, :, 50:], v[:, :, 50:], torch.tensor([50]), 0, 0)
     assert rows is not None
     exact = st.tail_k.dtype
     torch.testing.assert_close(rows[0], k[:, :, 32:64].to(exact).float())

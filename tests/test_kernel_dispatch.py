@@ -7,7 +7,7 @@ import torch
 
 from kvarn_compile.config import get_config
 from kvarn_compile.kernels import cpu_attention, triton_available
-from kvarn_compile.ops import kernel_impl as triton_impl
+from kvarn_compile.ops import dispatch as triton_impl
 from kvarn_compile.ops import reference
 from kvarn_compile.reference.quantize import QuantizedTiles, dequantize_tiles
 from kvarn_compile.reference.rotation import rotation_matrix
@@ -93,7 +93,7 @@ def test_freeze_kernel_writes_the_reference_tiles():
     got = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,
                          max_len=128, dtype=torch.float32)
     tk, tv = k[0, :, G:3 * G].half().float(), v[0, :, G:3 * G].half().float()   # tiles 0..1 (after the sink)
-    assert triton_impl.freeze_tiles(got.buffers, 0, tk, tv, 0, "kvarn", 8)
+    assert triton_impl.freeze_tiles_triton(got.buffers, 0, tk, tv, 0, "kvarn", 8)
     for name in ("k_codes", "v_codes"):
         a, b = getattr(ref, name)[:, :, :2].int(), getattr(got, name)[:, :, :2].int()
         assert (a != b).float().mean() < 0.005, name        # rounding ties only

@@ -24,7 +24,7 @@ from torch._inductor.utils import run_and_get_code
 from kvarn_compile import autotune, lowering
 from kvarn_compile.config import get_config
 from kvarn_compile.lowering import decompose
-from kvarn_compile.ops import reference
+from kvarn_compile.ops import reference, regions
 from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import allocate_layer
 
@@ -138,7 +138,7 @@ def test_each_lowering_path_is_selected_and_matches_the_reference(path):
     decisions = lowering.DECISIONS[first:]
     assert decisions[0].op == "kvarn_attention" and decisions[0].winner == path, decisions
     calls_reference = "extern_kernels.kvarn_attention_reference(" in source
-    calls_tile_op = "torch.ops.kvarn_lowering.tile_partials_.default(" in source
+    calls_tile_op = "torch.ops.kvarn.tile_partials_.default(" in source
     generated_cpp = source.count("cpp_fused")
     if path == "reference":
         assert calls_reference and not calls_tile_op
@@ -186,7 +186,7 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
     b, h, _, d = st.sink_k.shape
     q = torch.randn(b, 2 * h, tq, d, device=device)
     m = (torch.rand(b, 1, tq, st.max_len, device=device) > 0.3) if mask else None
-    ins = decompose.tile_inputs(q, st.buffers, m, True, window, rotation_matrix(d, device))
+    ins = reference.tile_inputs(q, st.buffers, m, True, window, rotation_matrix(d, device))
     q_rot, kc, krs, krz, kcs, vc, vrs, vrz, vcs, nt, lo, hi, bias = ins
     if shared_cols:   # every tile reads tile 0's column scales (the single-scale proxy)
         kcs = kcs[:, :, :1].expand_as(kcs)
@@ -209,8 +209,8 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
     else:
         grid = (triton.cdiv(tq, block_m), b * 2 * h, 1)
     launch_standalone(kernel, tensors, out, grid, ce)
-    ref_o, ref_lse = decompose.tile_partials_torch(*ins, 0.3, 1)
-    got_o, got_lse = decompose.combine_splits_torch(out, tensors["LSE"])
+    ref_o, ref_lse = reference.tile_partials(*ins, 0.3, 1)
+    got_o, got_lse = regions.combine_splits(out, tensors["LSE"])
     torch.testing.assert_close(got_o, ref_o[:, :, :, 0], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, ref_lse[..., 0], atol=2e-5, rtol=1e-5)
     assert torch.isinf(tensors["LSE"][..., split:]).all(), "unused split slots must stay -inf"

@@ -22,7 +22,7 @@ import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile import get_config
 from kvarn_compile.ops import reference as R
 from kvarn_compile.reference import NonFiniteError, quantize_cache
-from kvarn_compile.state import BUF, N_BASE_BUFFERS, allocate_layer, fp16_cache_bytes, has_fp8_factors, key_plain
+from kvarn_compile.state import BASE_FIELDS, StateLayout, allocate_layer, fp16_cache_bytes, unpack
 from kvarn_compile.testing import oracle_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,16 +116,13 @@ def snapshot(buffers):
 
 def assert_unchanged(buffers, before, what=""):
     assert len(buffers) == len(before)
-    for name, now, then in zip(BUF, buffers, before):
+    for name, now, then in zip(StateLayout.of(buffers).names, buffers, before, strict=True):
         assert bits_equal(now, then), f"{what}: {name} changed"
 
 
 def tile_buffers(buffers):
-    names = TILE_BUFFERS + (FACTOR_BUFFERS if has_fp8_factors(buffers) else ())
-    out = {n: buffers[BUF[n]] for n in names}
-    if key_plain(buffers) is not None:
-        out["k_plain"] = key_plain(buffers)
-    return out
+    named = unpack(buffers).named()
+    return {n: named[n] for n in TILE_BUFFERS + FACTOR_BUFFERS + ("k_plain",) if n in named}
 
 
 def bits_equal(a, b):
@@ -136,9 +133,11 @@ def bits_equal(a, b):
 
 def assert_tiles_equal_reference(buffers, row, k, v, cfg):
     """Row ``row``'s frozen tiles == quantize_cache of its whole (exact-dtype) sequence."""
-    exact = buffers[BUF["tail_k"]].dtype
+    f = unpack(buffers)
+    named = f.named()
+    exact = f.tail_k.dtype
     ref = quantize_cache(k.to(exact), v.to(exact), cfg)
-    n = int(buffers[BUF["n_tiles"]][row])
+    n = int(f.n_tiles[row])
     assert n == (0 if ref.k_tiles is None else ref.k_tiles.codes.shape[-3])
     if n == 0:
         return
@@ -148,10 +147,10 @@ def assert_tiles_equal_reference(buffers, row, k, v, cfg):
         if tiles.row_scale_factor is not None:
             fields.update(row_factor=tiles.row_scale_factor, col_factor=tiles.col_scale_factor)
         for field, want in fields.items():
-            got = buffers[BUF[f"{kind}_{field}"]][row, :, :n]
+            got = named[f"{kind}_{field}"][row, :, :n]
             assert bits_equal(got, want), f"{kind}_{field} of row {row} differs from quantize_cache"
         if kind == "k" and tiles.plain is not None:
-            assert torch.equal(key_plain(buffers)[row, :, :n], tiles.plain)
+            assert torch.equal(f.k_plain[row, :, :n], tiles.plain)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -291,9 +290,10 @@ def test_attention_fp16_and_bf16_queries():
 # ------------------------------------------------------------------------------ packed state
 def _assert_states_identical(a, b):
     """Every meaningful byte equal: counters, sink, frozen tiles, live tail positions."""
+    fa, fb = unpack(a).named(), unpack(b).named()
     for name in ("lengths", "committed", "n_tiles", "capacity", "sink_k", "sink_v"):
-        assert torch.equal(a[BUF[name]], b[BUF[name]]), name
-    n = int(a[BUF["n_tiles"]].max())
+        assert torch.equal(fa[name], fb[name]), name
+    n = int(fa["n_tiles"].max())
     other = tile_buffers(b)
     for name, t in tile_buffers(a).items():
         assert bits_equal(t[:, :, :n], other[name][:, :, :n]), name
@@ -349,11 +349,12 @@ def test_state_bytes_match_the_layout_formula(preset, dtype):
     assert st.nbytes == _expected_nbytes(cfg, batch=3, heads=H, head_dim=D, max_len=250,
                                          exact_size=2, spec_tokens=5)
     # only the sink and the tail are high precision, whatever the capacity
-    hi = [BUF[n] for n in ("sink_k", "sink_v", "tail_k", "tail_v")]
+    layout = StateLayout.of(st.buffers)
+    hi = [layout.index(n) for n in ("sink_k", "sink_v", "tail_k", "tail_v")]
     big = new_state(cfg, batch=3, max_len=4000, dtype=dtype, spec_tokens=5)
     assert [big.buffers[i].nbytes for i in hi] == [st.buffers[i].nbytes for i in hi]
     for i, t in enumerate(big.buffers):
-        if i not in hi and i < N_BASE_BUFFERS and t.dim() > 1:
+        if i not in hi and i < len(BASE_FIELDS) and t.dim() > 1:
             assert t.dtype in (torch.uint8, cfg.torch_scale_dtype, torch.float16)
             assert t.shape[2] == (4000 - G) // G          # quantized storage: one slot per tile
 
@@ -452,9 +453,7 @@ def test_write_at_zero_starts_a_new_sequence_in_that_row_only():
     seq.write(10, start=[0, 100])
     assert seq.state.lengths.tolist() == [10, 110]
     assert seq.state.n_tiles.tolist() == [0, 2]
-    for name, i in BUF.items():                          # row 0 only moved in sink and counters
-        if i >= len(before):
-            continue
+    for i, name in enumerate(StateLayout.of(seq.buffers).names):  # row 0: only sink and counters moved
         if name not in ("sink_k", "sink_v", "lengths", "committed", "n_tiles"):
             assert torch.equal(seq.buffers[i][0], before[i][0]), name
     k_hat, _ = R.materialize(seq.buffers, dtype=torch.float32)

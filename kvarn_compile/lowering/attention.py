@@ -11,7 +11,7 @@ head-dim rotation as a graph constant):
   with make_fx, benchmarked as a compiled subgraph, and inlined when it wins, so the
   output code holds Inductor-generated kernels (C++ on CPU) and no extern call.
 * ``split`` - ``decompose.attention_split``: like ``dense``, but the tile region is the
-  ``kvarn_lowering::tile_partials_`` op, lowered by ``lowering/tiles.py`` (templates).
+  ``kvarn::tile_partials_`` op, lowered by ``lowering/tiles.py`` (templates).
 
 Benchmark inputs (``input_gen_fns``) are a realistic packed cache: valid codes, positive
 scales, lengths/committed/n_tiles consistent with each other and within capacity.
@@ -22,7 +22,10 @@ from __future__ import annotations
 import torch
 
 from kvarn_compile.lowering import decompose
-from kvarn_compile.state import BUF, N_BASE_BUFFERS
+from kvarn_compile.lowering.decisions import (
+    current_path, finish_decision, record_decision, tune_key,
+)
+from kvarn_compile.state import BASE_FIELDS, FP8_FACTOR_FIELDS, StateLayout
 
 __all__ = ["lower_attention", "externs", "attention_input_gen_fns", "ATTENTION_OP_NAME"]
 
@@ -68,10 +71,12 @@ def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
     """
     from kvarn_compile.lowering.tiles import fake_tile_fill
 
-    bsz, _, s, _ = buffer_shapes[BUF["sink_k"]]
-    n_max = buffer_shapes[BUF["k_codes"]][2]
-    g = buffer_shapes[BUF["k_col_scale"]][-1]
-    w = buffer_shapes[BUF["tail_k"]][2]
+    layout = StateLayout.of(buffer_shapes)
+    shape = lambda name: buffer_shapes[layout.index(name)]  # noqa: E731
+    bsz, _, s, d = shape("sink_k")
+    n_max = shape("k_codes")[2]
+    g = shape("k_col_scale")[-1]
+    w = shape("tail_k")[2]
     tiles = fake_tile_fill(n_max, g, bsz)
     capacity = s + n_max * g        # the smallest max_len these buffers can come from
     # a partly filled tail after the tiles, all within capacity (and within the mask)
@@ -97,9 +102,7 @@ def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
                              device=node.get_device())
 
     fns: dict[int, object] = {}
-    for name, i in BUF.items():
-        if i >= len(buffer_shapes):
-            continue
+    for i, name in enumerate(layout.names):
         if name.endswith("codes"):
             fn = codes
         elif name in ("k_row_scale", "v_row_scale"):
@@ -114,10 +117,13 @@ def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
             fn = lambda node: like(node, tiles)  # noqa: E731
         elif name == "capacity":
             fn = lambda node: like(node, [capacity] * bsz)  # noqa: E731
-        elif i >= N_BASE_BUFFERS:
+        elif name in FP8_FACTOR_FIELDS:
             fn = uniform(0.5, 1.5)     # fp8 per-vector factors
-        else:
+        elif name in BASE_FIELDS:
             fn = normal                # sink / tail rows
+        else:                          # key frames: a mix of plain and rotated tiles
+            fn = lambda node: torch.randint(0, 2, tuple(node.get_size()), dtype=torch.uint8,  # noqa: E731
+                                            device=node.get_device())
         fns[1 + i] = fn
     if has_mask:
         def mask_fn(node):
@@ -128,7 +134,7 @@ def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
     from kvarn_compile.reference.rotation import rotation_matrix
 
     # Python data, not a tensor: the generators also run under fake mode (layout inference)
-    rot_values = rotation_matrix(buffer_shapes[BUF["sink_k"]][-1]).tolist()
+    rot_values = rotation_matrix(d).tolist()
 
     def rot_fn(node):
         return torch.tensor(rot_values, dtype=torch.float32, device=node.get_device())
@@ -170,7 +176,6 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     """User lowering of ``torch.ops.kvarn.attention.default``; None falls back to the op."""
     from kvarn_compile import autotune
     from kvarn_compile._torch_compat import has_triton_gpu, inductor, static_ints
-    from kvarn_compile.lowering import current_path, finish_decision, record_decision, tune_key
     from kvarn_compile.lowering.tiles import split_max_for
 
     ind = inductor()
@@ -178,8 +183,9 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     has_mask = mask is not None
     nodes = [q, *buffers, *([mask] if has_mask else [])]
     shapes = [static_ints(n.get_size()) for n in nodes]
-    if any(s is None for s in shapes) or len(buffers) not in (N_BASE_BUFFERS, N_BASE_BUFFERS + 4):
-        return None        # symbolic shapes: the op itself (a fallback kernel)
+    layout = StateLayout.of(buffers)
+    if any(s is None for s in shapes) or layout.key_frames:
+        return None        # symbolic shapes, per-tile key frames: the op itself (a fallback kernel)
     device = q.get_device()
     d = shapes[0][-1]
     from kvarn_compile.reference.rotation import rotation_matrix
@@ -188,13 +194,13 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     inputs = list(ind.realize_inputs(*nodes, rot))
     path = current_path()
     b_shapes = shapes[1:1 + len(buffers)]
-    bsz, heads = b_shapes[BUF["k_codes"]][:2]
-    n_max = b_shapes[BUF["k_codes"]][2]
+    bsz, heads, n_max = b_shapes[layout.index("k_codes")][:3]
     kwargs = dict(n_buffers=len(buffers), has_mask=has_mask, scale=float(scale),
                   causal=bool(causal), window=int(window))
-    key = tune_key(ATTENTION_OP_NAME, q=q, k_codes=buffers[BUF["k_codes"]],
-                   k_col_scale=buffers[BUF["k_col_scale"]], v_codes=buffers[BUF["v_codes"]],
-                   row_scale=buffers[BUF["k_row_scale"]])
+    at = layout.index
+    key = tune_key(ATTENTION_OP_NAME, q=q, k_codes=buffers[at("k_codes")],
+                   k_col_scale=buffers[at("k_col_scale")], v_codes=buffers[at("v_codes")],
+                   row_scale=buffers[at("k_row_scale")])
     if path == "auto" and has_triton_gpu(device):
         path = "split"
     replay = autotune.DB.lookup(key) if key is not None and path == "auto" else None

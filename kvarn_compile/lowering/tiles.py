@@ -1,11 +1,12 @@
-"""``kvarn_lowering::tile_partials_``: the packed-tile region of the attention, and its lowering.
+"""The lowering of ``kvarn::tile_partials_``, the packed-tile region of the attention.
 
-The op exists only inside the lowering of ``kvarn::attention`` (the ``split`` path, see
-``lowering/decompose.py``): it isolates the hot part, the dual-scale attention over the
-packed tiles, so that Triton templates can compete for it while everything around it
-(rotation, the exact sink/tail, the merges) stays Inductor-generated code.
+The op (declared with the others in ``ops/library.py``) is used only inside the lowering
+of ``kvarn::attention`` (the ``split`` path, see ``lowering/decompose.py``): it isolates
+the hot part, the dual-scale attention over the packed tiles, so that Triton templates
+can compete for it while everything around it (rotation, the exact sink/tail, the merges)
+stays Inductor-generated code.
 
-    kvarn_lowering::tile_partials_(Tensor q_rot, Tensor k_codes, Tensor k_row_scale,
+    kvarn::tile_partials_(Tensor q_rot, Tensor k_codes, Tensor k_row_scale,
         Tensor k_row_zero, Tensor k_col_scale, Tensor v_codes, Tensor v_row_scale,
         Tensor v_row_zero, Tensor v_col_scale, Tensor n_tiles, Tensor kv_lo, Tensor kv_hi,
         Tensor? bias, Tensor(a!) lse_part, float scale, int split_max) -> Tensor o_part
@@ -35,34 +36,12 @@ import math
 
 import torch
 
-from kvarn_compile.lowering.decompose import tile_partials_torch
+from kvarn_compile.lowering.decisions import finish_decision, record_decision, tune_key
 
-__all__ = ["tile_partials_", "lower_tile_partials", "TILE_OP_NAME"]
+__all__ = ["lower_tile_partials", "externs", "TILE_OP_NAME", "fake_tile_fill", "tile_input_gen_fns",
+           "split_max_for"]
 
 TILE_OP_NAME = "kvarn_tile_partials"
-
-
-@torch.library.custom_op("kvarn_lowering::tile_partials_", mutates_args=("lse_part",))
-def tile_partials_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
-                   k_row_zero: torch.Tensor, k_col_scale: torch.Tensor, v_codes: torch.Tensor,
-                   v_row_scale: torch.Tensor, v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
-                   n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
-                   bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
-                   split_max: int) -> torch.Tensor:
-    """Per-split partials over the packed tiles (torch implementation; see module doc)."""
-    o, lse = tile_partials_torch(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
-                                 v_codes, v_row_scale, v_row_zero, v_col_scale, n_tiles,
-                                 kv_lo, kv_hi, bias, scale, split_max)
-    lse_part.copy_(lse)
-    return o
-
-
-@tile_partials_.register_fake
-def _tile_partials_fake(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
-                        v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi, bias,
-                        lse_part, scale, split_max):
-    b, hq, tq, d = q_rot.shape
-    return q_rot.new_empty(b, hq, tq, split_max, d, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------ extern choices
@@ -78,45 +57,13 @@ def _assemble(tensors, has_bias: bool):
 
 def _tile_partials_torch_flat(*tensors: torch.Tensor, has_bias: bool, scale: float,
                               split_max: int) -> torch.Tensor:
-    return torch.ops.kvarn_lowering.tile_partials_.default(*_assemble(tensors, has_bias),
-                                                           scale, split_max)
-
-
-@torch.library.custom_op("kvarn_lowering::tile_partials_triton_", mutates_args=("lse_part",))
-def tile_partials_triton_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
-                          k_row_zero: torch.Tensor, k_col_scale: torch.Tensor,
-                          v_codes: torch.Tensor, v_row_scale: torch.Tensor,
-                          v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
-                          n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
-                          bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
-                          split_max: int) -> torch.Tensor:
-    """The standalone split-K Triton kernel (kernels/attention.py) behind the same contract.
-
-    Offered (CUDA) only for one query token without a bias: there kv_hi equals the filled
-    length (the query is the newest token), so the kernel's kv_start bound is the only
-    mask. The kernel merges its own splits; the result goes to split slot 0.
-    """
-    from kvarn_compile.kernels.attention import kvarn_decode_attention
-
-    out, lse = kvarn_decode_attention(q_rot.contiguous(), k_codes, k_row_scale, k_row_zero,
-                                      k_col_scale, v_codes, v_row_scale, v_row_zero,
-                                      v_col_scale, n_tiles, scale=scale, kv_start=kv_lo,
-                                      input_precision="tf32")
-    b, hq, tq, d = q_rot.shape
-    o_part = out.new_zeros(b, hq, tq, split_max, d)
-    o_part[:, :, :, 0] = out
-    lse_part.fill_(float("-inf"))
-    lse_part[..., 0] = lse
-    return o_part
-
-
-tile_partials_triton_.register_fake(_tile_partials_fake)
+    return torch.ops.kvarn.tile_partials_.default(*_assemble(tensors, has_bias), scale, split_max)
 
 
 def _tile_partials_triton_flat(*tensors: torch.Tensor, has_bias: bool, scale: float,
                                split_max: int) -> torch.Tensor:
-    return torch.ops.kvarn_lowering.tile_partials_triton_.default(
-        *_assemble(tensors, has_bias), scale, split_max)
+    return torch.ops.kvarn.tile_partials_triton_.default(*_assemble(tensors, has_bias), scale,
+                                                         split_max)
 
 
 def _creator(op_name: str):
@@ -124,7 +71,7 @@ def _creator(op_name: str):
         """IR of an extern choice: a FallbackKernel of the mutable op (tracks the lse write)."""
         from kvarn_compile._torch_compat import inductor
 
-        op = getattr(torch.ops.kvarn_lowering, op_name).default
+        op = getattr(torch.ops.kvarn, op_name).default
         return inductor().ir.FallbackKernel.create(op, *_assemble(nodes, has_bias), scale, split_max)
     return create
 
@@ -132,7 +79,7 @@ def _creator(op_name: str):
 _EXTERNS: dict[str, object] = {}
 
 
-def _externs() -> dict[str, object]:
+def externs() -> dict[str, object]:
     """The extern choices, created once at import of the lowering (unique names)."""
     if not _EXTERNS:
         from kvarn_compile._torch_compat import inductor
@@ -211,7 +158,7 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
     """User lowering of ``kvarn_lowering::tile_partials_.default`` (see the module doc)."""
     from kvarn_compile import autotune
     from kvarn_compile._torch_compat import has_triton_gpu, inductor, static_ints
-    from kvarn_compile.lowering import finish_decision, heuristics, record_decision, tune_key
+    from kvarn_compile.lowering import heuristics
 
     ind = inductor()
     tensors = [q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_scale,
@@ -224,7 +171,7 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
     layout = ind.ir.FixedLayout(device, torch.float32, [*q_rot.get_size()[:3], split_max,
                                                         q_rot.get_size()[3]])
     kwargs = {"has_bias": has_bias, "scale": float(scale), "split_max": int(split_max)}
-    externs = _externs()
+    choices_extern = externs()
     key = tune_key(TILE_OP_NAME, q=q_rot, k_codes=k_codes, k_col_scale=k_col_scale,
                    v_codes=v_codes, row_scale=k_row_scale)
     replay = autotune.DB.lookup(key) if key is not None else None
@@ -240,7 +187,7 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
             c.kvarn_spec = spec
 
     offer({"choice": "torch"}, lambda: choices.append(
-        externs["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs)))
+        choices_extern["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs)))
 
     shapes = {"k_codes": static_ints(k_codes.get_size()) or [0, 0, 0]}
     template_ok = (has_triton_gpu(device) and sizes is not None and key is not None
@@ -273,7 +220,7 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
                               **common, **opts))
                 if tq == 1 and not has_bias:
                     offer({"choice": "triton_kernel"}, lambda: choices.append(
-                        externs["kvarn_tile_partials_triton"].bind(inputs, layout, **kwargs)))
+                        choices_extern["kvarn_tile_partials_triton"].bind(inputs, layout, **kwargs)))
             else:
                 for cfg in heuristics.prefill_configs(mode, group=group, q_len=tq):
                     opts = cfg.template_kwargs()
@@ -284,7 +231,7 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
                               **common, **opts))
     if not choices:   # a replayed winner that cannot be built here: benchmark afresh
         replay = None
-        choices.append(externs["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs))
+        choices.append(choices_extern["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs))
         choices[-1].kvarn_spec = {"choice": "torch"}
     gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), has_bias) \
         if len(choices) > 1 else None

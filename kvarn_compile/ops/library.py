@@ -1,9 +1,13 @@
-"""``torch.ops.kvarn.*``: custom ops over the packed layer state, with fake kernels.
+"""Every ``torch.ops.kvarn.*`` op: its schema, its fake kernel and its default implementation.
 
-Each op's default implementation is its pure-torch reference (:mod:`.reference`); CUDA
-tensors use the Triton kernels of :mod:`kvarn_compile.kernels` where they apply. The
-fake kernels compute shapes and check devices (they also serve the Meta dispatch key), so
-the ops trace under torch.compile and FakeTensor.
+This module is the one place that declares ops. The default implementation of each op is
+its pure-torch reference (:mod:`.reference`), on any device; device kernels register
+against these ops in :mod:`.dispatch` (C++ on CPU, Triton on CUDA) and fall back to the
+reference wherever they would not compute exactly the same thing. The fake kernels compute
+shapes and check devices (they also serve the Meta dispatch key), so the ops trace under
+torch.compile and FakeTensor.
+
+Packed-state ops (``buffers``: a layer's flat state, see :mod:`kvarn_compile.state`)::
 
     kvarn::append_(Tensor(a!)[] buffers, Tensor k, Tensor v, Tensor start_pos, str method,
                    int iters, int recent, int hold, bool check_finite, str name) -> ()
@@ -11,51 +15,52 @@ the ops trace under torch.compile and FakeTensor.
                    bool check_finite, str name) -> ()
     kvarn::attention(Tensor q, Tensor[] buffers, Tensor? mask, float scale, bool causal,
                      int window) -> Tensor
+    kvarn::reorder_(Tensor(a!)[] buffers, Tensor rows, str name) -> ()     # beam search
 
-Adoption (new op, before ``append_``, where the graph no longer reads the model's own
+Adoption (before ``append_``, where the graph no longer reads the model's own
 preallocated cache): a prompt that a non-compiled forward wrote to that cache is taken
-over into the packed state (transformers' eager prefill under ``generate(compile_config=)``).
+over into the packed state (transformers' eager prefill under ``generate(compile_config=)``)::
 
     kvarn::adopt_(Tensor(a!)[] buffers, Tensor cache_k, Tensor cache_v, Tensor start_pos,
                   str method, int iters, int recent, int hold, bool check_finite, str name,
                   bool fresh) -> ()
-    kvarn::append_from_(Tensor(a!)[] buffers, Tensor k, Tensor v, Tensor start_pos,
-                        str method, int iters, int recent, int hold, bool check_finite,
-                        str name, Tensor cache_k, Tensor cache_v, bool fresh) -> ()
-                                     # adopt_ + append_ in one call (the rewrite's default)
+    kvarn::append_from_(..., the ten arguments of append_, Tensor cache_k, Tensor cache_v,
+                        bool fresh) -> ()          # adopt_ + append_ in one call
 
 Keyed forms for graphs that cannot take the packed state as an input (the Inductor
 pre-grad pass, :mod:`kvarn_compile.passes.inductor`): the state is found at run time in
 :mod:`kvarn_compile.registry` by a constant key, and the append returns an empty token
 tensor the attention takes, so the compiler keeps the append and orders it first. To the
-compiler these ops are functional (the state is invisible to it).
+compiler these ops are functional (the state is invisible to it)::
 
     kvarn::append_keyed(Tensor k, Tensor v, Tensor start_pos, Tensor? cache_k,
                         Tensor? cache_v, str key, int max_len, str method, int iters,
                         int recent, int hold, bool check_finite, bool release) -> Tensor
     kvarn::attention_keyed(Tensor q, Tensor token, Tensor? mask, str key, float scale,
                            bool causal, int window) -> Tensor
+    kvarn::reorder_keyed(Tensor k, Tensor rows, str key) -> Tensor
+
+Helpers the rewrite and the lowering insert::
+
+    kvarn::positions_start(Tensor positions, int batch) -> Tensor   # checked contiguous run
+    kvarn::tile_partials_(Tensor q_rot, <8 tile tensors>, Tensor n_tiles, Tensor kv_lo,
+                          Tensor kv_hi, Tensor? bias, Tensor(a!) lse_part, float scale,
+                          int split_max) -> Tensor  # the tile region, lowered to templates
+    kvarn::tile_partials_triton_(<same>) -> Tensor   # CUDA only: the standalone Triton kernel
+    kvarn::tune_observe_(Tensor(a!) token, Tensor[] buffers, Tensor k, Tensor v,
+                         Tensor start_pos, str tuner, str site, int recent, int hold) -> ()
+                         # implemented by kvarn_compile.autotune.tuning (knob tuning)
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from kvarn_compile.ops import reference
 
 __all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
-           "attention_keyed", "reorder_", "reorder_keyed"]
-
-
-@torch.library.custom_op("kvarn::append_", mutates_args=("buffers",))
-def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-            start_pos: torch.Tensor, method: str, iters: int, recent: int,
-            hold: int, check_finite: bool, name: str) -> None:
-    """Quantize-on-append: write K/V [B, H, T, D] at start_pos [B] (see ops.reference)."""
-    reference.append_(buffers, k, v, start_pos, method=method, iters=iters, recent=recent,
-                      hold=hold, check_finite=check_finite, name=name)
+           "attention_keyed", "reorder_", "reorder_keyed", "positions_start", "tile_partials_",
+           "tile_partials_triton_", "tune_observe_"]
 
 
 def _check_devices(op: str, buffers: list[torch.Tensor], **tensors: torch.Tensor | None) -> None:
@@ -72,6 +77,15 @@ def _check_devices(op: str, buffers: list[torch.Tensor], **tensors: torch.Tensor
                              f"{t.device}. Move the cache or the model.")
 
 
+# ------------------------------------------------------------------------------ packed state
+@torch.library.custom_op("kvarn::append_", mutates_args=("buffers",))
+def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+            start_pos: torch.Tensor, method: str, iters: int, recent: int,
+            hold: int, check_finite: bool, name: str) -> None:
+    """Quantize-on-append: write K/V [B, H, T, D] at start_pos [B] (see ops.reference)."""
+    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
+
+
 @append_.register_fake
 def _append_fake(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
     _check_devices("append", buffers, keys=k, values=v)
@@ -82,8 +96,7 @@ def _append_fake(buffers, k, v, start_pos, method, iters, recent, hold, check_fi
 def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str, iters: int,
             recent: int, check_finite: bool, name: str) -> None:
     """Commit tokens < upto[b] and freeze every tile that became complete."""
-    reference.commit_(buffers, upto, method=method, iters=iters, recent=recent,
-                      check_finite=check_finite, name=name)
+    reference.commit_(buffers, upto, method, iters, recent, check_finite, name)
 
 
 @commit_.register_fake
@@ -104,57 +117,27 @@ def _attention_fake(q, buffers, mask, scale, causal, window):
     return q.new_empty(q.shape)      # contiguous, whatever q's strides (as the kernels return)
 
 
-@attention.register_kernel("cuda")
-def _attention_cuda(q, buffers, mask, scale, causal, window):
-    from kvarn_compile.kernels import triton_available
-    from kvarn_compile.ops import kernel_impl
+@torch.library.custom_op("kvarn::reorder_", mutates_args=("buffers",))
+def reorder_(buffers: list[torch.Tensor], rows: torch.Tensor, name: str) -> None:
+    """Reorder the state's batch rows: row i becomes old row ``rows[i]`` (beam search).
 
-    if not triton_available():
-        return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
-    return kernel_impl.attention(q, buffers, mask, scale, causal, window).contiguous()
+    ``rows``: the per-row tags the compiled graph read from the past handle a cat cache
+    handed back (each handle's row i holds i; ``index_select(0, beam_idx)`` on it gives
+    ``beam_idx``). Identity tags do nothing; anything but row tags raises ValueError.
+    """
+    reference.reorder_(buffers, rows, name)
 
 
-@attention.register_kernel("cpu")
-def _attention_cpu(q, buffers, mask, scale, causal, window):
-    # The C++ tile kernel where it applies and builds (KVARN_CPU_KERNEL=0 turns it off);
-    # otherwise the pure-torch reference.
-    from kvarn_compile.kernels import cpu_attention
-    from kvarn_compile.ops import kernel_impl
-
-    if os.environ.get("KVARN_CPU_KERNEL", "1") != "0" and q.shape[2] <= 16 \
-            and kernel_impl.kernel_applies(q, buffers, mask) and cpu_attention.available():
-        return kernel_impl.attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
-    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+@reorder_.register_fake
+def _reorder_fake(buffers, rows, name):
+    return None
 
 
 # ------------------------------------------------------------------------------ adoption
-def _adopt(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Tensor,
-           start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
-           check_finite: bool, name: str, fresh: bool) -> None:
-    """Restart the packed sequence with the tokens [0, p) of the model's own cache.
-
-    Runs when the model's cache tensors still hold storage (the graph never writes them;
-    a forward that was not compiled did, e.g. transformers' eager prefill under
-    ``generate(compile_config=...)``) and this write starts at p > 0. ``fresh``: the
-    caller frees the cache after this call, so stored data always belongs to a new
-    sequence; otherwise (or for a view the caller cannot free) only a state that does not
-    continue at p is restarted.
-    """
-    from kvarn_compile.registry import releasable
-    from kvarn_compile.state import BUF
-
-    if not cache_k.untyped_storage().nbytes() or not cache_v.untyped_storage().nbytes():
-        return                                       # released: nothing to adopt (fast path)
-    starts = start_pos.tolist()
-    p = starts[0]
-    if p <= 0 or any(s != p for s in starts) or p > cache_k.shape[2]:
-        return                                       # a new sequence, or the append refuses it
-    if not (fresh and releasable(cache_k) and releasable(cache_v)):
-        if all(n == p for n in buffers[BUF["lengths"]].tolist()):
-            return                                   # the packed state continues at p
-    reference.append_(buffers, cache_k[:, :, :p], cache_v[:, :, :p], torch.zeros_like(start_pos),
-                      method=method, iters=iters, recent=recent, hold=hold,
-                      check_finite=check_finite, name=name)
+def _append_op(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+    # through the op, so the device's kernel (e.g. the CUDA tile quantizer) runs
+    torch.ops.kvarn.append_.default(buffers, k, v, start_pos, method, iters, recent, hold,
+                                    check_finite, name)
 
 
 @torch.library.custom_op("kvarn::adopt_", mutates_args=("buffers",))
@@ -162,9 +145,9 @@ def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Te
            start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
            check_finite: bool, name: str, fresh: bool) -> None:
     """Before ``append_``: take over a prompt a non-compiled forward wrote to the model's
-    cache (see ``_adopt``). A no-op (one storage-size check) once the cache is released."""
-    _adopt(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold, check_finite,
-           name, fresh)
+    cache (see ``reference.adopt_``). A no-op (one storage-size check) once the cache is released."""
+    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+                     check_finite, name, fresh, append=_append_op)
 
 
 @adopt_.register_fake
@@ -180,10 +163,9 @@ def append_from_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  fresh: bool) -> None:
     """``adopt_`` then ``append_`` in one call (one dispatch per step instead of two); the
     first ten arguments are ``append_``'s."""
-    _adopt(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold, check_finite,
-           name, fresh)
-    reference.append_(buffers, k, v, start_pos, method=method, iters=iters, recent=recent,
-                      hold=hold, check_finite=check_finite, name=name)
+    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+                     check_finite, name, fresh, append=_append_op)
+    _append_op(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
 
 
 @append_from_.register_fake
@@ -203,8 +185,8 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
     tokens); returns an empty token for the site's ``attention_keyed``.
 
     ``cache_k``/``cache_v``: the model's own cache tensors, which the graph no longer
-    reads. A prompt a non-compiled forward wrote there is adopted first (see ``_adopt``);
-    with ``release`` their storage is then freed (resized to 0 bytes, counted in the
+    reads. A prompt a non-compiled forward wrote there is adopted first (see
+    ``reference.adopt_``); with ``release`` their storage is then freed (counted in the
     store), on every call that passes tensors that still hold storage.
     """
     from kvarn_compile import registry
@@ -212,9 +194,9 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
     store, site = registry.resolve(key)
     state = store.for_append(site, k, max_len)
     if cache_k is not None and cache_v is not None:
-        _adopt(state.buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
-               check_finite, site, release)
-    append_(state.buffers, k, v, start_pos, method, iters, recent, hold, check_finite, site)
+        reference.adopt_(state.buffers, cache_k, cache_v, start_pos, method, iters, recent,
+                         hold, check_finite, site, release, append=_append_op)
+    _append_op(state.buffers, k, v, start_pos, method, iters, recent, hold, check_finite, site)
     if release:
         for cache in (cache_k, cache_v):
             if cache is not None:
@@ -236,54 +218,12 @@ def attention_keyed(q: torch.Tensor, token: torch.Tensor, mask: torch.Tensor | N
 
     store, site = registry.resolve(key)
     state = store.for_attention(site, q.shape[0])
-    return attention(q, state.buffers, mask, scale, causal, window)
+    return torch.ops.kvarn.attention.default(q, state.buffers, mask, scale, causal, window)
 
 
 @attention_keyed.register_fake
 def _attention_keyed_fake(q, token, mask, key, scale, causal, window):
     return q.new_empty(q.shape)
-
-
-# ------------------------------------------------------------------------------ beam reorder
-def _row_order(rows: torch.Tensor, batch: int, name: str) -> torch.Tensor | None:
-    """The batch-row order ``rows`` [B] (row tags of a cat-cache handle, see
-    passes/rewrite.py) asks for, or None when it is the identity."""
-    tags = rows.detach().float().reshape(-1).cpu()
-    idx = tags.round().long()
-    if tags.numel() != batch or not bool(torch.isfinite(tags).all()) \
-            or not torch.equal(idx.float(), tags) or bool((idx < 0).any()) or bool((idx >= batch).any()):
-        raise ValueError(
-            f"KVarN {name}: the past keys passed to the compiled model are not the handle its "
-            f"previous call returned (expected {batch} batch-row tags in [0, {batch}), got "
-            f"{tags[:8].tolist()}). Pass the cache the compiled model returned, reordered along "
-            "the batch only (beam search), or start a new cache.")
-    if torch.equal(idx, torch.arange(batch)):
-        return None
-    return idx
-
-
-def _reorder(buffers: list[torch.Tensor], rows: torch.Tensor, name: str) -> None:
-    idx = _row_order(rows, buffers[0].shape[0], name)
-    if idx is None:
-        return
-    for buf in buffers:
-        buf.copy_(buf.index_select(0, idx.to(buf.device)))
-
-
-@torch.library.custom_op("kvarn::reorder_", mutates_args=("buffers",))
-def reorder_(buffers: list[torch.Tensor], rows: torch.Tensor, name: str) -> None:
-    """Reorder the state's batch rows: row i becomes old row ``rows[i]`` (beam search).
-
-    ``rows``: the per-row tags the compiled graph read from the past handle a cat cache
-    handed back (each handle's row i holds i; ``index_select(0, beam_idx)`` on it gives
-    ``beam_idx``). Identity tags do nothing; anything but row tags raises ValueError.
-    """
-    _reorder(buffers, rows, name)
-
-
-@reorder_.register_fake
-def _reorder_fake(buffers, rows, name):
-    return None
 
 
 @torch.library.custom_op("kvarn::reorder_keyed", mutates_args=())
@@ -295,10 +235,89 @@ def reorder_keyed(k: torch.Tensor, rows: torch.Tensor, key: str) -> torch.Tensor
     store, site = registry.resolve(key)
     state = store.states.get((site, k.shape[0]))
     if state is not None:
-        _reorder(state.buffers, rows, site)
+        reference.reorder_(state.buffers, rows, site)
     return k.clone()
 
 
 @reorder_keyed.register_fake
 def _reorder_keyed_fake(k, rows, key):
     return torch.empty_like(k)
+
+
+# ------------------------------------------------------------------------------ helpers
+@torch.library.custom_op("kvarn::positions_start", mutates_args=())
+def positions_start(positions: torch.Tensor, batch: int) -> torch.Tensor:
+    """int64 [batch] filled with positions[0], after checking that the positions are one
+    contiguous run ``p, p+1, ..., p+T-1``: model code writes its cache at a positions
+    tensor (``cache_position``, ``input_pos``), and the packed cache appends runs, so a
+    tree-attention write raises instead of landing tokens in the wrong place."""
+    return reference.positions_start(positions, batch)
+
+
+@positions_start.register_fake
+def _positions_start_fake(positions, batch):
+    return positions.new_empty((batch,), dtype=torch.int64)
+
+
+@torch.library.custom_op("kvarn::tile_partials_", mutates_args=("lse_part",))
+def tile_partials_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
+                   k_row_zero: torch.Tensor, k_col_scale: torch.Tensor, v_codes: torch.Tensor,
+                   v_row_scale: torch.Tensor, v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
+                   n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+                   bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
+                   split_max: int) -> torch.Tensor:
+    """Per-split partials over the packed tiles (``reference.tile_partials``): writes the
+    per-split lse into ``lse_part`` [B, Hq, Tq, SPLIT_MAX] (filled with -inf by the caller)
+    and returns the normalized o_part [B, Hq, Tq, SPLIT_MAX, D]. It exists for the
+    lowering (``lowering/tiles.py``), whose Triton templates compete for it."""
+    o, lse = reference.tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                                     v_codes, v_row_scale, v_row_zero, v_col_scale, n_tiles,
+                                     kv_lo, kv_hi, bias, scale, split_max)
+    lse_part.copy_(lse)
+    return o
+
+
+def _tile_partials_fake(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
+                        v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi, bias,
+                        lse_part, scale, split_max):
+    b, hq, tq, d = q_rot.shape
+    return q_rot.new_empty(b, hq, tq, split_max, d, dtype=torch.float32)
+
+
+tile_partials_.register_fake(_tile_partials_fake)
+
+
+@torch.library.custom_op("kvarn::tile_partials_triton_", mutates_args=("lse_part",))
+def tile_partials_triton_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
+                          k_row_zero: torch.Tensor, k_col_scale: torch.Tensor,
+                          v_codes: torch.Tensor, v_row_scale: torch.Tensor,
+                          v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
+                          n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+                          bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
+                          split_max: int) -> torch.Tensor:
+    """``tile_partials_`` through the standalone Triton decode kernel (CUDA kernel in
+    :mod:`.dispatch`; one query token, no bias). Its oracle is ``tile_partials_``."""
+    raise NotImplementedError(
+        f"kvarn::tile_partials_triton_ runs a Triton kernel and has a CUDA kernel only, but got "
+        f"tensors on {q_rot.device}. Use kvarn::tile_partials_ (any device).")
+
+
+tile_partials_triton_.register_fake(_tile_partials_fake)
+
+
+@torch.library.custom_op("kvarn::tune_observe_", mutates_args=("token",))
+def tune_observe_(token: torch.Tensor, buffers: list[torch.Tensor], k: torch.Tensor,
+                  v: torch.Tensor, start_pos: torch.Tensor, tuner: str, site: str, recent: int,
+                  hold: int) -> None:
+    """Hand the full-precision rows of a layer's first tile to its knob tuner, once.
+
+    Its kernels are registered by :mod:`kvarn_compile.autotune.tuning` (which also inserts
+    the op into graphs), so the default only explains what is missing."""
+    raise NotImplementedError(
+        f"kvarn::tune_observe_ has no kernel for {k.device.type} tensors; its CPU and CUDA "
+        "kernels are registered by importing kvarn_compile.autotune.tuning.")
+
+
+@tune_observe_.register_fake
+def _tune_observe_fake(token, buffers, k, v, start_pos, tuner, site, recent, hold):
+    return None

@@ -1,8 +1,10 @@
 """Pure-torch implementations of the KVarN runtime ops over a packed layer state.
 
-These functions are the eager CPU kernels of ``torch.ops.kvarn.*`` (see ``library.py``),
-the oracle of the Triton kernels and the baseline of the benchmarks. They operate on the
-flat buffer list described in :mod:`kvarn_compile.state`.
+These functions are the default implementation of every ``torch.ops.kvarn.*`` op (see
+``library.py``; device kernels override them in ``dispatch.py``), the oracle of every
+kernel and the baseline of the benchmarks. They are pure torch on any device and never
+call a kernel. They operate on the flat buffer list of :mod:`kvarn_compile.state`, read
+through :func:`~kvarn_compile.state.unpack`.
 
 Semantics in one place:
 
@@ -17,41 +19,46 @@ Semantics in one place:
   runs before any write, so a rejected call leaves the state unchanged.
 * ``commit_(buffers, upto)`` marks tokens < upto[b] committed and freezes what it can.
 * ``attention(q, buffers, ...)`` attends the queries (the last Tq written tokens of each
-  row) over [sink, tiles, tail] without materializing dequantized K/V: per tile, the key
-  row scale is folded into q, the key column scale into the scores, the value row scale
-  into the softmax weights and the value column scale into the output, and the rotation
-  is applied to q on the way in and undone on the output.
+  row) over [sink, tiles, tail] without materializing dequantized K/V: the exact region
+  (sink + tail) and the packed tiles are attended apart and merged by log-sum-exp
+  (:mod:`.regions`, shared with the kernel path and the Inductor decomposition). Per
+  tile, the key row scale is folded into q, the key column scale into the scores, the
+  value row scale into the softmax weights and the value column scale into the output,
+  and the rotation is applied to q on the way in and undone on the output.
+* ``tile_partials(...)``: the tile region alone over every tile slot, static shapes, in
+  the flash-decoding convention (the reference of ``kvarn::tile_partials_``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+
+from kvarn_compile.ops import regions
 from kvarn_compile.reference.quantize import NonFiniteError, quantize_kv, unpack_codes
 from kvarn_compile.reference.rotation import rotation_matrix
-from kvarn_compile.state import BUF, has_fp8_factors, key_plain
+from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append",
-           "check_method", "check_range", "split_method", "TILE_CHUNK"]
+           "check_method", "check_range", "check_mask", "split_method", "adopt_", "reorder_",
+           "row_order", "positions_start", "tile_partials", "tile_inputs", "TILE_CHUNK",
+           "TileKernel"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
 TILE_CHUNK = 64
 
-
-def _b(buffers: list[torch.Tensor], name: str) -> torch.Tensor:
-    return buffers[BUF[name]]
-
-
-def _bits(buffers: list[torch.Tensor]) -> tuple[int, int]:
-    g = _b(buffers, "k_col_scale").shape[-1]
-    d = _b(buffers, "sink_k").shape[-1]
-    return 8 * _b(buffers, "k_codes").shape[-1] // g, 8 * _b(buffers, "v_codes").shape[-1] // d
+#: A device kernel for tile quantization: ``fn(buffers, row, tokens_k, tokens_v,
+#: first_tile, method, iters) -> bool`` quantizes [H, f*G, D] token-major K/V of one batch
+#: row into tile slots first_tile.. and returns True, or returns False (nothing written)
+#: where it does not apply; the reference quantizer then runs.
+TileKernel = Callable[[list, int, torch.Tensor, torch.Tensor, int, str, int], bool]
 
 
 def _geometry(buffers: list[torch.Tensor]) -> tuple[int, int, int, int]:
     """(S, G, n_max, W)."""
-    return (_b(buffers, "sink_k").shape[2], _b(buffers, "k_col_scale").shape[-1],
-            _b(buffers, "k_codes").shape[2], _b(buffers, "tail_k").shape[2])
+    g = Geometry.of(buffers)
+    return g.sink, g.group, g.max_tiles, g.tail
 
 
 # ------------------------------------------------------------------------------ append
@@ -84,8 +91,8 @@ def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  start_pos: torch.Tensor, recent: int, hold: int, name: str = "") -> None:
     """Raise a ValueError describing the first problem with an append; mutate nothing."""
     where = f" in {name}" if name else ""
-    sink_k = _b(buffers, "sink_k")
-    bsz, heads, _, d = sink_k.shape
+    f = unpack(buffers)
+    bsz, heads, _, d = f.sink_k.shape
     s, g, n_max, w = _geometry(buffers)
     expected = (bsz, heads, k.shape[2] if k.dim() == 4 else -1, d)
     for label, x in (("keys", k), ("values", v)):
@@ -94,15 +101,15 @@ def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                              f"kv_heads={heads}, tokens>=1, head_dim={d}], but got {tuple(x.shape)}.")
         if not x.is_floating_point():
             raise ValueError(f"KVarN append{where}: expected floating-point {label}, but got {x.dtype}.")
-        if x.device != sink_k.device:
-            raise ValueError(f"KVarN append{where}: expected {label} on {sink_k.device} like the "
+        if x.device != f.sink_k.device:
+            raise ValueError(f"KVarN append{where}: expected {label} on {f.sink_k.device} like the "
                              f"cache, but got {x.device}. Move the cache or the model.")
     if tuple(start_pos.shape) != (bsz,) or start_pos.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"KVarN append{where}: expected start_pos as an int tensor of shape "
                          f"[{bsz}], but got {start_pos.dtype} {tuple(start_pos.shape)}.")
     t = k.shape[2]
-    capacity = int(_b(buffers, "capacity")[0])
-    lengths, committed, n_tiles = (_b(buffers, n).tolist() for n in ("lengths", "committed", "n_tiles"))
+    capacity = int(f.capacity[0])
+    lengths, committed, n_tiles = f.lengths.tolist(), f.committed.tolist(), f.n_tiles.tolist()
     for row, p0 in enumerate(start_pos.tolist()):
         length, done = (0, 0) if p0 == 0 else (lengths[row], committed[row])
         tiles = 0 if p0 == 0 else n_tiles[row]
@@ -142,7 +149,7 @@ def check_range(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     float16 are caught when the tile is quantized, see ``_freeze``.) Non-finite values
     are the NaN/inf policy's business, not this check's.
     """
-    if _b(buffers, "tail_k").dtype != torch.float16 or k.dtype == torch.float16:
+    if unpack(buffers).tail_k.dtype != torch.float16 or k.dtype == torch.float16:
         return
     peak = torch.maximum(torch.nan_to_num(k.float().abs(), nan=0.0, posinf=0.0).amax(-1),
                          torch.nan_to_num(v.float().abs(), nan=0.0, posinf=0.0).amax(-1))
@@ -158,78 +165,73 @@ def check_range(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             "KVarNConfig(exact_dtype='float32', scale_dtype='float32'). The cache was left unchanged.")
 
 
-def _use_triton() -> bool:
-    from kvarn_compile.kernels import triton_available
-
-    return triton_available()
-
-
 def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
             tokens_v: torch.Tensor, first_tile: int, method: str, iters: int,
-            check: bool, name: str) -> None:
-    """Quantize [H, f*G, D] token-major K/V of one batch row into tile slots first_tile.."""
-    g = _b(buffers, "k_col_scale").shape[-1]
-    kb, vb = _bits(buffers)
-    f = tokens_k.shape[1] // g
-    scale_dtype = _b(buffers, "k_row_scale").dtype
-    if _b(buffers, "k_row_scale").dtype == torch.float8_e4m3fn:
-        scale_dtype = torch.float8_e4m3fn
-    frames = key_plain(buffers)
-    method, clip = split_method(method)
-    sl = slice(first_tile, first_tile + f)
-    s_len = _b(buffers, "sink_k").shape[2]
-    s_pos = lambda tile: s_len + tile * g  # noqa: E731
-    quantized = {}
-    if tokens_k.is_cuda and not check and clip == "none" and _use_triton():
-        from kvarn_compile.ops.kernel_impl import freeze_tiles
+            check: bool, name: str, tile_kernel: TileKernel | None = None) -> None:
+    """Quantize [H, f*G, D] token-major K/V of one batch row into tile slots first_tile..
 
-        if freeze_tiles(buffers, row, tokens_k, tokens_v, first_tile, method, iters):
-            return
+    ``tile_kernel`` (a device kernel, see :data:`TileKernel`) runs first where given; the
+    reference quantizer does the work wherever it declines.
+    """
+    f = unpack(buffers)
+    geo = Geometry.of(f)
+    g, kb, vb = geo.group, geo.key_bits, geo.value_bits
+    n = tokens_k.shape[1] // g
+    scale_dtype = f.k.row_scale.dtype
+    method, clip = split_method(method)
+    sl = slice(first_tile, first_tile + n)
+    s_pos = lambda tile: geo.sink + tile * g  # noqa: E731
+    if tile_kernel is not None and not check and clip == "none" \
+            and tile_kernel(buffers, row, tokens_k, tokens_v, first_tile, method, iters):
+        return
+    quantized = {}
     for kind, bits, x in (("k", kb, tokens_k), ("v", vb, tokens_v)):
         try:
             q = quantize_kv(x, kind, method=method, bits=bits, group=g, iters=iters,
                             scale_dtype=scale_dtype, check_finite=check,
-                            key_frame="auto" if frames is not None else "rotated", clip=clip)
+                            key_frame="auto" if f.k_plain is not None else "rotated", clip=clip)
         except NonFiniteError as err:
             raise NonFiniteError(f"{name or 'KVarN cache'}, batch row {row}, tokens of tiles "
-                                 f"{first_tile}..{first_tile + f - 1}: {err}") from None
+                                 f"{first_tile}..{first_tile + n - 1}: {err}") from None
         # Non-finite tokens are stored as NaN, never inf: an inf scale is an overflow of
         # the scale dtype (e.g. |x| ~ 1e10 with float16 scales).
         if any(bool(torch.isinf(t.float()).any()) for t in q.tensors()[1:] if t.is_floating_point()):
             raise ValueError(
                 f"KVarN append{' in ' + name if name else ''}: batch row {row}, tiles "
-                f"{first_tile}..{first_tile + f - 1} (positions {s_pos(first_tile)}..."
-                f"{s_pos(first_tile + f) - 1}): the {kind.upper()} scales overflow "
+                f"{first_tile}..{first_tile + n - 1} (positions {s_pos(first_tile)}..."
+                f"{s_pos(first_tile + n) - 1}): the {kind.upper()} scales overflow "
                 f"{scale_dtype} (largest |x| {float(x.float().abs().nan_to_num(0, 0, 0).max()):.3g}). "
                 "Expected smaller keys/values, or allocate the cache with "
                 "KVarNConfig(scale_dtype='bfloat16') or 'float32'. The cache was left unchanged.")
         quantized[kind] = q
     for kind in ("k", "v"):
-        q = quantized[kind]
-        _b(buffers, f"{kind}_codes")[row, :, sl] = q.codes
-        _b(buffers, f"{kind}_row_scale")[row, :, sl] = q.row_scale
-        _b(buffers, f"{kind}_row_zero")[row, :, sl] = q.row_zero
-        _b(buffers, f"{kind}_col_scale")[row, :, sl] = q.col_scale
-        if has_fp8_factors(buffers):
-            _b(buffers, f"{kind}_row_factor")[row, :, sl] = q.row_scale_factor
-            _b(buffers, f"{kind}_col_factor")[row, :, sl] = q.col_scale_factor
-        if kind == "k" and frames is not None:
-            frames[row, :, sl] = q.plain
+        q, tiles = quantized[kind], f.tiles(kind)
+        tiles.codes[row, :, sl] = q.codes
+        tiles.row_scale[row, :, sl] = q.row_scale
+        tiles.row_zero[row, :, sl] = q.row_zero
+        tiles.col_scale[row, :, sl] = q.col_scale
+        if tiles.row_factor is not None:
+            tiles.row_factor[row, :, sl] = q.row_scale_factor
+            tiles.col_factor[row, :, sl] = q.col_scale_factor
+    if f.k_plain is not None:
+        f.k_plain[row, :, sl] = quantized["k"].plain
 
 
-def _tail_tokens(buffers: list[torch.Tensor], row: int, start: int, end: int, which: str) -> torch.Tensor:
-    """Tokens [start, end) of a row read from the tail ring: [H, end-start, D]."""
-    s, _, _, w = _geometry(buffers)
-    slots = (torch.arange(start, end, device=_b(buffers, "tail_k").device) - s) % w
-    return _b(buffers, which)[row][:, slots]
+def _tail_tokens(f: StateFields[torch.Tensor], row: int, start: int, end: int,
+                 tail: torch.Tensor) -> torch.Tensor:
+    """Tokens [start, end) of a row read from a tail ring (``f.tail_k``/``f.tail_v``): [H, end-start, D]."""
+    s, w = f.sink_k.shape[2], f.tail_k.shape[2]
+    slots = (torch.arange(start, end, device=tail.device) - s) % w
+    return tail[row][:, slots]
 
 
 def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: torch.Tensor,
            p0: int, recent: int, commit_to: int, method: str, iters: int, check: bool,
-           name: str) -> None:
+           name: str, tile_kernel: TileKernel | None = None) -> None:
     """Write one row's new tokens, update its counters and freeze complete tiles."""
+    f = unpack(buffers)
     s, g, n_max, w = _geometry(buffers)
-    lengths, committed, n_tiles = (_b(buffers, n) for n in ("lengths", "committed", "n_tiles"))
+    lengths, committed, n_tiles = f.lengths, f.committed, f.n_tiles
     t = k_new.shape[1]
     if p0 == 0 and t > 0:
         lengths[row] = committed[row] = n_tiles[row] = 0
@@ -241,28 +243,29 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
     # New tokens are rounded to the tail's (high-precision) dtype before anything else, so a
     # token quantizes to the same codes whether it reached its tile through the tail ring
     # (decode) or straight from a prefill chunk: the packed state does not depend on chunking.
-    exact = _b(buffers, "tail_k").dtype
-    old_k = _tail_tokens(buffers, row, frozen_end, max(new_from, frozen_end), "tail_k") \
-        if new_from > frozen_end else k_new[:, :0].to(exact)
-    old_v = _tail_tokens(buffers, row, frozen_end, max(new_from, frozen_end), "tail_v") \
-        if new_from > frozen_end else v_new[:, :0].to(exact)
+    exact = f.tail_k.dtype
+    if new_from > frozen_end:
+        old_k = _tail_tokens(f, row, frozen_end, new_from, f.tail_k)
+        old_v = _tail_tokens(f, row, frozen_end, new_from, f.tail_v)
+    else:
+        old_k, old_v = k_new[:, :0].to(exact), v_new[:, :0].to(exact)
     seg_k = torch.cat([old_k, k_new[:, new_from - p0:].to(exact)], 1)
     seg_v = torch.cat([old_v, v_new[:, new_from - p0:].to(exact)], 1)
     done = min(max(int(committed[row]), commit_to), end)
     freeze = min(max(done - frozen_end - recent, 0) // g, n_max - tiles) if end > s else 0
     if freeze:   # first: it may raise (scale overflow) before anything of this row is written
         _freeze(buffers, row, seg_k[:, :freeze * g], seg_v[:, :freeze * g], tiles, method,
-                iters, check, name)
+                iters, check, name, tile_kernel)
     if p0 < s:   # sink part
         stop = min(end, s)
-        _b(buffers, "sink_k")[row, :, p0:stop] = k_new[:, :stop - p0]
-        _b(buffers, "sink_v")[row, :, p0:stop] = v_new[:, :stop - p0]
+        f.sink_k[row, :, p0:stop] = k_new[:, :stop - p0]
+        f.sink_v[row, :, p0:stop] = v_new[:, :stop - p0]
     keep_from = frozen_end + freeze * g
     keep_k, keep_v = seg_k[:, freeze * g:], seg_v[:, freeze * g:]
     if keep_k.shape[1]:
         slots = (torch.arange(keep_from, end, device=keep_k.device) - s) % w
-        _b(buffers, "tail_k")[row][:, slots] = keep_k
-        _b(buffers, "tail_v")[row][:, slots] = keep_v
+        f.tail_k[row][:, slots] = keep_k
+        f.tail_v[row][:, slots] = keep_v
     lengths[row] = end
     committed[row] = done
     n_tiles[row] = tiles + freeze
@@ -270,8 +273,13 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
 
 def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             start_pos: torch.Tensor, method: str = "kvarn", iters: int = 8, recent: int = 0,
-            hold: int = 0, check_finite: bool = False, name: str = "") -> None:
-    """Write new K/V [B, H, T, D] at start_pos [B]; freeze complete committed tiles."""
+            hold: int = 0, check_finite: bool = False, name: str = "", *,
+            tile_kernel: TileKernel | None = None) -> None:
+    """Write new K/V [B, H, T, D] at start_pos [B]; freeze complete committed tiles.
+
+    ``tile_kernel``: a device kernel that quantizes the tiles this append freezes (the
+    CUDA registration passes the Triton quantizer); None: the reference quantizer.
+    """
     check_method(method)
     check_append(buffers, k, v, start_pos, recent, hold, name)
     check_range(buffers, k, v, start_pos, name)
@@ -282,43 +290,46 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             f"{name or 'KVarN cache'}: NaN/inf in the new keys/values at batch row {bad[0]}, "
             f"kv head {bad[1]}, token position {int(start_pos[bad[0]]) + bad[2]}. Expected finite "
             "values; the cache was left unchanged. Disable check_finite to store such tokens as NaN.")
-    counters = [_b(buffers, n).clone() for n in ("lengths", "committed", "n_tiles")]
+    f = unpack(buffers)
+    counters = [c.clone() for c in (f.lengths, f.committed, f.n_tiles)]
     try:
         for row, p0 in enumerate(start_pos.tolist()):
             commit_to = max(p0, p0 + k.shape[2] - max(hold, 0))
             _place(buffers, row, k[row], v[row], p0, recent, commit_to, method, iters,
-                   check_finite, name)
+                   check_finite, name, tile_kernel)
     except ValueError:
         # A tile of a later row could not be stored (its scales overflow): earlier rows are
         # rolled back by their counters (what they wrote lies past their lengths/tiles).
-        for n, before in zip(("lengths", "committed", "n_tiles"), counters):
-            _b(buffers, n).copy_(before)
+        for live, before in zip((f.lengths, f.committed, f.n_tiles), counters):
+            live.copy_(before)
         raise
 
 
 def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str = "kvarn",
-            iters: int = 8, recent: int = 0, check_finite: bool = False, name: str = "") -> None:
+            iters: int = 8, recent: int = 0, check_finite: bool = False, name: str = "", *,
+            tile_kernel: TileKernel | None = None) -> None:
     """Commit tokens < upto[b] of every row (clamped to what is written) and freeze tiles."""
     check_method(method)
-    lengths = _b(buffers, "lengths")
-    if tuple(upto.shape) != tuple(lengths.shape):
-        raise ValueError(f"KVarN commit: expected upto shaped {tuple(lengths.shape)}, but got "
+    f = unpack(buffers)
+    if tuple(upto.shape) != tuple(f.lengths.shape):
+        raise ValueError(f"KVarN commit: expected upto shaped {tuple(f.lengths.shape)}, but got "
                          f"{tuple(upto.shape)}.")
-    _, _, _, d = _b(buffers, "sink_k").shape
-    empty = _b(buffers, "tail_k")[0, :, :0]
+    empty = f.tail_k[0, :, :0]
     for row, p in enumerate(upto.tolist()):
-        length = int(lengths[row])
+        length = int(f.lengths[row])
         p = min(p, length)
-        if p <= int(_b(buffers, "committed")[row]):
+        if p <= int(f.committed[row]):
             continue
         # re-place nothing new: a zero-token write at the row's end with a new commit point
-        _place(buffers, row, empty, empty, length, recent, p, method, iters, check_finite, name)
+        _place(buffers, row, empty, empty, length, recent, p, method, iters, check_finite, name,
+               tile_kernel)
 
 
 def crop_(buffers: list[torch.Tensor], new_lengths: torch.Tensor) -> None:
     """Roll rows back to new_lengths[b] tokens (tokens in quantized tiles cannot go back)."""
+    f = unpack(buffers)
     s, g, _, _ = _geometry(buffers)
-    lengths, committed, n_tiles = (_b(buffers, n) for n in ("lengths", "committed", "n_tiles"))
+    lengths, committed, n_tiles = f.lengths, f.committed, f.n_tiles
     frozen_end = torch.where(n_tiles > 0, s + n_tiles * g, torch.zeros_like(n_tiles))
     if bool((new_lengths < frozen_end).any()) or bool((new_lengths < 0).any()):
         row = int((new_lengths < frozen_end).nonzero()[0]) if bool((new_lengths < frozen_end).any()) else 0
@@ -341,42 +352,37 @@ def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
     """
     from kvarn_compile.reference.quantize import QuantizedTiles, dequantize_kv
 
-    s, g, n_max, w = _geometry(buffers)
-    sink_k = _b(buffers, "sink_k")
-    bsz, heads, _, d = sink_k.shape
-    cap = int(_b(buffers, "capacity")[0])
-    pos, ok, _ = _positions(buffers)
+    f = unpack(buffers)
+    geo = Geometry.of(f)
+    bsz, heads, d, w = geo.batch, geo.kv_heads, geo.head_dim, geo.tail
+    cap = int(f.capacity[0])
+    pos, ok = _slot_positions(f)
     out = []
-    fp8 = has_fp8_factors(buffers)
-    kb, vb = _bits(buffers)
-    for kind, bits in (("k", kb), ("v", vb)):
-        full = torch.zeros(bsz, heads, cap + w, d, device=sink_k.device)
-        parts = [_b(buffers, f"sink_{kind}").float()]
-        if n_max:
+    for kind, bits in (("k", geo.key_bits), ("v", geo.value_bits)):
+        full = torch.zeros(bsz, heads, cap + w, d, device=f.sink_k.device)
+        parts = [getattr(f, f"sink_{kind}").float()]
+        if geo.max_tiles:
+            t = f.tiles(kind)
             tiles = QuantizedTiles(
-                codes=_b(buffers, f"{kind}_codes"), row_scale=_b(buffers, f"{kind}_row_scale"),
-                row_zero=_b(buffers, f"{kind}_row_zero"), col_scale=_b(buffers, f"{kind}_col_scale"),
-                bits=bits, row_scale_factor=_b(buffers, f"{kind}_row_factor") if fp8 else None,
-                col_scale_factor=_b(buffers, f"{kind}_col_factor") if fp8 else None,
-                plain=key_plain(buffers) if kind == "k" else None)
+                codes=t.codes, row_scale=t.row_scale, row_zero=t.row_zero, col_scale=t.col_scale,
+                bits=bits, row_scale_factor=t.row_factor, col_scale_factor=t.col_factor,
+                plain=f.k_plain if kind == "k" else None)
             parts.append(dequantize_kv(tiles, kind, rotated=not rotated_tiles))
-        parts.append(_b(buffers, f"tail_{kind}").float())
+        parts.append(getattr(f, f"tail_{kind}").float())
         vals = torch.cat(parts, 2)                                          # [B,H,L,D]
         idx = torch.where(ok, pos, torch.full_like(pos, cap + w - 1))
         full.scatter_(2, idx[:, None, :, None].expand(bsz, heads, -1, d),
                       torch.where(ok[:, None, :, None], vals, torch.zeros_like(vals)))
-        out.append(full[:, :, :cap].to(dtype or sink_k.dtype))
+        out.append(full[:, :, :cap].to(dtype or f.sink_k.dtype))
     return out[0], out[1]
 
 
-# ------------------------------------------------------------------------------ attention
-def _positions(buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Absolute positions [B, L] and validity [B, L] of every key slot, and slot kinds.
-
-    Slots are ordered sink (S), tiles (n_max * G), tail (W).
-    """
-    s, g, n_max, w = _geometry(buffers)
-    lengths, n_tiles = _b(buffers, "lengths"), _b(buffers, "n_tiles")
+def _slot_positions(f: StateFields[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions [B, L] and validity [B, L] of every key slot, ordered sink (S),
+    tiles (n_max * G), tail (W)."""
+    geo = Geometry.of(f)
+    s, g, n_max, w = geo.sink, geo.group, geo.max_tiles, geo.tail
+    lengths, n_tiles = f.lengths, f.n_tiles
     dev = lengths.device
     sink_pos = torch.arange(s, device=dev).expand(lengths.shape[0], s)
     sink_ok = sink_pos < lengths[:, None]
@@ -386,32 +392,32 @@ def _positions(buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
     slot = torch.arange(w, device=dev)[None, :]
     tail_pos = base[:, None] + (slot - (base[:, None] - s)) % w
     tail_ok = (tail_pos < lengths[:, None]) & (lengths[:, None] > s)
-    return (torch.cat([sink_pos, tile_pos, tail_pos], 1), torch.cat([sink_ok, tile_ok, tail_ok], 1),
-            torch.tensor([s, n_max * g, w]))
+    return torch.cat([sink_pos, tile_pos, tail_pos], 1), torch.cat([sink_ok, tile_ok, tail_ok], 1)
 
 
-def _scales(buffers: list[torch.Tensor], kind: str, sl: slice) -> tuple[torch.Tensor, ...]:
-    rs = _b(buffers, f"{kind}_row_scale")[:, :, sl].float()
-    cs = _b(buffers, f"{kind}_col_scale")[:, :, sl].float()
-    if has_fp8_factors(buffers):
-        rs = rs * _b(buffers, f"{kind}_row_factor")[:, :, sl].float()
-        cs = cs * _b(buffers, f"{kind}_col_factor")[:, :, sl].float()
-    return rs, _b(buffers, f"{kind}_row_zero")[:, :, sl].float(), cs
+# ------------------------------------------------------------------------------ attention
+def _scales(tiles, sl: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row scale, row zero, column scale) of tiles ``sl`` in fp32, fp8 factors applied."""
+    rs = tiles.row_scale[:, :, sl].float()
+    cs = tiles.col_scale[:, :, sl].float()
+    if tiles.row_factor is not None:
+        rs = rs * tiles.row_factor[:, :, sl].float()
+        cs = cs * tiles.col_factor[:, :, sl].float()
+    return rs, tiles.row_zero[:, :, sl].float(), cs
 
 
-def _tile_scores(buffers: list[torch.Tensor], q_rot: torch.Tensor, sl: slice, kb: int,
+def _tile_scores(f: StateFields[torch.Tensor], q_rot: torch.Tensor, sl: slice, kb: int,
                  q_plain: torch.Tensor) -> torch.Tensor:
     """Scores of rotated queries [B,H,g,Tq,D] against tiles sl: [B,H,g,Tq,n*G].
 
     s[t] = col_scale[t] * (sum_c (q[c] * row_scale[c]) * code[c, t] + sum_c q[c] * row_zero[c])
     with q the rotated query, or the un-rotated ``q_plain`` for tiles stored plain.
     """
-    codes = unpack_codes(_b(buffers, "k_codes")[:, :, sl], kb).float()    # [B,H,n,D,G]
-    rs, rz, cs = _scales(buffers, "k", sl)                                # [B,H,n,D] x2, [B,H,n,G]
+    codes = unpack_codes(f.k.codes[:, :, sl], kb).float()                 # [B,H,n,D,G]
+    rs, rz, cs = _scales(f.k, sl)                                         # [B,H,n,D] x2, [B,H,n,G]
     q_t = q_rot.unsqueeze(-2)                                             # [B,H,g,Tq,1,D]
-    frames = key_plain(buffers)
-    if frames is not None:                                                # per-tile frame
-        plain = frames[:, :, sl].bool()[:, :, None, None, :, None]        # [B,H,1,1,n,1]
+    if f.k_plain is not None:                                             # per-tile frame
+        plain = f.k_plain[:, :, sl].bool()[:, :, None, None, :, None]     # [B,H,1,1,n,1]
         q_t = torch.where(plain, q_plain.unsqueeze(-2), q_t)              # [B,H,g,Tq,n,D]
     qs = q_t * rs[:, :, None, None]                                       # [B,H,g,Tq,n,D]
     dot = torch.einsum("bhgqnd,bhndt->bhgqnt", qs, codes)
@@ -420,93 +426,232 @@ def _tile_scores(buffers: list[torch.Tensor], q_rot: torch.Tensor, sl: slice, kb
     return out.flatten(-2)
 
 
-def _tile_values(buffers: list[torch.Tensor], p: torch.Tensor, sl: slice, vb: int) -> torch.Tensor:
+def _tile_values(f: StateFields[torch.Tensor], p: torch.Tensor, sl: slice, vb: int) -> torch.Tensor:
     """Rotated-frame output of weights p [B,H,g,Tq,n*G] over value tiles sl: [B,H,g,Tq,D].
 
     o[c] = sum_tiles col_scale[c] * (sum_t (p[t] * row_scale[t]) * code[t, c] + sum_t p[t] * row_zero[t])
     """
-    codes = unpack_codes(_b(buffers, "v_codes")[:, :, sl], vb).float()    # [B,H,n,G,D]
-    rs, rz, cs = _scales(buffers, "v", sl)                                # [B,H,n,G] x2, [B,H,n,D]
+    codes = unpack_codes(f.v.codes[:, :, sl], vb).float()                 # [B,H,n,G,D]
+    rs, rz, cs = _scales(f.v, sl)                                         # [B,H,n,G] x2, [B,H,n,D]
     p = p.unflatten(-1, (codes.shape[2], codes.shape[3]))                 # [B,H,g,Tq,n,G]
     weighted = torch.einsum("bhgqnt,bhntd->bhgqnd", p * rs[:, :, None, None], codes)
     bias = (p * rz[:, :, None, None]).sum(-1, keepdim=True)
     return ((weighted + bias) * cs[:, :, None, None]).sum(-2)
 
 
+def check_queries(q: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
+    bsz, heads, _, d = f.sink_k.shape
+    if q.dim() != 4 or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % heads:
+        raise ValueError(f"KVarN attention: expected queries [batch={bsz}, heads=k*{heads}, tq, "
+                         f"head_dim={d}], but got {tuple(q.shape)}.")
+
+
+def check_mask(f: StateFields[torch.Tensor], mask: torch.Tensor | None) -> None:
+    """Refuse a mask that does not cover every position the cache holds (mutates nothing)."""
+    if mask is None:
+        return
+    held = int(f.lengths.max())
+    if mask.shape[-1] < held:
+        raise ValueError(f"KVarN attention: the mask covers {mask.shape[-1]} key positions, but the "
+                         f"cache holds up to {held}; expected a mask as long as the cache.")
+
+
+def _tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
+                 scale: float, causal: bool, window: int, n_used: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the first ``n_used`` tile slots: (out fp32 [B,Hq,Tq,D] in the original
+    frame, lse [B,Hq,Tq]), with per-row fill, causality, window and mask applied."""
+    geo = Geometry.of(f)
+    bsz, heads, d, g = geo.batch, geo.kv_heads, geo.head_dim, geo.group
+    hq, tq = q.shape[1], q.shape[2]
+    grp = hq // heads
+    rot = rotation_matrix(d, q.device)
+    qg = q.float().reshape(bsz, heads, grp, tq, d)
+    q_rot = qg @ rot
+    chunks = [slice(a, min(a + TILE_CHUNK, n_used)) for a in range(0, n_used, TILE_CHUNK)]
+    scores = torch.cat([_tile_scores(f, q_rot, sl, geo.key_bits, qg) for sl in chunks], -1) * scale
+    j = torch.arange(n_used * g, device=q.device)
+    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
+    visible = (j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
+    bias = regions.bias_at(mask, (geo.sink + j)[None, :].expand(bsz, -1), (bsz, hq, tq))
+    if bias is not None:
+        scores = scores + bias.reshape(bsz, heads, grp, tq, -1)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    p, denom, m_ref = regions.safe_lse(scores)
+    p, lse = regions.normalized(p, denom, m_ref)
+    out = sum(_tile_values(f, p[..., sl.start * g:sl.stop * g], sl, geo.value_bits) for sl in chunks)
+    return (out @ rot.T).reshape(bsz, hq, tq, d), lse.reshape(bsz, hq, tq)
+
+
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None = None,
               scale: float | None = None, causal: bool = True, window: int = 0, *,
-              tiles: bool = True, return_lse: bool = False):
+              return_lse: bool = False):
     """Attention of q [B, Hq, Tq, D] (the last Tq written tokens) over the packed cache.
 
     mask: optional bool (True = attend) or additive float, broadcastable to
     [B, Hq, Tq, M] and indexed by absolute key position (M must exceed every position).
     window > 0 keeps keys with position > query position - window (sliding window).
-    Queries that can see no key get a zero output. Returns [B, Hq, Tq, D] in q's dtype.
-
-    ``tiles=False`` attends the exact regions (sink and tail) only and, with
-    ``return_lse``, also returns the fp32 log-sum-exp [B, Hq, Tq] of the scaled scores, so
-    a kernel over the packed tiles can be merged in (see ``ops/kernel_impl.py``).
+    Queries that can see no key get a zero output. Returns [B, Hq, Tq, D] in q's dtype;
+    with ``return_lse``, (out fp32, lse fp32 [B, Hq, Tq]) so partial results over parts of
+    a cache can be merged (:func:`kvarn_compile.ops.regions.merge_regions`).
     """
-    sink_k = _b(buffers, "sink_k")
-    bsz, heads, _, d = sink_k.shape
-    if q.dim() != 4 or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % heads:
-        raise ValueError(f"KVarN attention: expected queries [batch={bsz}, heads=k*{heads}, tq, "
-                         f"head_dim={d}], but got {tuple(q.shape)}.")
-    hq, tq = q.shape[1], q.shape[2]
-    grp = hq // heads
-    s, g, n_max, w = _geometry(buffers)
-    kb, vb = _bits(buffers)
-    scale = d ** -0.5 if scale is None else scale
-    lengths = _b(buffers, "lengths")
-    n_used = int(_b(buffers, "n_tiles").max()) if n_max and tiles else 0
-
-    qg = q.float().reshape(bsz, heads, grp, tq, d)
-    q_rot = qg @ rotation_matrix(d, q.device)
-    pos, ok, _ = _positions(buffers)
-    keep = n_used * g
-    pos = torch.cat([pos[:, :s], pos[:, s:s + keep], pos[:, s + n_max * g:]], 1)
-    ok = torch.cat([ok[:, :s], ok[:, s:s + keep], ok[:, s + n_max * g:]], 1)
-
-    scores = [qg @ sink_k.float().unsqueeze(2).transpose(-1, -2)]
-    for start in range(0, n_used, TILE_CHUNK):
-        scores.append(_tile_scores(buffers, q_rot, slice(start, min(start + TILE_CHUNK, n_used)), kb, qg))
-    scores.append(qg @ _b(buffers, "tail_k").float().unsqueeze(2).transpose(-1, -2))
-    scores = torch.cat(scores, -1) * scale                                 # [B,H,g,Tq,L]
-
-    q_pos = lengths[:, None] - tq + torch.arange(tq, device=q.device)[None, :]   # [B,Tq]
-    allowed = ok[:, None, :].expand(bsz, tq, -1)
-    if causal:
-        allowed = allowed & (pos[:, None, :] <= q_pos[:, :, None])
-    if window > 0:
-        allowed = allowed & (pos[:, None, :] > q_pos[:, :, None] - window)
-    allowed = allowed[:, None, None]                                        # [B,1,1,Tq,L]
-    if mask is not None:
-        m = mask.expand(bsz, hq, tq, mask.shape[-1]).reshape(bsz, heads, grp, tq, -1)
-        if int(pos.masked_fill(~ok, 0).max()) >= m.shape[-1]:
-            raise ValueError(f"KVarN attention: the mask covers {m.shape[-1]} key positions, but the "
-                             f"cache holds up to {int(lengths.max())}; expected a mask as long as the cache.")
-        idx = pos.clamp(max=m.shape[-1] - 1)[:, None, None, None, :].expand(bsz, heads, grp, tq, -1)
-        picked = m.gather(-1, idx)
-        if picked.dtype == torch.bool:
-            allowed = allowed & picked
-        else:
-            scores = scores + picked.float()
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    peak = scores.amax(-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    p = torch.exp(scores - peak)
-    denom = p.sum(-1, keepdim=True)
-    lse = (torch.log(denom) + peak).squeeze(-1)                            # -inf where nothing is seen
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-
-    p_sink, p_tiles, p_tail = p.split([s, keep, w], -1)
-    out = p_sink @ _b(buffers, "sink_v").float().unsqueeze(2) + p_tail @ _b(buffers, "tail_v").float().unsqueeze(2)
-    if keep:
-        rot = sum(_tile_values(buffers, p_tiles[..., start * g:min(start + TILE_CHUNK, n_used) * g],
-                               slice(start, min(start + TILE_CHUNK, n_used)), vb)
-                  for start in range(0, n_used, TILE_CHUNK))
-        out = out + rot @ rotation_matrix(d, q.device).T
-    out = out.reshape(bsz, hq, tq, d)
+    f = unpack(buffers)
+    check_queries(q, f)
+    check_mask(f, mask)
+    scale = f.sink_k.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = regions.exact_region(q, f, mask, scale, causal, window)
+    n_used = int(f.n_tiles.max()) if f.k.codes.shape[2] else 0
+    if n_used:
+        out_t, lse_t = _tile_region(q, f, mask, scale, causal, window, n_used)
+        out, lse = regions.merge_regions(out, lse, out_t, lse_t)
     if return_lse:
-        return out, lse.reshape(bsz, hq, tq)
+        return out, lse
     return out.to(q.dtype)
+
+
+# ------------------------------------------------------------------------------ tile partials
+def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: bool,
+                window: int, rot: torch.Tensor | None = None):
+    """Everything a tile-partials kernel needs, computed from the attention's arguments.
+
+    Returns (q_rot fp32 [B,Hq,Tq,D], the 8 tile tensors (scales with their fp8 factors
+    applied), n_tiles [B], kv_lo [B,Tq], kv_hi [B,Tq], bias [B,Hq,Tq,N*G] or None).
+    Quantized token j of a row sits at absolute position S + j (see ``regions.tile_bounds``).
+    Static shapes only: it traces into the Inductor decomposition.
+    """
+    f = unpack(buffers)
+    bsz, _, s, d = f.sink_k.shape
+    n_max, g = f.k.codes.shape[2], f.k.col_scale.shape[-1]
+    hq, tq = q.shape[1], q.shape[2]
+    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
+    q_rot = q.float() @ (rotation_matrix(d, q.device) if rot is None else rot)
+    tensors = []
+    for tiles in (f.k, f.v):
+        rs, cs = tiles.row_scale, tiles.col_scale
+        if tiles.row_factor is not None:    # fp8 scales: fold their per-vector factor
+            rs = rs.float() * tiles.row_factor.float()
+            cs = cs.float() * tiles.col_factor.float()
+        tensors += [tiles.codes, rs, tiles.row_zero, cs]
+    positions = (s + torch.arange(n_max * g, device=q.device))[None, :].expand(bsz, -1)
+    bias = regions.bias_at(mask, positions, (bsz, hq, tq))
+    return (q_rot, *tensors, f.n_tiles, kv_lo, kv_hi, bias)
+
+
+def tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                  v_codes, v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo,
+                  kv_hi, bias, scale: float, split_max: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-scale attention partials over every packed tile slot, static shapes (one split).
+
+    The reference of ``kvarn::tile_partials_`` and of its Triton templates: returns (o_part
+    fp32 [B, Hq, Tq, SPLIT_MAX, D], lse_part fp32 [B, Hq, Tq, SPLIT_MAX]); split 0 holds
+    the whole region, the others are empty (o = 0, lse = -inf). Scores, in the rotated
+    frame::
+
+        s[t] = scale * cs_k[t] * ((q * rs_k) @ code_k[:, t] + q @ rz_k)
+        o[c] = cs_v[c] * ((p * rs_v) @ code_v[:, c] + p @ rz_v) / sum(p)
+    """
+    bsz, hq, tq, d = q_rot.shape
+    heads, n_max = k_codes.shape[1], k_codes.shape[2]
+    g = k_col_scale.shape[-1]
+    kb, vb = 8 * k_codes.shape[-1] // g, 8 * v_codes.shape[-1] // d
+    grp = hq // heads
+    qg = q_rot.float().reshape(bsz, heads, grp, tq, d)
+    codes_k = unpack_codes(k_codes, kb).float()                                  # [B,H,N,D,G]
+    qs = qg.unsqueeze(-2) * k_row_scale.float()[:, :, None, None]                # [B,H,g,Tq,N,D]
+    dot = torch.einsum("bhgqnd,bhndt->bhgqnt", qs, codes_k)
+    zero = torch.einsum("bhgqd,bhnd->bhgqn", qg, k_row_zero.float()).unsqueeze(-1)
+    scores = ((dot + zero) * k_col_scale.float()[:, :, None, None]).flatten(-2) * scale
+    j = torch.arange(n_max * g, device=q_rot.device)
+    visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
+               & (j[None, None, :] < (n_tiles * g)[:, None, None]))               # [B,Tq,N*G]
+    if bias is not None:
+        scores = scores + bias.expand(bsz, hq, tq, n_max * g).reshape(scores.shape)
+    scores = scores.masked_fill(~visible[:, None, None], regions.NEG_INF)
+    p, denom, m_ref = regions.safe_lse(scores)
+    p, lse = regions.normalized(p, denom, m_ref)
+    codes_v = unpack_codes(v_codes, vb).float()                                  # [B,H,N,G,D]
+    pt = p.unflatten(-1, (n_max, g))                                             # [B,H,g,Tq,N,G]
+    weighted = torch.einsum("bhgqnt,bhntd->bhgqnd", pt * v_row_scale.float()[:, :, None, None], codes_v)
+    zsum = (pt * v_row_zero.float()[:, :, None, None]).sum(-1, keepdim=True)
+    out = ((weighted + zsum) * v_col_scale.float()[:, :, None, None]).sum(-2)   # [B,H,g,Tq,D]
+    out = out.reshape(bsz, hq, tq, 1, d)
+    lse = lse.reshape(bsz, hq, tq, 1)
+    if split_max > 1:
+        out = torch.cat([out, out.new_zeros(bsz, hq, tq, split_max - 1, d)], 3)
+        lse = torch.cat([lse, lse.new_full((bsz, hq, tq, split_max - 1), regions.NEG_INF)], 3)
+    return out, lse
+
+
+# ------------------------------------------------------------------------------ adoption
+def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Tensor,
+           start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
+           check_finite: bool, name: str, fresh: bool, *,
+           append: Callable[..., None] | None = None) -> None:
+    """Restart the packed sequence with the tokens [0, p) of the model's own cache.
+
+    Runs when the model's cache tensors still hold storage (the graph never writes them;
+    a forward that was not compiled did, e.g. transformers' eager prefill under
+    ``generate(compile_config=...)``) and this write starts at p > 0. ``fresh``: the
+    caller frees the cache after this call, so stored data always belongs to a new
+    sequence; otherwise (or for a view the caller cannot free) only a state that does not
+    continue at p is restarted. ``append``: the append to use (default :func:`append_`).
+    """
+    from kvarn_compile.registry import releasable
+
+    if not cache_k.untyped_storage().nbytes() or not cache_v.untyped_storage().nbytes():
+        return                                       # released: nothing to adopt (fast path)
+    starts = start_pos.tolist()
+    p = starts[0]
+    if p <= 0 or any(s != p for s in starts) or p > cache_k.shape[2]:
+        return                                       # a new sequence, or the append refuses it
+    if not (fresh and releasable(cache_k) and releasable(cache_v)):
+        if all(n == p for n in unpack(buffers).lengths.tolist()):
+            return                                   # the packed state continues at p
+    (append or append_)(buffers, cache_k[:, :, :p], cache_v[:, :, :p], torch.zeros_like(start_pos),
+                        method, iters, recent, hold, check_finite, name)
+
+
+# ------------------------------------------------------------------------------ beam reorder
+def row_order(rows: torch.Tensor, batch: int, name: str) -> torch.Tensor | None:
+    """The batch-row order ``rows`` [B] (row tags of a cat-cache handle, see
+    passes/rewrite.py) asks for, or None when it is the identity."""
+    tags = rows.detach().float().reshape(-1).cpu()
+    idx = tags.round().long()
+    if tags.numel() != batch or not bool(torch.isfinite(tags).all()) \
+            or not torch.equal(idx.float(), tags) or bool((idx < 0).any()) or bool((idx >= batch).any()):
+        raise ValueError(
+            f"KVarN {name}: the past keys passed to the compiled model are not the handle its "
+            f"previous call returned (expected {batch} batch-row tags in [0, {batch}), got "
+            f"{tags[:8].tolist()}). Pass the cache the compiled model returned, reordered along "
+            "the batch only (beam search), or start a new cache.")
+    if torch.equal(idx, torch.arange(batch)):
+        return None
+    return idx
+
+
+def reorder_(buffers: list[torch.Tensor], rows: torch.Tensor, name: str) -> None:
+    """Reorder the state's batch rows: row i becomes old row ``rows[i]`` (beam search)."""
+    idx = row_order(rows, buffers[0].shape[0], name)
+    if idx is None:
+        return
+    for buf in buffers:
+        buf.copy_(buf.index_select(0, idx.to(buf.device)))
+
+
+# ------------------------------------------------------------------------------ positions
+def positions_start(positions: torch.Tensor, batch: int) -> torch.Tensor:
+    """int64 [batch] filled with positions[0], after checking the positions are contiguous."""
+    flat = positions.reshape(-1) if positions.dim() <= 1 else positions[0]
+    if flat.numel() == 0:
+        raise ValueError("KVarN: expected at least one cache position, but got an empty positions tensor.")
+    first = flat[:1].to(torch.int64)
+    expected = first + torch.arange(flat.numel(), device=flat.device)
+    if positions.dim() > 1 and not bool((positions == positions[:1]).all()):
+        raise ValueError("KVarN: expected every batch row to write the same cache positions, but got "
+                         f"{positions.tolist()}. Rows at different positions need per-row caches.")
+    if not torch.equal(flat.to(torch.int64), expected):
+        raise ValueError(f"KVarN: expected the cache positions to be one contiguous run p, p+1, ..., "
+                         f"but got {flat.tolist()}. Non-contiguous cache writes (e.g. tree attention) "
+                         "are not supported by the packed cache.")
+    return first.expand(batch).clone()

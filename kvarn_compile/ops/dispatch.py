@@ -1,0 +1,196 @@
+"""Device kernels of the kvarn ops, registered against :mod:`.library` with ``register_kernel``.
+
+The one module that decides which kernel runs where:
+
+* ``kvarn::attention`` on **CPU**: the whole decode step (sink, tiles, tail, one online
+  softmax, the rotations) is one call of the C++ kernel of ``kernels/cpu_attention.py``;
+  ``KVARN_CPU_KERNEL=0`` turns it off.
+* ``kvarn::attention`` on **CUDA**: the exact region (sink and tail, :mod:`.regions`) with
+  its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
+  unpack, dual-scale fold, rotated frame), merged by log-sum-exp (:mod:`.regions`).
+* ``kvarn::append_`` / ``commit_`` on **CUDA**: the reference bookkeeping with the Triton
+  tile quantizer for the tiles a write freezes.
+* ``kvarn::tile_partials_triton_`` on **CUDA**: the standalone Triton decode kernel.
+
+A kernel runs only where it computes exactly what the reference computes (:func:`kernel_applies`):
+every quantized token is visible to every query (always true in decoding, including the
+step whose append froze the query's own tile), no mask hides any position of the quantized
+region, and the scales are not fp8. Everything else runs the reference
+(:mod:`.reference`), which is also every kernel's test oracle.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvarn_compile.ops import library, reference, regions
+from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.state import Geometry, unpack
+
+__all__ = ["kernel_applies", "attention", "freeze_tiles_triton", "cpu_kernel_enabled"]
+
+
+def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None) -> bool:
+    """True when the tile kernels compute exactly what the reference computes."""
+    f = unpack(buffers)
+    if f.layout.fp8_factors:                   # fp8 scales: the kernels read fp16/bf16/fp32
+        return False
+    s, g = f.sink_k.shape[2], f.k.col_scale.shape[-1]
+    tq = q.shape[2]
+    # (plain ints: this runs on every decode step, a handful of tiny tensor ops cost more)
+    lengths, n_tiles = f.lengths.tolist(), f.n_tiles.tolist()
+    # the newest quantized position (s + n*g - 1) must be visible to the oldest query
+    # (position length - tq); it may be that query itself (a tile frozen by this step's append)
+    if any(n > 0 and s + n * g - 1 > length - tq for length, n in zip(lengths, n_tiles)):
+        return False                           # a query would need causal masking inside tiles
+    if mask is not None:
+        used = max(n_tiles, default=0)
+        region = mask[..., s:s + used * g]
+        if region.dtype == torch.bool:
+            if not bool(region.all()):
+                return False
+        elif bool((region != 0).any()):
+            return False
+    return True
+
+
+def cpu_kernel_enabled() -> bool:
+    """``KVARN_CPU_KERNEL=0`` turns the C++ CPU attention kernel off."""
+    return os.environ.get("KVARN_CPU_KERNEL", "1") != "0"
+
+
+# ------------------------------------------------------------------------------ attention
+def _triton_tiles(q_rot, buffers, scale, kv_start, q_plain=None):
+    from kvarn_compile.kernels import kvarn_decode_attention
+
+    f = unpack(buffers)
+    return kvarn_decode_attention(
+        q_rot, *f.k.core, *f.v.core, f.n_tiles, scale=float(scale), kv_start=kv_start,
+        q_plain=None if f.k_plain is None else q_plain, k_plain=f.k_plain)
+
+
+def _cpu_attention(q, buffers, mask, scale, causal, window):
+    """The whole step in one C++ call; None where the kernel cannot read this cache."""
+    from kvarn_compile.kernels import cpu_attention
+
+    f = unpack(buffers)
+    geo = Geometry.of(f)
+    if not cpu_attention.supports(geo.head_dim, f.k.row_scale.dtype, f.sink_k.dtype) \
+            or (geo.key_bits, geo.value_bits) not in cpu_attention.SUPPORTED_BITS:
+        return None
+    return cpu_attention.decode_attention(
+        q, (f.sink_k, f.sink_v), list(f.k.core), list(f.v.core), (f.tail_k, f.tail_v),
+        f.lengths, f.n_tiles, scale=float(scale), causal=causal, window=window, mask=mask,
+        k_plain=f.k_plain)
+
+
+def _cuda_attention(q, buffers, mask, scale, causal, window):
+    f = unpack(buffers)
+    out_e, lse_e = regions.exact_region(q, f, mask, scale, causal, window)
+    d = q.shape[-1]
+    rot = rotation_matrix(d, q.device)
+    kv_start = None
+    if window > 0:
+        kv_start = regions.tile_bounds(f, q.shape[2], causal, window)[0]
+    q32 = q.float().contiguous()
+    out_t, lse_t = _triton_tiles((q32 @ rot).contiguous(), buffers, scale, kv_start, q32)
+    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot.T, lse_t)
+    return out
+
+
+def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
+              scale: float, causal: bool, window: int, *, kernel: str = "triton") -> torch.Tensor:
+    """The attention with the tile part on ``kernel`` ("cpu": the C++ step, "triton": the
+    CUDA path) where it applies (:func:`kernel_applies`), else the reference."""
+    f = unpack(buffers)
+    reference.check_queries(q, f)
+    reference.check_mask(f, mask)
+    out = None
+    if kernel_applies(q, buffers, mask):
+        out = _cpu_attention(q, buffers, mask, scale, causal, window) if kernel == "cpu" else \
+            _cuda_attention(q, buffers, mask, scale, causal, window)
+    if out is None:
+        return reference.attention(q, buffers, mask, scale, causal, window)
+    return out.to(q.dtype)
+
+
+@library.attention.register_kernel("cpu")
+def _attention_cpu(q, buffers, mask, scale, causal, window):
+    from kvarn_compile.kernels import cpu_attention
+
+    if cpu_kernel_enabled() and q.shape[2] <= 16 and cpu_attention.available():
+        return attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
+    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+
+
+@library.attention.register_kernel("cuda")
+def _attention_cuda(q, buffers, mask, scale, causal, window):
+    from kvarn_compile.kernels import triton_available
+
+    if triton_available():
+        return attention(q, buffers, mask, scale, causal, window, kernel="triton").contiguous()
+    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+
+
+# ------------------------------------------------------------------------------ append
+def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
+                        tokens_v: torch.Tensor, first_tile: int, method: str, iters: int) -> bool:
+    """Quantize [H, f*G, D] K/V of one row into tile slots with the Triton kernel
+    (a :data:`reference.TileKernel`).
+
+    Returns False (nothing written) where the kernel does not apply: no usable triton,
+    fp8 scales, per-tile key frames, non-finite input (the reference handles those).
+    """
+    from kvarn_compile.kernels import quantize_tiles_into, triton_available
+
+    f = unpack(buffers)
+    if not triton_available() or f.layout.fp8_factors or f.layout.key_frames \
+            or not bool(torch.isfinite(tokens_k).all() & torch.isfinite(tokens_v).all()):
+        return False
+    geo = Geometry.of(f)
+    n = tokens_k.shape[1] // geo.group
+    dst = torch.arange(first_tile, first_tile + n, device=tokens_k.device)[None, :]
+    for kind, bits, x in (("k", geo.key_bits, tokens_k), ("v", geo.value_bits, tokens_v)):
+        quantize_tiles_into(x[None], *(t[row:row + 1] for t in f.tiles(kind).core), kind=kind,
+                            bits=bits, rotate=method != "kivi", normalize=method == "kvarn",
+                            iters=iters, dst_tile=dst)
+    return True
+
+
+@library.append_.register_kernel("cuda")
+def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+                      tile_kernel=freeze_tiles_triton)
+
+
+@library.commit_.register_kernel("cuda")
+def _commit_cuda(buffers, upto, method, iters, recent, check_finite, name):
+    reference.commit_(buffers, upto, method, iters, recent, check_finite, name,
+                      tile_kernel=freeze_tiles_triton)
+
+
+# ------------------------------------------------------------------------------ tile partials
+@library.tile_partials_triton_.register_kernel("cuda")
+def _tile_partials_triton_cuda(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
+                               v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi,
+                               bias, lse_part, scale, split_max):
+    """The standalone split-K Triton kernel behind the ``tile_partials_`` contract.
+
+    Offered (CUDA) only for one query token without a bias: there kv_hi equals the filled
+    length (the query is the newest token), so the kernel's kv_start bound is the only
+    mask. The kernel merges its own splits; the result goes to split slot 0.
+    """
+    from kvarn_compile.kernels.attention import kvarn_decode_attention
+
+    out, lse = kvarn_decode_attention(q_rot.contiguous(), k_codes, k_row_scale, k_row_zero,
+                                      k_col_scale, v_codes, v_row_scale, v_row_zero,
+                                      v_col_scale, n_tiles, scale=scale, kv_start=kv_lo,
+                                      input_precision="tf32")
+    b, hq, tq, d = q_rot.shape
+    o_part = out.new_zeros(b, hq, tq, split_max, d)
+    o_part[:, :, :, 0] = out
+    lse_part.fill_(float("-inf"))
+    lse_part[..., 0] = lse
+    return o_part
