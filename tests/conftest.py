@@ -5,6 +5,9 @@ import torch
 
 # Kernels written in Triton are tested on CPU tensors through the interpreter.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The C++ CPU kernel is the shipped fast path: a build failure fails the tests instead of
+# silently falling back to the reference (users get the fallback with a warning).
+os.environ.setdefault("KVARN_CPU_KERNEL", "require")
 
 
 @pytest.fixture(autouse=True)

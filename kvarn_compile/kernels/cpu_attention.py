@@ -24,7 +24,10 @@ tile's keys are stored in the plain, un-rotated frame: its scores use the un-rot
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load_inline``
 (needs a C++ compiler and ninja; about a minute, then cached). If it cannot be built,
-:func:`available` is False and the ops use the pure-torch reference.
+:func:`available` is False (with a warning naming the build error) and the ops use the
+pure-torch reference. ``KVARN_CPU_KERNEL=require`` makes a failed build an error instead
+(the test suite sets it, so CI fails when the shipped fast path does not build);
+``KVARN_CPU_KERNEL=0`` turns the kernel off.
 """
 
 from __future__ import annotations
@@ -32,11 +35,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 
 import torch
 
-__all__ = ["available", "tile_attention", "decode_attention", "SUPPORTED_BITS"]
+__all__ = ["available", "build", "tile_attention", "decode_attention", "SUPPORTED_BITS",
+           "KernelBuildError"]
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ CPU attention kernel could not be built (``KVARN_CPU_KERNEL=require``)."""
 
 log = logging.getLogger(__name__)
 
@@ -879,16 +888,42 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    """True when the C++ kernel builds (or is already built) on this machine."""
+def build():
+    """Build (or load the cached build of) the extension; raises :class:`KernelBuildError`
+    with the compiler's message when it cannot be built."""
     try:
-        _module()
-        return True
+        return _module()
     except Exception as err:  # no compiler, no ninja, headers missing ...
-        log.warning("kvarn: the CPU attention kernel could not be built (%s); using the "
-                    "pure-torch reference instead.", str(err).splitlines()[0] if str(err) else err)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise KernelBuildError(
+            f"kvarn: the C++ CPU attention kernel could not be built ({first}). It needs a C++ "
+            "compiler, ninja and the Python headers; set KVARN_CPU_KERNEL=0 to use the "
+            "pure-torch reference without trying.") from err
+
+
+@functools.lru_cache(maxsize=1)
+def _built() -> bool:
+    try:
+        build()
+        return True
+    except KernelBuildError as err:
+        if _mode() == "require":
+            raise
+        log.warning("%s Using the pure-torch reference instead.", err)
         return False
+
+
+def _mode() -> str:
+    return os.environ.get("KVARN_CPU_KERNEL", "1").strip().lower()
+
+
+def available() -> bool:
+    """True when the C++ kernel builds (or is already built) on this machine and is not
+    turned off (``KVARN_CPU_KERNEL=0``). With ``KVARN_CPU_KERNEL=require`` a failed build
+    raises :class:`KernelBuildError` instead of returning False."""
+    if _mode() == "0":
+        return False
+    return _built()
 
 
 @functools.lru_cache(maxsize=16)

@@ -3,8 +3,8 @@
 The one module that decides which kernel runs where:
 
 * ``kvarn::attention`` on **CPU**: the whole decode step (sink, tiles, tail, one online
-  softmax, the rotations) is one call of the C++ kernel of ``kernels/cpu_attention.py``;
-  ``KVARN_CPU_KERNEL=0`` turns it off.
+  softmax, the rotations) is one call of the C++ kernel of ``kernels/cpu_attention.py``
+  (``KVARN_CPU_KERNEL=0`` turns it off, ``=require`` makes a failed build an error).
 * ``kvarn::attention`` on **CUDA**: the exact region (sink and tail, :mod:`.regions`) with
   its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
   unpack, dual-scale fold, rotated frame), merged by log-sum-exp (:mod:`.regions`).
@@ -21,15 +21,13 @@ region, and the scales are not fp8. Everything else runs the reference
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvarn_compile.ops import library, reference, regions
 from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, unpack
 
-__all__ = ["kernel_applies", "attention", "freeze_tiles_triton", "cpu_kernel_enabled"]
+__all__ = ["kernel_applies", "attention", "freeze_tiles_triton"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None) -> bool:
@@ -54,11 +52,6 @@ def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Ten
         elif bool((region != 0).any()):
             return False
     return True
-
-
-def cpu_kernel_enabled() -> bool:
-    """``KVARN_CPU_KERNEL=0`` turns the C++ CPU attention kernel off."""
-    return os.environ.get("KVARN_CPU_KERNEL", "1") != "0"
 
 
 # ------------------------------------------------------------------------------ attention
@@ -120,7 +113,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 def _attention_cpu(q, buffers, mask, scale, causal, window):
     from kvarn_compile.kernels import cpu_attention
 
-    if cpu_kernel_enabled() and q.shape[2] <= 16 and cpu_attention.available():
+    if q.shape[2] <= 16 and cpu_attention.available():      # KVARN_CPU_KERNEL=0: off
         return attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
     return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
 
