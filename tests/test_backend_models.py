@@ -92,8 +92,9 @@ NEW = 6                # the 5th forward appends position 63: tile 32..63 is fro
 NEW_SHORT = 5          # second sequence / sampling: still crosses the freeze
 WINDOW = 16            # sliding window of the "-swa" configs (shorter than the prompt)
 EAGER_RTOL = 1e-4      # logits, relative to the largest |logit| of the step
-INDUCTOR_RTOL = 1e-3   # Inductor reorders fp32 sums; a K/V value next to a rounding boundary can
-                       # then land on the neighbouring code when a tile is frozen
+INDUCTOR_RTOL = 1e-3   # Inductor reorders fp32 sums (no packed element differs)
+FLIP_RTOL = 5e-2       # ... and when a K/V value next to a rounding boundary landed on the
+                       # neighbouring code when a tile was frozen (see _flipped_codes)
 
 COVERAGE: dict[tuple[str, str, str], str] = {}
 
@@ -207,8 +208,34 @@ class Oracle:
         key = (*self.key, ids.numpy().tobytes(), tuple(ids.shape),
                None if mask is None else mask.numpy().tobytes(), tuple(sorted(kw.items())))
         if key not in self._memo:
-            self._memo[key] = _generate(self.model, ids, cache=self.cache(), mask=mask, **kw)
-        return self._memo[key]
+            cache = self.cache()
+            self._memo[key] = (_generate(self.model, ids, cache=cache, mask=mask, **kw), cache)
+        out, self.last_cache = self._memo[key]
+        return out
+
+
+def _flipped_codes(backend, oracle_cache) -> int:
+    """Packed-state elements (code bytes and scales) where the compiled run froze its tiles
+    differently from the eager oracle. Inductor reorders fp32 sums, so a K/V value that sits
+    on a rounding boundary can land on the neighbouring code: a legitimate difference of one
+    code step, which moves later logits by up to a few percent of the logit scale. Anything
+    but such isolated flips is a bug (asserted here)."""
+    from kvarn_compile.state import unpack
+
+    total = 0
+    for (name, _batch), st in backend.states.items():
+        layer = oracle_cache.layers[int(re.search(r"(?:layers|h)\.(\d+)\.", name).group(1))]
+        if not hasattr(layer, "state"):
+            continue
+        a, b = unpack(st.buffers), unpack(layer.state.buffers)
+        assert torch.equal(a.n_tiles, b.n_tiles), f"{name}: different tiles frozen"
+        n = int(a.n_tiles.max())
+        for kind in "kv":
+            for got, want in zip(a.tiles(kind).core, b.tiles(kind).core):
+                diff = got[:, :, :n] != want[:, :, :n]
+                total += int(diff.sum())
+        assert total <= 8, f"{name}: {total} packed elements differ from the eager oracle"
+    return total
 
 
 def _assert_same(got, want, rtol: float, what: str) -> float:
@@ -298,7 +325,10 @@ def _run_hf_case(family, cache_kind, attn, *, compiler, rtol):
     out = _generate(model, ids, cache=cache)
     _check_sites(backend, sliding)
     assert len(set(out.sequences[0, PROMPT:].tolist())) > 2, "degenerate model: vacuous check"
-    err = _assert_same(out, oracle(ids), rtol, "greedy")
+    want = oracle(ids)
+    tol = lambda: FLIP_RTOL if compiler == "inductor" and _flipped_codes(  # noqa: E731
+        backend, oracle.last_cache) else rtol
+    err = _assert_same(out, want, tol(), "greedy")
     label = attn + ("/inductor" if compiler == "inductor" else "")
     _record(family, cache_kind, label, backend, err)
 
@@ -325,13 +355,15 @@ def _run_hf_case(family, cache_kind, attn, *, compiler, rtol):
     ids2 = _prompt(2)
     out2 = _generate(model, ids2, cache=_static_cache(model, 1) if static else None, new=NEW_SHORT)
     assert backend.report.graphs == graphs, str(backend.report)
-    _assert_same(out2, oracle(ids2, new=NEW_SHORT), rtol, "second sequence")
+    want = oracle(ids2, new=NEW_SHORT)
+    _assert_same(out2, want, tol(), "second sequence")
 
     # 5: sampling with a fixed seed (the generate loop is shared by all families)
     if family in ("llama", "gpt2"):
         sampled = _generate(model, ids, cache=_static_cache(model, 1) if static else None,
                             sample_seed=7, new=NEW_SHORT)
-        _assert_same(sampled, oracle(ids, sample_seed=7, new=NEW_SHORT), rtol, "sampling")
+        want = oracle(ids, sample_seed=7, new=NEW_SHORT)
+        _assert_same(sampled, want, tol(), "sampling")
         assert backend.report.graphs == graphs
 
 
