@@ -9,10 +9,13 @@ for cache keys is registered with :func:`register_cache_salt`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import os
 import pathlib
 import platform
+import threading
 import types
 from typing import Any
 
@@ -20,8 +23,8 @@ import torch
 
 __all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn_sources_hash",
            "KVarNUUIDPass", "custom_graph_pass_base", "inductor", "triton_version",
-           "device_identity", "has_triton_gpu", "register_cache_salt", "cache_salt",
-           "tag_inductor_caches"]
+           "device_identity", "triton_templates_available", "register_cache_salt", "cache_salt",
+           "tag_inductor_caches", "triton_cpu_mode", "triton_cpu_requested"]
 
 TESTED_TORCH = ((2, 13), (2, 14))   # inclusive range of minor versions
 
@@ -165,6 +168,10 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
     patches: dict[str, Any] = {"post_grad_custom_post_pass": KVarNUUIDPass()}
     if mode:
         patches.update(list_mode_options(mode))
+    on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in inputs)
+    if triton_cpu_requested() and on_cpu:     # KVARN_TRITON_CPU=1: the templates on CPU (tests)
+        with triton_cpu_mode():
+            return compile_fx(gm, inputs, config_patches=patches)
     return compile_fx(gm, inputs, config_patches=patches)
 
 
@@ -225,14 +232,69 @@ def triton_version() -> str | None:
     return getattr(triton, "__version__", None)
 
 
-def has_triton_gpu(device: torch.device | str) -> bool:
-    """True when Triton templates can be rendered and run for ``device`` (CUDA + triton)."""
+def triton_templates_available(device: torch.device | str) -> bool:
+    """True when Triton templates can be rendered and run for ``device``: CUDA with triton,
+    or CPU tensors inside :func:`triton_cpu_mode` (the Triton interpreter)."""
     device = torch.device(device)
+    if device.type == "cpu":
+        return _TRITON_CPU.active > 0
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     from torch.utils._triton import has_triton
 
     return has_triton()
+
+
+class _TritonCPUState:
+    active = 0
+    lock = threading.Lock()
+
+
+_TRITON_CPU = _TritonCPUState()
+#: Set to 1 to run kvarn_backend's compiles in :func:`triton_cpu_mode` (tests).
+TRITON_CPU_ENV = "KVARN_TRITON_CPU"
+
+
+def triton_cpu_requested() -> bool:
+    return os.environ.get(TRITON_CPU_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@contextlib.contextmanager
+def triton_cpu_mode():
+    """Inductor renders, autotunes and runs Triton code, kvarn's TritonTemplates included,
+    for CPU tensors through the Triton interpreter (slow: tiny shapes, for tests).
+
+    Needs ``TRITON_INTERPRET=1`` set before triton is first imported. Inside the block:
+    ``cpu_backend="triton"`` (Inductor emits Triton for CPU tensors), a constant
+    ``triton_hash_with_backend`` (without a GPU driver the real one fails: "0 active
+    drivers"), ``benchmark_epilogue_fusion=False`` (the fused benchmark module does not
+    render on CPU), ``use_fast_math=True`` (``tl_math.exp``: the interpreter has no
+    ``libdevice``), one compile thread and the shortest benchmark (one timed run per
+    choice). bf16 is wrong in the interpreter (triton#11584):
+    use fp16/fp32. Users on CPU keep the C++ path; this mode exists for CI.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0").strip() not in ("1", "true", "on", "yes"):
+        raise RuntimeError("kvarn's CPU Triton mode needs TRITON_INTERPRET=1 in the environment "
+                           "before triton is imported (the tests' conftest sets it).")
+    check_torch_version()
+    import torch._inductor.config as config
+    import torch.utils._triton as triton_utils
+
+    with _TRITON_CPU.lock:
+        _TRITON_CPU.active += 1
+        saved_hash = triton_utils.triton_hash_with_backend
+        triton_utils.triton_hash_with_backend = lambda: "kvarn-triton-interpreter"
+    try:
+        with config.patch(cpu_backend="triton", benchmark_epilogue_fusion=False,
+                          use_fast_math=True, compile_threads=1,
+                          # one timed run per choice: interpreted kernels take seconds
+                          inductor_default_autotune_warmup=0, inductor_default_autotune_rep=0):
+            yield
+    finally:
+        with _TRITON_CPU.lock:
+            _TRITON_CPU.active -= 1
+            if not _TRITON_CPU.active:
+                triton_utils.triton_hash_with_backend = saved_hash
 
 
 def device_identity(device: torch.device | str) -> tuple[str, str]:

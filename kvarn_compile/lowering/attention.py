@@ -175,7 +175,7 @@ def _decomposition_choice(label: str, fn, inputs: list, kwargs: dict, gen_fns: d
 def lower_attention(q, buffers, mask, scale, causal, window):
     """User lowering of ``torch.ops.kvarn.attention.default``; None falls back to the op."""
     from kvarn_compile import autotune
-    from kvarn_compile._torch_compat import has_triton_gpu, inductor, static_ints
+    from kvarn_compile._torch_compat import triton_templates_available, inductor, static_ints
     from kvarn_compile.lowering.tiles import split_max_for
 
     ind = inductor()
@@ -184,8 +184,8 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     nodes = [q, *buffers, *([mask] if has_mask else [])]
     shapes = [static_ints(n.get_size()) for n in nodes]
     layout = StateLayout.of(buffers)
-    if any(s is None for s in shapes) or layout.key_frames:
-        return None        # symbolic shapes, per-tile key frames: the op itself (a fallback kernel)
+    if any(s is None for s in shapes):
+        return None        # symbolic shapes: the op itself (a fallback kernel)
     device = q.get_device()
     d = shapes[0][-1]
     from kvarn_compile.reference.rotation import rotation_matrix
@@ -201,7 +201,7 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     key = tune_key(ATTENTION_OP_NAME, q=q, k_codes=buffers[at("k_codes")],
                    k_col_scale=buffers[at("k_col_scale")], v_codes=buffers[at("v_codes")],
                    row_scale=buffers[at("k_row_scale")])
-    if path == "auto" and has_triton_gpu(device):
+    if path == "auto" and triton_templates_available(device):
         path = "split"
     replay = autotune.DB.lookup(key) if key is not None and path == "auto" else None
     wanted = {"auto": ("reference", "dense"), "reference": ("reference",), "dense": ("dense",),

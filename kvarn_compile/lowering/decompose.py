@@ -36,12 +36,8 @@ from kvarn_compile.ops import regions
 from kvarn_compile.ops.reference import tile_inputs, tile_partials
 from kvarn_compile.state import unpack
 
-__all__ = ["attention_dense", "attention_split", "tile_partials", "tile_inputs", "TILE_INPUT_NAMES"]
+__all__ = ["attention_dense", "attention_split", "tile_partials", "tile_inputs"]
 
-#: The tensors a tile-partials kernel reads, in argument order.
-TILE_INPUT_NAMES = ("q_rot", "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
-                    "v_codes", "v_row_scale", "v_row_zero", "v_col_scale", "n_tiles",
-                    "kv_lo", "kv_hi")
 
 
 def _split_args(args: tuple[torch.Tensor, ...], n_buffers: int, has_mask: bool):
@@ -55,8 +51,7 @@ def _attention(args, n_buffers: int, has_mask: bool, scale: float, causal: bool,
                window: int, split_max: int, tiles_fn) -> torch.Tensor:
     q, buffers, mask, rot = _split_args(args, n_buffers, has_mask)
     out_ex, lse_ex = regions.exact_region(q, unpack(buffers), mask, scale, causal, window)
-    q_rot, *tiles, n_tiles, kv_lo, kv_hi, bias = tile_inputs(q, buffers, mask, causal, window, rot)
-    o_part, lse_part = tiles_fn(q_rot, *tiles, n_tiles, kv_lo, kv_hi, bias, scale, split_max)
+    o_part, lse_part = tiles_fn(*tile_inputs(q, buffers, mask, causal, window, rot), scale, split_max)
     out_rot, lse_t = regions.combine_splits(o_part, lse_part)
     out, _ = regions.merge_regions(out_ex, lse_ex, out_rot @ rot.T, lse_t)
     return out.to(q.dtype)

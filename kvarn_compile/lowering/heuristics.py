@@ -53,7 +53,10 @@ class PrefillConfig:
 
 
 def tune_mode() -> str:
-    """"default" | "autotune" | "exhaustive": how many template configs to offer.
+    """"default" | "autotune" | "exhaustive": how many template configs to offer on CUDA.
+
+    (The lowering asks for "interpret" on CPU tensors in the CPU Triton mode: the default
+    config and one other, so autotuning has two choices and the interpreter stays fast.)
 
     ``KVARN_AUTOTUNE`` (default/autotune/exhaustive) wins; otherwise Inductor's
     ``max_autotune`` selects "autotune".
@@ -95,6 +98,9 @@ def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[
                            num_warps=4, num_stages=1)
     if mode == "default":
         candidates = [default]
+    elif mode == "interpret":
+        candidates = [default, DecodeConfig(block_n=max(16, min(64, group) // 2), block_m=block_m,
+                                            split=max(1, max_split // 2), num_warps=4, num_stages=1)]
     elif mode == "autotune":
         splits = sorted({max_split, max(1, max_split // 2), max(1, max_split // 4)})
         candidates = [default] + [
@@ -115,6 +121,10 @@ def prefill_configs(mode: str, *, group: int, q_len: int) -> list[PrefillConfig]
     default = PrefillConfig(block_m=block_m, block_n=min(64, group), num_warps=4, num_stages=1)
     if mode == "default":
         candidates = [default]
+    elif mode == "interpret":
+        candidates = [default, PrefillConfig(block_m=max(16, block_m // 2),
+                                             block_n=max(16, min(64, group) // 2),
+                                             num_warps=4, num_stages=1)]
     elif mode == "autotune":
         candidates = [default] + [PrefillConfig(bm, bn, w, 1) for bm, bn, w in
                                   itertools.product((32, 64, 128), (32, 64), (4, 8))]

@@ -15,16 +15,19 @@ It writes the per-split lse into ``lse_part`` [B, Hq, Tq, SPLIT_MAX] (filled wit
 the caller; a kernel may leave unused split slots alone) and returns the normalized
 per-split outputs o_part [B, Hq, Tq, SPLIT_MAX, D] (flash-decoding partials).
 
-Choices of its lowering (every list ends with the torch implementation as an extern
-fallback):
+Choices of its lowering:
 
 * CUDA, static shapes, tiles contiguous inside, power-of-two G, 2/4/8-bit codes: the
   ``kvarn_decode`` template (split-K, GQA heads packed) for decode-sized row counts, the
   ``kvarn_prefill`` template otherwise, one choice per tile config of
   :mod:`~kvarn_compile.lowering.heuristics`; plus the standalone Triton kernel
   (``kernels.kvarn_decode_attention``) as an extern choice for one-token decode without a
-  mask;
-* always: ``kvarn_tile_partials_torch``, the torch implementation.
+  mask; both templates read per-tile key frames (``k_plain`` + the un-rotated query);
+* always on CUDA and plain CPU: ``kvarn_tile_partials_torch``, the torch implementation
+  (the fallback that is always correct);
+* CPU tensors in the CPU Triton mode (``_torch_compat.triton_cpu_mode``, tests): the
+  templates alone, two configs each (``heuristics`` mode "interpret"), executed by the
+  Triton interpreter.
 
 A winner recorded in :mod:`kvarn_compile.autotune` for the same key is replayed as the only
 choice.
@@ -37,6 +40,7 @@ import math
 import torch
 
 from kvarn_compile.lowering.decisions import finish_decision, record_decision, tune_key
+from kvarn_compile.ops.reference import TILE_ARGS
 
 __all__ = ["lower_tile_partials", "externs", "TILE_OP_NAME", "fake_tile_fill", "tile_input_gen_fns",
            "split_max_for"]
@@ -45,34 +49,38 @@ TILE_OP_NAME = "kvarn_tile_partials"
 
 
 # ------------------------------------------------------------------------------ extern choices
-def _assemble(tensors, has_bias: bool):
-    """Flat extern arguments -> the op's (…, bias, lse_part) positional arguments."""
-    if has_bias:
-        *head, bias, lse = tensors
-    else:
-        *head, lse = tensors
-        bias = None
-    return (*head, bias, lse)
+def _present(has_frames: bool, has_bias: bool) -> list[str]:
+    """The names of ``reference.TILE_ARGS`` an extern choice receives (None ones dropped)."""
+    return [n for n in TILE_ARGS
+            if not (n in ("q_plain", "k_plain") and not has_frames) and not (n == "bias" and not has_bias)]
 
 
-def _tile_partials_torch_flat(*tensors: torch.Tensor, has_bias: bool, scale: float,
-                              split_max: int) -> torch.Tensor:
-    return torch.ops.kvarn.tile_partials_.default(*_assemble(tensors, has_bias), scale, split_max)
+def _assemble(tensors, has_frames: bool, has_bias: bool):
+    """Flat extern arguments (present tensors, then lse_part) -> the op's positional arguments."""
+    given = dict(zip(_present(has_frames, has_bias), tensors))
+    return (*(given.get(n) for n in TILE_ARGS), tensors[-1])
 
 
-def _tile_partials_triton_flat(*tensors: torch.Tensor, has_bias: bool, scale: float,
-                               split_max: int) -> torch.Tensor:
-    return torch.ops.kvarn.tile_partials_triton_.default(*_assemble(tensors, has_bias), scale,
-                                                         split_max)
+def _tile_partials_torch_flat(*tensors: torch.Tensor, has_frames: bool, has_bias: bool,
+                              scale: float, split_max: int) -> torch.Tensor:
+    return torch.ops.kvarn.tile_partials_.default(*_assemble(tensors, has_frames, has_bias),
+                                                  scale, split_max)
+
+
+def _tile_partials_triton_flat(*tensors: torch.Tensor, has_frames: bool, has_bias: bool,
+                               scale: float, split_max: int) -> torch.Tensor:
+    return torch.ops.kvarn.tile_partials_triton_.default(
+        *_assemble(tensors, has_frames, has_bias), scale, split_max)
 
 
 def _creator(op_name: str):
-    def create(*nodes, has_bias: bool, scale: float, split_max: int):
+    def create(*nodes, has_frames: bool, has_bias: bool, scale: float, split_max: int):
         """IR of an extern choice: a FallbackKernel of the mutable op (tracks the lse write)."""
         from kvarn_compile._torch_compat import inductor
 
         op = getattr(torch.ops.kvarn, op_name).default
-        return inductor().ir.FallbackKernel.create(op, *_assemble(nodes, has_bias), scale, split_max)
+        return inductor().ir.FallbackKernel.create(op, *_assemble(nodes, has_frames, has_bias),
+                                                   scale, split_max)
     return create
 
 
@@ -102,14 +110,16 @@ def fake_tile_fill(n_max: int, group: int, batch: int) -> list[int]:
     return torch.randint(lo, n_max + 1, (batch,), generator=gen).tolist() if n_max else [0] * batch
 
 
-def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, has_bias: bool
+def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, names: list[str]
                        ) -> dict[int, object]:
     """Realistic inputs for benchmarking the tile kernels (index -> fn(ir node) -> tensor).
 
+    ``names``: the inputs in order (present ``reference.TILE_ARGS``, then ``lse_part``).
     Random bytes are valid packed codes at 2/4/8 bits; row/column scales are positive
     (fp16, like a real cache), zero points centred; n_tiles fills the cache between half
     and full capacity (all zeros would benchmark empty loops: bogus winners); kv_lo = 0 and
-    kv_hi = n_tiles * G (the decode visibility); the bias is 0 (attend everywhere).
+    kv_hi = n_tiles * G (the decode visibility); the bias is 0 (attend everywhere); key
+    frames mix plain and rotated tiles.
     """
     batch, n_max = shapes["k_codes"][0], shapes["k_codes"][2]
     fill = fake_tile_fill(n_max, group, batch)
@@ -140,41 +150,48 @@ def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, has_bias: bool
         return torch.full(node.get_size(), float("-inf"), dtype=node.get_dtype(),
                           device=node.get_device())
 
-    fns = {2: positive(0.01, 0.1), 3: centred, 4: positive(0.75, 2.0),
-           6: positive(0.01, 0.1), 7: centred, 8: positive(0.75, 2.0),
-           9: tiles_filled, 10: bounds(False), 11: bounds(True)}
-    if has_bias:
-        fns[12] = zeros
-        fns[13] = neg_inf
-    else:
-        fns[12] = neg_inf
-    return fns
+    def frames(node):
+        return torch.randint(0, 2, tuple(node.get_size()), dtype=torch.uint8,
+                             device=node.get_device())
+
+    by_name = {"k_row_scale": positive(0.01, 0.1), "k_row_zero": centred,
+               "k_col_scale": positive(0.75, 2.0), "v_row_scale": positive(0.01, 0.1),
+               "v_row_zero": centred, "v_col_scale": positive(0.75, 2.0), "k_plain": frames,
+               "n_tiles": tiles_filled, "kv_lo": bounds(False), "kv_hi": bounds(True),
+               "bias": zeros, "lse_part": neg_inf}
+    return {i: by_name[n] for i, n in enumerate(names) if n in by_name}
 
 
 # ------------------------------------------------------------------------------ lowering
-def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
-                        v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi, bias,
-                        lse_part, scale, split_max):
-    """User lowering of ``kvarn_lowering::tile_partials_.default`` (see the module doc)."""
+def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
+                        v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles, kv_lo, kv_hi,
+                        bias, lse_part, scale, split_max):
+    """User lowering of ``kvarn::tile_partials_.default`` (see the module doc)."""
     from kvarn_compile import autotune
-    from kvarn_compile._torch_compat import has_triton_gpu, inductor, static_ints
+    from kvarn_compile._torch_compat import inductor, static_ints, triton_templates_available
     from kvarn_compile.lowering import heuristics
 
     ind = inductor()
-    tensors = [q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_scale,
-               v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi]
-    has_bias = bias is not None
-    inputs = ind.realize_inputs(*tensors, *([bias] if has_bias else []), lse_part)
+    has_frames, has_bias = k_plain is not None, bias is not None
+    given = dict(zip(TILE_ARGS, (q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                                 v_codes, v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles,
+                                 kv_lo, kv_hi, bias)))
+    names = _present(has_frames, has_bias)
+    inputs = ind.realize_inputs(*(given[n] for n in names), lse_part)
+    names = names + ["lse_part"]
+    node_of = dict(zip(names, inputs))
     device = q_rot.get_device()
     sizes = static_ints(q_rot.get_size())
     b, hq, tq, d = sizes if sizes is not None else (None,) * 4
     layout = ind.ir.FixedLayout(device, torch.float32, [*q_rot.get_size()[:3], split_max,
                                                         q_rot.get_size()[3]])
-    kwargs = {"has_bias": has_bias, "scale": float(scale), "split_max": int(split_max)}
+    kwargs = {"has_frames": has_frames, "has_bias": has_bias, "scale": float(scale),
+              "split_max": int(split_max)}
     choices_extern = externs()
     key = tune_key(TILE_OP_NAME, q=q_rot, k_codes=k_codes, k_col_scale=k_col_scale,
                    v_codes=v_codes, row_scale=k_row_scale)
     replay = autotune.DB.lookup(key) if key is not None else None
+    interpreted = device.type == "cpu"     # templates on CPU tensors: the Triton interpreter
 
     choices: list = []
 
@@ -186,29 +203,36 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
         for c in choices[before:]:
             c.kvarn_spec = spec
 
-    offer({"choice": "torch"}, lambda: choices.append(
-        choices_extern["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs)))
+    def offer_torch() -> None:
+        offer({"choice": "torch"}, lambda: choices.append(
+            choices_extern["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs)))
 
     shapes = {"k_codes": static_ints(k_codes.get_size()) or [0, 0, 0]}
-    template_ok = (has_triton_gpu(device) and sizes is not None and key is not None
-                   and all(static_ints(t.get_size()) is not None for t in tensors))
+    template_ok = (triton_templates_available(device) and sizes is not None and key is not None
+                   and all(static_ints(t.get_size()) is not None for t in inputs))
+    # Under the interpreter the torch extern would always win the benchmark (the templates
+    # run ~20x slower there), so CPU Triton mode lets the templates compete alone.
+    if not (template_ok and interpreted):
+        offer_torch()
     if template_ok:
-        from kvarn_compile.lowering import templates
         from kvarn_compile._torch_compat import kvarn_sources_hash
+        from kvarn_compile.lowering import templates
 
         heads = shapes["k_codes"][1]
         group = int(k_col_scale.get_size()[-1])
         kb, vb = 8 * int(k_codes.get_size()[-1]) // group, 8 * int(v_codes.get_size()[-1]) // d
-        contiguous = all(_tile_contiguous(t) for t in tensors[1:9])
+        tile_nodes = [node_of[n] for n in TILE_ARGS[2:10]]
+        contiguous = all(_tile_contiguous(t) for t in tile_nodes)
         if contiguous and group >= 16 and group & (group - 1) == 0 and kb in (2, 4, 8) \
                 and vb in (2, 4, 8) and k_row_scale.get_dtype() != torch.float8_e4m3fn:
             grp = hq // heads
             rows = grp * tq
             common = dict(GROUP_Q=grp, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), G=group,
                           K_BITS=kb, V_BITS=vb, SPLIT_MAX=int(split_max), HAS_BIAS=has_bias,
-                          INPUT_PRECISION="'tf32'", SM_SCALE=float(scale),
-                          KVARN_SRC=int(kvarn_sources_hash()[:12], 16))
-            mode = heuristics.tune_mode()
+                          HAS_K_PLAIN=has_frames,
+                          INPUT_PRECISION="'ieee'" if interpreted else "'tf32'",
+                          SM_SCALE=float(scale), KVARN_SRC=int(kvarn_sources_hash()[:12], 16))
+            mode = "interpret" if interpreted else heuristics.tune_mode()
             if rows <= heuristics.DECODE_ROWS_MAX:
                 for cfg in heuristics.decode_configs(mode, group=group, rows=rows,
                                                      max_split=int(split_max)):
@@ -218,7 +242,7 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
                               choices, input_nodes=inputs, layout=layout,
                               mutated_inputs=[inputs[-1]], call_sizes=[b * heads, rows],
                               **common, **opts))
-                if tq == 1 and not has_bias:
+                if tq == 1 and not has_bias and not interpreted:
                     offer({"choice": "triton_kernel"}, lambda: choices.append(
                         choices_extern["kvarn_tile_partials_triton"].bind(inputs, layout, **kwargs)))
             else:
@@ -231,9 +255,8 @@ def lower_tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_
                               **common, **opts))
     if not choices:   # a replayed winner that cannot be built here: benchmark afresh
         replay = None
-        choices.append(choices_extern["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs))
-        choices[-1].kvarn_spec = {"choice": "torch"}
-    gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), has_bias) \
+        offer_torch()
+    gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), names) \
         if len(choices) > 1 else None
     decision = record_decision(TILE_OP_NAME, key, choices, inputs, replayed=replay is not None)
     node, choice = ind.autotune_select_algorithm(TILE_OP_NAME, choices, inputs, layout,
@@ -259,9 +282,13 @@ def _tile_contiguous(node) -> bool:
 
 
 def split_max_for(device: torch.device, batch_kv_heads: int, tiles: int) -> int:
-    """SPLIT_MAX for a lowering: 1 on CPU (no templates), about two waves of programs on CUDA."""
+    """SPLIT_MAX for a lowering: about two waves of programs on CUDA; on CPU 1, or 2 in the
+    CPU Triton mode (so the interpreted templates exercise the split merge)."""
+    from kvarn_compile._torch_compat import triton_templates_available
     from kvarn_compile.lowering.heuristics import split_max
 
+    if device.type == "cpu" and triton_templates_available(device):
+        return max(1, min(2, tiles))
     if device.type != "cuda" or not torch.cuda.is_available():
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -166,9 +166,9 @@ def _commit_cuda(buffers, upto, method, iters, recent, check_finite, name):
 
 # ------------------------------------------------------------------------------ tile partials
 @library.tile_partials_triton_.register_kernel("cuda")
-def _tile_partials_triton_cuda(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
-                               v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi,
-                               bias, lse_part, scale, split_max):
+def _tile_partials_triton_cuda(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                               v_codes, v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles,
+                               kv_lo, kv_hi, bias, lse_part, scale, split_max):
     """The standalone split-K Triton kernel behind the ``tile_partials_`` contract.
 
     Offered (CUDA) only for one query token without a bias: there kv_hi equals the filled
@@ -180,7 +180,8 @@ def _tile_partials_triton_cuda(q_rot, k_codes, k_row_scale, k_row_zero, k_col_sc
     out, lse = kvarn_decode_attention(q_rot.contiguous(), k_codes, k_row_scale, k_row_zero,
                                       k_col_scale, v_codes, v_row_scale, v_row_zero,
                                       v_col_scale, n_tiles, scale=scale, kv_start=kv_lo,
-                                      input_precision="tf32")
+                                      q_plain=None if k_plain is None else q_plain.contiguous(),
+                                      k_plain=k_plain, input_precision="tf32")
     b, hq, tq, d = q_rot.shape
     o_part = out.new_zeros(b, hq, tq, split_max, d)
     o_part[:, :, :, 0] = out

@@ -43,9 +43,10 @@ compiler these ops are functional (the state is invisible to it)::
 Helpers the rewrite and the lowering insert::
 
     kvarn::positions_start(Tensor positions, int batch) -> Tensor   # checked contiguous run
-    kvarn::tile_partials_(Tensor q_rot, <8 tile tensors>, Tensor n_tiles, Tensor kv_lo,
-                          Tensor kv_hi, Tensor? bias, Tensor(a!) lse_part, float scale,
-                          int split_max) -> Tensor  # the tile region, lowered to templates
+    kvarn::tile_partials_(Tensor q_rot, Tensor? q_plain, <8 tile tensors>, Tensor? k_plain,
+                          Tensor n_tiles, Tensor kv_lo, Tensor kv_hi, Tensor? bias,
+                          Tensor(a!) lse_part, float scale, int split_max) -> Tensor
+                          # the tile region, lowered to templates
     kvarn::tile_partials_triton_(<same>) -> Tensor   # CUDA only: the standalone Triton kernel
     kvarn::tune_observe_(Tensor(a!) token, Tensor[] buffers, Tensor k, Tensor v,
                          Tensor start_pos, str tuner, str site, int recent, int hold) -> ()
@@ -260,26 +261,27 @@ def _positions_start_fake(positions, batch):
 
 
 @torch.library.custom_op("kvarn::tile_partials_", mutates_args=("lse_part",))
-def tile_partials_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
-                   k_row_zero: torch.Tensor, k_col_scale: torch.Tensor, v_codes: torch.Tensor,
-                   v_row_scale: torch.Tensor, v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
-                   n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
-                   bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
-                   split_max: int) -> torch.Tensor:
+def tile_partials_(q_rot: torch.Tensor, q_plain: torch.Tensor | None, k_codes: torch.Tensor,
+                   k_row_scale: torch.Tensor, k_row_zero: torch.Tensor, k_col_scale: torch.Tensor,
+                   v_codes: torch.Tensor, v_row_scale: torch.Tensor, v_row_zero: torch.Tensor,
+                   v_col_scale: torch.Tensor, k_plain: torch.Tensor | None, n_tiles: torch.Tensor,
+                   kv_lo: torch.Tensor, kv_hi: torch.Tensor, bias: torch.Tensor | None,
+                   lse_part: torch.Tensor, scale: float, split_max: int) -> torch.Tensor:
     """Per-split partials over the packed tiles (``reference.tile_partials``): writes the
     per-split lse into ``lse_part`` [B, Hq, Tq, SPLIT_MAX] (filled with -inf by the caller)
     and returns the normalized o_part [B, Hq, Tq, SPLIT_MAX, D]. It exists for the
-    lowering (``lowering/tiles.py``), whose Triton templates compete for it."""
-    o, lse = reference.tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
-                                     v_codes, v_row_scale, v_row_zero, v_col_scale, n_tiles,
-                                     kv_lo, kv_hi, bias, scale, split_max)
+    lowering (``lowering/tiles.py``), whose Triton templates compete for it. ``q_plain``
+    and ``k_plain`` (per-tile key frames) come together or not at all."""
+    o, lse = reference.tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero,
+                                     k_col_scale, v_codes, v_row_scale, v_row_zero, v_col_scale,
+                                     k_plain, n_tiles, kv_lo, kv_hi, bias, scale, split_max)
     lse_part.copy_(lse)
     return o
 
 
-def _tile_partials_fake(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
-                        v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo, kv_hi, bias,
-                        lse_part, scale, split_max):
+def _tile_partials_fake(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
+                        v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles, kv_lo, kv_hi,
+                        bias, lse_part, scale, split_max):
     b, hq, tq, d = q_rot.shape
     return q_rot.new_empty(b, hq, tq, split_max, d, dtype=torch.float32)
 
@@ -288,13 +290,14 @@ tile_partials_.register_fake(_tile_partials_fake)
 
 
 @torch.library.custom_op("kvarn::tile_partials_triton_", mutates_args=("lse_part",))
-def tile_partials_triton_(q_rot: torch.Tensor, k_codes: torch.Tensor, k_row_scale: torch.Tensor,
+def tile_partials_triton_(q_rot: torch.Tensor, q_plain: torch.Tensor | None,
+                          k_codes: torch.Tensor, k_row_scale: torch.Tensor,
                           k_row_zero: torch.Tensor, k_col_scale: torch.Tensor,
                           v_codes: torch.Tensor, v_row_scale: torch.Tensor,
                           v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
-                          n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
-                          bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
-                          split_max: int) -> torch.Tensor:
+                          k_plain: torch.Tensor | None, n_tiles: torch.Tensor,
+                          kv_lo: torch.Tensor, kv_hi: torch.Tensor, bias: torch.Tensor | None,
+                          lse_part: torch.Tensor, scale: float, split_max: int) -> torch.Tensor:
     """``tile_partials_`` through the standalone Triton decode kernel (CUDA kernel in
     :mod:`.dispatch`; one query token, no bias). Its oracle is ``tile_partials_``."""
     raise NotImplementedError(

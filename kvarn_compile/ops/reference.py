@@ -42,7 +42,7 @@ from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append",
            "check_method", "check_range", "check_mask", "split_method", "adopt_", "reorder_",
-           "row_order", "positions_start", "tile_partials", "tile_inputs", "TILE_CHUNK",
+           "row_order", "positions_start", "tile_partials", "tile_inputs", "TILE_ARGS", "TILE_CHUNK",
            "TileKernel"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
@@ -510,21 +510,31 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 
 
 # ------------------------------------------------------------------------------ tile partials
+#: The tensor arguments of ``kvarn::tile_partials_``, in order (``q_plain``, ``k_plain`` and
+#: ``bias`` may be None: no per-tile key frames, no mask).
+TILE_ARGS = ("q_rot", "q_plain", "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
+             "v_codes", "v_row_scale", "v_row_zero", "v_col_scale", "k_plain", "n_tiles",
+             "kv_lo", "kv_hi", "bias")
+
+
 def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: bool,
                 window: int, rot: torch.Tensor | None = None):
-    """Everything a tile-partials kernel needs, computed from the attention's arguments.
+    """Everything a tile-partials kernel needs (:data:`TILE_ARGS`), from the attention's
+    arguments.
 
-    Returns (q_rot fp32 [B,Hq,Tq,D], the 8 tile tensors (scales with their fp8 factors
-    applied), n_tiles [B], kv_lo [B,Tq], kv_hi [B,Tq], bias [B,Hq,Tq,N*G] or None).
-    Quantized token j of a row sits at absolute position S + j (see ``regions.tile_bounds``).
-    Static shapes only: it traces into the Inductor decomposition.
+    q_rot fp32 [B,Hq,Tq,D]; q_plain (the un-rotated fp32 queries, only when the state has
+    per-tile key frames); the 8 tile tensors (scales with their fp8 factors applied);
+    k_plain uint8 [B,H,N] or None; n_tiles [B]; kv_lo, kv_hi [B,Tq]; bias [B,Hq,Tq,N*G] or
+    None. Quantized token j of a row sits at absolute position S + j (see
+    ``regions.tile_bounds``). Static shapes only: it traces into the Inductor decomposition.
     """
     f = unpack(buffers)
     bsz, _, s, d = f.sink_k.shape
     n_max, g = f.k.codes.shape[2], f.k.col_scale.shape[-1]
     hq, tq = q.shape[1], q.shape[2]
     kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
-    q_rot = q.float() @ (rotation_matrix(d, q.device) if rot is None else rot)
+    q_plain = q.float()
+    q_rot = q_plain @ (rotation_matrix(d, q.device) if rot is None else rot)
     tensors = []
     for tiles in (f.k, f.v):
         rs, cs = tiles.row_scale, tiles.col_scale
@@ -534,11 +544,12 @@ def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: boo
         tensors += [tiles.codes, rs, tiles.row_zero, cs]
     positions = (s + torch.arange(n_max * g, device=q.device))[None, :].expand(bsz, -1)
     bias = regions.bias_at(mask, positions, (bsz, hq, tq))
-    return (q_rot, *tensors, f.n_tiles, kv_lo, kv_hi, bias)
+    frames = f.k_plain is not None
+    return (q_rot, q_plain if frames else None, *tensors, f.k_plain, f.n_tiles, kv_lo, kv_hi, bias)
 
 
-def tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
-                  v_codes, v_row_scale, v_row_zero, v_col_scale, n_tiles, kv_lo,
+def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                  v_codes, v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles, kv_lo,
                   kv_hi, bias, scale: float, split_max: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dual-scale attention partials over every packed tile slot, static shapes (one split).
@@ -546,7 +557,7 @@ def tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
     The reference of ``kvarn::tile_partials_`` and of its Triton templates: returns (o_part
     fp32 [B, Hq, Tq, SPLIT_MAX, D], lse_part fp32 [B, Hq, Tq, SPLIT_MAX]); split 0 holds
     the whole region, the others are empty (o = 0, lse = -inf). Scores, in the rotated
-    frame::
+    frame (or with the un-rotated ``q_plain`` for a tile whose ``k_plain`` flag is set)::
 
         s[t] = scale * cs_k[t] * ((q * rs_k) @ code_k[:, t] + q @ rz_k)
         o[c] = cs_v[c] * ((p * rs_v) @ code_v[:, c] + p @ rz_v) / sum(p)
@@ -556,11 +567,14 @@ def tile_partials(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
     g = k_col_scale.shape[-1]
     kb, vb = 8 * k_codes.shape[-1] // g, 8 * v_codes.shape[-1] // d
     grp = hq // heads
-    qg = q_rot.float().reshape(bsz, heads, grp, tq, d)
+    q_t = q_rot.float().reshape(bsz, heads, grp, tq, 1, d)                       # [B,H,g,Tq,1,D]
+    if k_plain is not None:                                                      # per-tile frame
+        plain = k_plain.bool()[:, :, None, None, :, None]                        # [B,H,1,1,N,1]
+        q_t = torch.where(plain, q_plain.float().reshape(bsz, heads, grp, tq, 1, d), q_t)
     codes_k = unpack_codes(k_codes, kb).float()                                  # [B,H,N,D,G]
-    qs = qg.unsqueeze(-2) * k_row_scale.float()[:, :, None, None]                # [B,H,g,Tq,N,D]
+    qs = q_t * k_row_scale.float()[:, :, None, None]                             # [B,H,g,Tq,N,D]
     dot = torch.einsum("bhgqnd,bhndt->bhgqnt", qs, codes_k)
-    zero = torch.einsum("bhgqd,bhnd->bhgqn", qg, k_row_zero.float()).unsqueeze(-1)
+    zero = (q_t * k_row_zero.float()[:, :, None, None]).sum(-1, keepdim=True)    # [B,H,g,Tq,N,1]
     scores = ((dot + zero) * k_col_scale.float()[:, :, None, None]).flatten(-2) * scale
     j = torch.arange(n_max * g, device=q_rot.device)
     visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])

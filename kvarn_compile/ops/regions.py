@@ -45,7 +45,7 @@ def normalized(p: torch.Tensor, denom: torch.Tensor, m_ref: torch.Tensor
     has = denom > 0
     safe = torch.where(has, denom, torch.ones_like(denom))
     lse = torch.where(has, m_ref + torch.log(safe), torch.full_like(denom, NEG_INF))
-    lse = torch.where(torch.isnan(denom), denom, lse)
+    lse = torch.where(denom != denom, denom, lse)      # NaN (x != x: no libdevice call)
     return p / safe, lse.squeeze(-1)
 
 
@@ -146,7 +146,7 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor
     out = (w[..., None] * o).sum(-2) / torch.where(has, den, torch.ones_like(den))
     lse = torch.where(has, m_ref + torch.log(torch.where(has, den, torch.ones_like(den))),
                       torch.full_like(den, NEG_INF))
-    lse = torch.where(torch.isnan(den), den, lse).squeeze(-1)
+    lse = torch.where(den != den, den, lse).squeeze(-1)
     return out, lse
 
 

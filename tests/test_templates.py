@@ -1,0 +1,258 @@
+"""The Triton templates of the lowering, rendered, autotuned and executed on CPU.
+
+Inductor runs kvarn's ``TritonTemplate`` choices on CPU tensors through the Triton
+interpreter inside ``_torch_compat.triton_cpu_mode()`` (``KVARN_TRITON_CPU=1`` for
+``kvarn_backend``). In that mode the lowering of ``kvarn::tile_partials_`` offers two
+configs of the decode or prefill template and nothing else, so every test here checks that
+
+* the generated code defines and launches the rendered template kernel (Inductor names
+  it ``triton_tem_*``; the template's ``# kvarn_decode template`` line identifies it),
+* autotuning benchmarked at least two configs and recorded the winner,
+* the result equals the eager reference op within a stated tolerance (fp32: summation order
+  over scores that reach |s| ~ 1e3 with a bias-like key channel, 1e-4 of the output scale;
+  fp16 queries: the output's fp16 rounding, 2e-3),
+
+over presets k4v2 / k4v4 / k2v2, head dims 64 and 128, GQA and MHA, batch 2 with rows of
+different lengths, prompts crossing tile boundaries, per-tile key frames, masks, and fp16
+and fp32 queries (bf16 is wrong in the interpreter, triton#11584: GPU only). The winner
+exports to the autotune database and replays without benchmarking; an edited template
+never runs from Inductor's caches. The interpreter is slow: shapes are tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from kvarn_compile import _torch_compat, autotune, lowering
+from kvarn_compile.config import get_config
+from kvarn_compile.ops import reference
+from kvarn_compile.state import allocate_layer
+
+G = 32
+CASES = {
+    # name: template, preset, head_dim, (q heads, kv heads), query dtype, query tokens, extras
+    "decode-k4v2-d64-gqa-fp32-frames": ("decode", "k4v2", 64, (4, 2), torch.float32, 1, {"frames": True}),
+    "decode-k2v2-d128-mha-fp16": ("decode", "k2v2", 128, (2, 2), torch.float16, 1, {}),
+    "decode-k4v4-d64-mha-fp32-mask": ("decode", "k4v4", 64, (2, 2), torch.float32, 1, {"mask": True}),
+    "prefill-k4v2-d128-gqa-fp32": ("prefill", "k4v2", 128, (4, 2), torch.float32, 40, {}),
+    "prefill-k4v4-d64-mha-fp16-frames": ("prefill", "k4v4", 64, (2, 2), torch.float16, 40, {"frames": True}),
+    "prefill-k2v2-d64-gqa-fp32-mask": ("prefill", "k2v2", 64, (4, 2), torch.float32, 40, {"mask": True}),
+}
+
+
+@pytest.fixture
+def fresh_inductor(tmp_path, monkeypatch):
+    """An empty Inductor cache and autotune database per test (a cache hit would skip the
+    lowering; an earlier winner would skip the benchmark)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("KVARN_AUTOTUNE_DB", str(tmp_path / "autotune.json"))
+    autotune.DB.clear()
+    lowering.register()
+    torch._dynamo.reset()
+    yield tmp_path
+    autotune.DB.clear()
+    torch._dynamo.reset()
+
+
+def packed(preset: str, head_dim: int, kv_heads: int, lengths: list[int], tq: int,
+           frames: bool = False, seed: int = 0):
+    """Batch rows of different lengths, the newest ``tq`` tokens of each written by a second
+    append (a prefill of ``tq`` tokens crosses tile boundaries and freezes tiles itself)."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = get_config(preset, group_size=G, key_frame="auto" if frames else "rotated")
+    st = allocate_layer(cfg, batch=len(lengths), kv_heads=kv_heads, head_dim=head_dim,
+                        max_len=max(lengths) + 8, dtype=torch.float32)
+    for row, n in enumerate(lengths):
+        k = torch.randn(1, kv_heads, n, head_dim, generator=gen)
+        v = torch.randn(1, kv_heads, n, head_dim, generator=gen)
+        if frames:               # a bias-like huge key channel in head 0: its tiles go plain
+            k[:, 0, :, 3] += 300.0
+        sub = [t[row:row + 1] for t in st.buffers]
+        for start, stop in ((0, n - tq), (n - tq, n)):
+            if stop > start:
+                reference.append_(sub, k[:, :, start:stop], v[:, :, start:stop], torch.tensor([start]))
+    if frames:
+        plain = st.fields.k_plain
+        assert bool(plain.any()) and not bool(plain.all()), "expected a mix of key frames"
+    return st
+
+
+def _attend(q, mask, *buffers):
+    return torch.ops.kvarn.attention(q, list(buffers), mask, 0.3, True, 0)
+
+
+def _compile_and_run(st, q, mask):
+    first = len(lowering.DECISIONS)
+    with lowering.use_path("split"), _torch_compat.triton_cpu_mode():
+        fn = torch.compile(_attend, fullgraph=True)
+        out, code = run_and_get_code(fn, q, mask, *st.buffers)
+    tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
+    return out, "\n".join(code), tiles
+
+
+def _case_inputs(name: str):
+    template, preset, d, (hq, h), dtype, tq, extra = CASES[name]
+    lengths = [150, 97] if tq == 1 else [150, 100]       # rows of different lengths
+    st = packed(preset, d, h, lengths, tq, frames=extra.get("frames", False))
+    q = torch.randn(2, hq, tq, d).to(dtype)
+    mask = None
+    if extra.get("mask"):
+        mask = torch.rand(2, 1, tq, st.max_len, generator=torch.Generator().manual_seed(3)) > 0.2
+    return template, st, q, mask
+
+
+def _calls_template(source: str, template: str) -> bool:
+    """The output code defines a rendered kvarn template kernel and launches it."""
+    import re
+
+    marker = f"# kvarn_{template} template"
+    for kernel in re.findall(r"def (triton_tem_\w+)\(", source):
+        body = source[source.index(f"def {kernel}("):]
+        if marker in body.split("\ndef ", 1)[0] and f"{kernel}.run(" in source:
+            return True
+    return False
+
+
+def _check(template: str, st, q, mask, out, source, tiles) -> float:
+    assert _calls_template(source, template), "the generated code does not call the template"
+    assert tiles, "the tile op was not lowered"
+    decision = tiles[-1]
+    assert decision.winner.startswith(template), decision.line()
+    assert len(decision.timings_ms) >= 2 and all(c.startswith(template) for c in decision.timings_ms), \
+        decision.line()
+    want = reference.attention(q, st.buffers, mask, 0.3, True, 0)
+    assert out.dtype == q.dtype
+    scale = want.float().abs().max().item()
+    err = (out.float() - want.float()).abs().max().item() / scale
+    tol = 1e-4 if q.dtype == torch.float32 else 2e-3
+    assert err <= tol, f"{template}: max error {err:.2e} of the output scale > {tol}"
+    return err
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_template_runs_autotunes_and_matches_the_reference(name, fresh_inductor):
+    template, st, q, mask = _case_inputs(name)
+    out, source, tiles = _compile_and_run(st, q, mask)
+    err = _check(template, st, q, mask, out, source, tiles)
+    print(f"\n  {name}: winner {tiles[-1].winner}, max error {err:.1e}")
+
+
+def test_the_winner_exports_and_replays_without_benchmarking(fresh_inductor, tmp_path, monkeypatch):
+    template, st, q, mask = _case_inputs("decode-k4v2-d64-gqa-fp32-frames")
+    out, source, tiles = _compile_and_run(st, q, mask)
+    _check(template, st, q, mask, out, source, tiles)
+    winner = tiles[-1].winner
+    path = tmp_path / "exported.json"
+    assert autotune.DB.export(path) >= 1
+    entries = json.loads(path.read_text())["entries"]
+    assert any(e["key"]["op"] == "kvarn_tile_partials" and e["winner"]["choice"] == template
+               for e in entries)
+
+    autotune.DB.clear()                      # a new process: empty DB, empty Inductor cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-2"))
+    torch._dynamo.reset()
+    assert autotune.DB.load(path).loaded >= 1
+    out2, source2, tiles2 = _compile_and_run(st, q, mask)
+    replay = tiles2[-1]
+    assert replay.replayed and len(replay.offered) == 1 and not replay.timings_ms, replay.line()
+    assert replay.winner == winner
+    assert _calls_template(source2, template)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_kvarn_backend_runs_both_templates_in_a_tiny_model(fresh_inductor, monkeypatch):
+    """The product path: kvarn_backend(compiler="inductor") on a tiny Llama over a StaticCache
+    (KVARN_TRITON_CPU=1): the prefill graph calls the prefill template, the decode graph the
+    decode template, and the tokens equal the eager KVarN model's."""
+    import transformers as tf
+
+    from kvarn_compile import kvarn_backend
+    from kvarn_compile.hf import KVarNCache, static_cache_for, use_kvarn_attention
+
+    monkeypatch.setenv("KVARN_TRITON_CPU", "1")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=256, attn_implementation="sdpa")
+    model = tf.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(1))
+    preset = dict(preset="k4v2", group_size=G)
+
+    eager = tf.LlamaForCausalLM(cfg).eval()
+    eager.load_state_dict(model.state_dict())
+    use_kvarn_attention(eager)
+    with torch.no_grad():
+        want = eager.generate(ids, max_new_tokens=3, do_sample=False,
+                              past_key_values=KVarNCache(eager.config, max_cache_len=96, **preset))
+
+    backend = kvarn_backend(**preset, compiler="inductor")
+    model.compile(backend=backend)
+    with torch.no_grad(), lowering.use_path("split"):
+        got, code = run_and_get_code(lambda: model.generate(
+            ids, max_new_tokens=3, do_sample=False, past_key_values=static_cache_for(model, 96)))
+    source = "\n".join(code)
+    assert _calls_template(source, "prefill") and _calls_template(source, "decode")
+    assert len(backend.report.rewritten) == len(backend.report.sites) > 0
+    assert got.tolist() == want.tolist()
+    templates = [n for n in backend.report.notes if "kvarn_tile_partials" in n]
+    assert any("prefill[" in n for n in templates) and any("decode[" in n for n in templates)
+
+
+_STALE_PROBE = textwrap.dedent("""
+    import json, os, sys, torch
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+    from kvarn_compile import lowering
+    from kvarn_compile.config import get_config
+    from kvarn_compile.ops import reference
+    from kvarn_compile.state import allocate_layer
+    lowering.register()
+    st = allocate_layer(get_config("k4v2", group_size=32), batch=1, kv_heads=1, head_dim=16,
+                        max_len=96, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    reference.append_(st.buffers, torch.randn(1, 1, 80, 16, generator=g),
+                      torch.randn(1, 1, 80, 16, generator=g), torch.tensor([0]))
+    def f(q, *b):
+        return torch.ops.kvarn.attention(q, list(b), None, 0.3, True, 0)
+    with lowering.use_path("reference"):
+        out, code = run_and_get_code(torch.compile(f), torch.randn(1, 2, 1, 16), *st.buffers)
+    print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
+                      "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+""")
+
+
+def test_an_edited_template_never_runs_from_inductors_caches(tmp_path):
+    """Three fresh processes share one Inductor cache: the second hits it; after a template
+    edit in a copy of the package, the third misses (the lowering's cache tag hashes every
+    kvarn source, templates included)."""
+    package = pathlib.Path(_torch_compat.__file__).parent
+    copy = tmp_path / "src" / "kvarn_compile"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(copy.parent), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+               KVARN_AUTOTUNE_DB=str(tmp_path / "db.json"))
+    script = tmp_path / "probe.py"
+    script.write_text(_STALE_PROBE)
+
+    def run() -> dict:
+        res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["miss"] >= 1 and first["hit"] == 0
+    assert run()["hit"] >= 1, "the probe cannot tell a cache hit (the test would be vacuous)"
+    template = copy / "templates" / "kvarn_decode.py.jinja"
+    template.write_text(template.read_text() + "\n# edited\n")
+    third = run()
+    assert third["hit"] == 0 and third["miss"] >= 1, third
