@@ -408,3 +408,22 @@ def test_the_cpu_kernel_builds_here():
     """The shipped fast path builds on this machine (this fails, never skips, when it does not)."""
     module = cpu_attention.build()
     assert hasattr(module, "kvarn_attention")
+
+
+def test_freeze_kernel_writes_the_reference_key_frames():
+    """key_frame="auto": the Triton freeze picks each K tile's frame like the reference and
+    quantizes plain tiles with per-channel RTN (no rotation), the others with KVarN."""
+    cfg = get_config("k4v2", group_size=G, key_frame="auto")
+    k, v = torch.randn(1, H, 4 * G, D), torch.randn(1, H, 4 * G, D)
+    k[:, 0, 2 * G:, 5] += 300.0                        # head 0, tiles 1..2: a bias-like channel
+    ref = allocate_layer(cfg, batch=1, kv_heads=H, head_dim=D, max_len=160, dtype=torch.float32)
+    reference.append_(ref.buffers, k, v, torch.tensor([0]))
+    got = allocate_layer(cfg, batch=1, kv_heads=H, head_dim=D, max_len=160, dtype=torch.float32)
+    tk, tv = k[0, :, G:4 * G].half().float(), v[0, :, G:4 * G].half().float()
+    assert triton_impl.freeze_tiles_triton(got.buffers, 0, tk, tv, 0, "kvarn", 8)
+    assert ref.k_plain[0, :, :3].tolist() == [[0, 1, 1], [0, 0, 0]]
+    assert torch.equal(got.k_plain[0, :, :3], ref.k_plain[0, :, :3])
+    for name in ("k_codes", "v_codes"):
+        a, b = getattr(ref, name)[:, :, :3].int(), getattr(got, name)[:, :, :3].int()
+        assert (a != b).float().mean() < 0.005, name        # rounding ties only
+    torch.testing.assert_close(got.k_row_scale[:, :, :3], ref.k_row_scale[:, :, :3], rtol=2e-3, atol=0)

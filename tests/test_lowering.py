@@ -53,10 +53,12 @@ def _isolated_autotune_db(tmp_path, monkeypatch):
 
 
 def packed_cache(*, batch=2, kv_heads=2, head_dim=16, max_len=200, prompt=150, new=1, group=32,
-                 preset="k4v2", scale_dtype="float16", device=DEV, seed=0):
-    """A packed cache holding ``prompt`` tokens, the last ``new`` written by a second append."""
+                 preset="k4v2", scale_dtype="float16", device=DEV, seed=0, frames=False):
+    """A packed cache holding ``prompt`` tokens, the last ``new`` written by a second append;
+    ``frames``: per-tile key frames, with a bias-like key channel in kv head 0 (plain tiles)."""
     g = torch.Generator().manual_seed(seed)
-    cfg = get_config(preset, group_size=group, scale_dtype=scale_dtype)
+    cfg = get_config(preset, group_size=group, scale_dtype=scale_dtype,
+                     key_frame="auto" if frames else "rotated")
     st = allocate_layer(cfg, batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
                         dtype=torch.float32, device=device)
     first = prompt - new
@@ -64,6 +66,8 @@ def packed_cache(*, batch=2, kv_heads=2, head_dim=16, max_len=200, prompt=150, n
         if n:
             k = torch.randn(batch, kv_heads, n, head_dim, generator=g).to(device)
             v = torch.randn(batch, kv_heads, n, head_dim, generator=g).to(device)
+            if frames:
+                k[:, 0, :, 1] += 200.0
             reference.append_(st.buffers, k, v, torch.full((batch,), start, device=device))
     return st
 
@@ -79,6 +83,8 @@ CASES = {
     "fp8_scales": dict(scale_dtype="float8_e4m3fn"),
     "k2v2_mask_window": dict(preset="k2v2", mask="bool", window=70, tq=3, new=3),
     "not_causal": dict(causal=False, tq=4, new=4),
+    "key_frames": dict(frames=True),
+    "key_frames_prefill_mask": dict(frames=True, tq=40, new=40, mask="bool"),
 }
 
 
@@ -169,31 +175,34 @@ def test_symbolic_shapes_fall_back_to_the_op_itself():
 # ------------------------------------------------------------------------------ templates
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="needs TRITON_INTERPRET=1 (tests/conftest.py sets it) or a GPU")
-@pytest.mark.parametrize("template, tq, mask, window, split, block_n, shared_cols", [
-    ("kvarn_decode.py.jinja", 1, True, 80, 2, 16, False),   # 2 splits of 3 slots, BLOCK_N < G, bias
-    ("kvarn_decode.py.jinja", 3, False, 0, 1, 32, True),    # GQA x 3 tokens; stride-0 col scales
-    ("kvarn_prefill.py.jinja", 20, False, 0, 1, 16, False),  # causal inside the tiles
+@pytest.mark.parametrize("template, tq, mask, window, split, block_n, shared_cols, frames", [
+    ("kvarn_decode.py.jinja", 1, True, 80, 2, 16, False, False),  # 2 splits of 3 slots, BLOCK_N < G, bias
+    ("kvarn_decode.py.jinja", 3, False, 0, 1, 32, True, False),   # GQA x 3 tokens; stride-0 col scales
+    ("kvarn_decode.py.jinja", 1, False, 0, 2, 32, False, True),   # per-tile key frames
+    ("kvarn_prefill.py.jinja", 20, False, 0, 1, 16, False, False),  # causal inside the tiles
+    ("kvarn_prefill.py.jinja", 20, True, 0, 1, 32, False, True),    # key frames + bias
 ])
 def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
-        template, tq, mask, window, split, block_n, shared_cols, tmp_path):
+        template, tq, mask, window, split, block_n, shared_cols, frames, tmp_path):
     """The template text itself (rendered standalone, see templates.render_standalone)."""
     import triton
 
     from kvarn_compile.lowering.templates import launch_standalone, render_standalone
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    st = packed_cache(prompt=170, new=tq, device=device)
+    st = packed_cache(prompt=170, new=tq, device=device, frames=frames)
     b, h, _, d = st.sink_k.shape
     q = torch.randn(b, 2 * h, tq, d, device=device)
     m = (torch.rand(b, 1, tq, st.max_len, device=device) > 0.3) if mask else None
     ins = reference.tile_inputs(q, st.buffers, m, True, window, rotation_matrix(d, device))
-    q_rot, kc, krs, krz, kcs, vc, vrs, vrz, vcs, nt, lo, hi, bias = ins
+    q_rot, qp, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, nt, lo, hi, bias = ins
     if shared_cols:   # every tile reads tile 0's column scales (the single-scale proxy)
         kcs = kcs[:, :, :1].expand_as(kcs)
         vcs = vcs[:, :, :1].expand_as(vcs)
-        ins = (q_rot, kc, krs, krz, kcs, vc, vrs, vrz, vcs, nt, lo, hi, bias)
+        ins = (q_rot, qp, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, nt, lo, hi, bias)
     split_max = split + 1
-    tensors = dict(Q=q_rot, KC=kc, KRS=krs, KRZ=krz, KCS=kcs, VC=vc, VRS=vrs, VRZ=vrz, VCS=vcs,
+    tensors = dict(Q=q_rot, **({"QP": qp} if frames else {}), KC=kc, KRS=krs, KRZ=krz, KCS=kcs,
+                   VC=vc, VRS=vrs, VRZ=vrz, VCS=vcs, **({"KP": kp} if frames else {}),
                    NT=nt, KVLO=lo, KVHI=hi)
     if bias is not None:
         tensors["BIAS"] = bias.contiguous()
@@ -202,7 +211,7 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
     block_m = 16
     ce = dict(GROUP_Q=2, D=d, BLOCK_D=16, G=kcs.shape[-1], BLOCK_N=block_n, K_BITS=4, V_BITS=2,
               SPLIT=split, SPLIT_MAX=split_max, BLOCK_M=block_m, HAS_BIAS=bias is not None,
-              INPUT_PRECISION="ieee", SM_SCALE=0.3, KVARN_SRC=1)
+              HAS_K_PLAIN=frames, INPUT_PRECISION="ieee", SM_SCALE=0.3, KVARN_SRC=1)
     kernel = render_standalone(template, tensors, ce, tmp_path)
     if template.startswith("kvarn_decode"):
         grid = (b * h, split, triton.cdiv(2 * tq, block_m))
@@ -225,7 +234,7 @@ def test_templates_open_with_a_glossary_and_import_the_shared_helpers():
         assert text.startswith("# KVarN"), name
         glossary = text.split("{{def_kernel")[0]
         for constexpr in ("GROUP_Q", "BLOCK_N", "BLOCK_M", "SPLIT", "SPLIT_MAX", "G", "K_BITS",
-                          "HAS_BIAS", "INPUT_PRECISION"):
+                          "HAS_BIAS", "HAS_K_PLAIN", "INPUT_PRECISION"):
             assert f"#   {constexpr}" in glossary, (name, constexpr)
         for helper in ("_load_k_tile_scores", "_accumulate_v_tile", "_online_softmax_step"):
             assert helper in text.split("from kvarn_compile.kernels.attention import")[1]

@@ -9,7 +9,7 @@ The one module that decides which kernel runs where:
   its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
   unpack, dual-scale fold, rotated frame), merged by log-sum-exp (:mod:`.regions`).
 * ``kvarn::append_`` / ``commit_`` on **CUDA**: the reference bookkeeping with the Triton
-  tile quantizer for the tiles a write freezes.
+  tile quantizer for the tiles a write freezes (per-tile key frames included).
 * ``kvarn::tile_partials_triton_`` on **CUDA**: the standalone Triton decode kernel.
 
 A kernel runs only where it computes exactly what the reference computes (:func:`kernel_applies`):
@@ -133,22 +133,42 @@ def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.T
     """Quantize [H, f*G, D] K/V of one row into tile slots with the Triton kernel
     (a :data:`reference.TileKernel`).
 
-    Returns False (nothing written) where the kernel does not apply: no usable triton,
-    fp8 scales, per-tile key frames, non-finite input (the reference handles those).
+    Per-tile key frames (``key_frame="auto"``) as in the reference: the frame of each K tile
+    is chosen in torch (``choose_key_frame``), then one launch quantizes the rotated tiles
+    and one the plain ones (per-channel RTN), each skipping the other's slots. Returns False
+    (nothing written) where the kernel does not apply: no usable triton, fp8 scales,
+    non-finite input (the reference handles those).
     """
     from kvarn_compile.kernels import quantize_tiles_into, triton_available
+    from kvarn_compile.reference.quantize import choose_key_frame
 
     f = unpack(buffers)
-    if not triton_available() or f.layout.fp8_factors or f.layout.key_frames \
+    if not triton_available() or f.layout.fp8_factors \
             or not bool(torch.isfinite(tokens_k).all() & torch.isfinite(tokens_v).all()):
         return False
     geo = Geometry.of(f)
     n = tokens_k.shape[1] // geo.group
     dst = torch.arange(first_tile, first_tile + n, device=tokens_k.device)[None, :]
+    rotate, normalize = method != "kivi", method == "kvarn"
+    plain = None
+    if f.k_plain is not None and rotate:
+        tiles = tokens_k.float().reshape(tokens_k.shape[0], n, geo.group, geo.head_dim)
+        plain = choose_key_frame(tiles)                                  # [H, n] bool
     for kind, bits, x in (("k", geo.key_bits, tokens_k), ("v", geo.value_bits, tokens_v)):
-        quantize_tiles_into(x[None], *(t[row:row + 1] for t in f.tiles(kind).core), kind=kind,
-                            bits=bits, rotate=method != "kivi", normalize=method == "kvarn",
-                            iters=iters, dst_tile=dst)
+        out = [t[row:row + 1] for t in f.tiles(kind).core]
+        if kind == "k" and plain is not None:
+            # heads have frames of their own: heads become the kernel's batch rows
+            heads = x.shape[0]
+            by_head = [t.view(heads, 1, *t.shape[2:]) for t in out]
+            for frame, rot in ((plain, False), (~plain, True)):
+                sel = torch.where(frame, dst.expand(heads, n), torch.full_like(frame, -1, dtype=dst.dtype))
+                if bool((sel >= 0).any()):
+                    quantize_tiles_into(x[:, None], *by_head, kind=kind, bits=bits, rotate=rot,
+                                        normalize=normalize and rot, iters=iters, dst_tile=sel)
+            f.k_plain[row, :, first_tile:first_tile + n] = plain.to(torch.uint8)
+            continue
+        quantize_tiles_into(x[None], *out, kind=kind, bits=bits, rotate=rotate,
+                            normalize=normalize, iters=iters, dst_tile=dst)
     return True
 
 
