@@ -86,20 +86,21 @@ def _kvarn_compiled(st, scale: float):
 
 def _single_vs_dual(st, n_tiles: int, scale: float) -> dict:
     """The decode template rendered standalone: dual column scales vs the single-scale proxy."""
-    from kvarn_compile.lowering.decompose import tile_inputs
     from kvarn_compile.lowering.templates import launch_standalone, render_standalone
+    from kvarn_compile.ops.reference import tile_inputs
     from kvarn_compile.reference.rotation import rotation_matrix
 
     b = st.batch
     q = torch.randn(b, GQA_Q_HEADS, 1, HEAD_DIM, device=st.sink_k.device, dtype=torch.float16)
     ins = tile_inputs(q, st.buffers, None, True, 0, rotation_matrix(HEAD_DIM, q.device))
-    q_rot, kc, krs, krz, kcs, vc, vrs, vrz, vcs, nt, lo, hi, _ = ins
+    q_rot, _, kc, krs, krz, kcs, vc, vrs, vrz, vcs, _, nt, lo, hi, _ = ins
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     split = max(1, min(-(-2 * sms // (b * KV_HEADS)), max(n_tiles, 1), 64))
     g = kcs.shape[-1]
     ce = dict(GROUP_Q=GQA_Q_HEADS // KV_HEADS, D=HEAD_DIM, BLOCK_D=HEAD_DIM, G=g,
               BLOCK_N=min(64, g), K_BITS=8 * kc.shape[-1] // g, V_BITS=8 * vc.shape[-1] // HEAD_DIM,
-              SPLIT=split, SPLIT_MAX=split, BLOCK_M=16, HAS_BIAS=False, INPUT_PRECISION="tf32",
+              SPLIT=split, SPLIT_MAX=split, BLOCK_M=16, HAS_BIAS=False, HAS_K_PLAIN=False,
+              INPUT_PRECISION="tf32",
               SM_SCALE=scale, KVARN_SRC=0)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

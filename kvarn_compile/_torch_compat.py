@@ -34,13 +34,24 @@ def _torch_minor() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+#: Set to 1 to use the compiler integration with an untested torch (a warning, not an error).
+UNTESTED_TORCH_ENV = "KVARN_ALLOW_UNTESTED_TORCH"
+
+
 def check_torch_version() -> None:
     lo, hi = TESTED_TORCH
     if not lo <= _torch_minor() <= hi:
+        if os.environ.get(UNTESTED_TORCH_ENV, "0") == "1":
+            import warnings
+
+            warnings.warn(f"kvarn_compile: torch {torch.__version__} is outside the tested range "
+                          f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} ({UNTESTED_TORCH_ENV}=1).", stacklevel=2)
+            return
         raise RuntimeError(
             f"kvarn_compile's compiler integration is tested with torch {lo[0]}.{lo[1]}-"
             f"{hi[0]}.{hi[1]}, but torch {torch.__version__} is installed. Install a tested "
-            "torch (pip install torch==2.13.0) or use the eager KVarNCache without compiling.")
+            "torch (pip install torch==2.13.0) or use the eager KVarNCache without compiling "
+            f"({UNTESTED_TORCH_ENV}=1 tries anyway).")
 
 
 # ------------------------------------------------------------------------------ sources hash

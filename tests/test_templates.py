@@ -256,3 +256,23 @@ def test_an_edited_template_never_runs_from_inductors_caches(tmp_path):
     template.write_text(template.read_text() + "\n# edited\n")
     third = run()
     assert third["hit"] == 0 and third["miss"] >= 1, third
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_templates_on_cuda(name, dtype, fresh_inductor):
+    """On a GPU (compiled Triton, not the interpreter): the same cases in bf16 and fp16; the
+    templates compete with the torch extern (and the standalone kernel for decode)."""
+    template, st, q, mask = _case_inputs(name)
+    cuda = [t.cuda() for t in st.buffers]
+    st = type(st)(config=st.config, buffers=cuda, max_len=st.max_len)
+    q = q.to(dtype).cuda()
+    mask = None if mask is None else mask.cuda()
+    first = len(lowering.DECISIONS)
+    out, code = run_and_get_code(torch.compile(_attend, fullgraph=True), q, mask, *st.buffers)
+    tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
+    assert tiles and any(c.startswith(template) for c in tiles[-1].offered), tiles
+    want = reference.attention(q, st.buffers, mask, 0.3, True, 0)
+    err = (out.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+    assert err <= (1e-2 if dtype == torch.bfloat16 else 3e-3), f"{name}: {err:.2e} ({tiles[-1].winner})"
