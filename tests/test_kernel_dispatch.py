@@ -427,3 +427,49 @@ def test_freeze_kernel_writes_the_reference_key_frames():
         a, b = getattr(ref, name)[:, :, :3].int(), getattr(got, name)[:, :, :3].int()
         assert (a != b).float().mean() < 0.005, name        # rounding ties only
     torch.testing.assert_close(got.k_row_scale[:, :, :3], ref.k_row_scale[:, :, :3], rtol=2e-3, atol=0)
+
+
+# ------------------------------------------------------------------------------ append fast path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_decode_append_is_the_reference_append(dtype, monkeypatch):
+    """The C++ decode-step append (every row continues, no tile completes) leaves exactly the
+    state the reference append leaves, step by step, through tile freezes (reference), new
+    sequences, multi-token writes and a batch row that restarts."""
+    cfg = get_config("k4v2", group_size=G)
+    fast, ref = (allocate_layer(cfg, batch=2, kv_heads=H, head_dim=D, max_len=200, dtype=dtype)
+                 for _ in range(2))
+    calls = []
+    real = cpu_attention.append_decode
+    monkeypatch.setattr(cpu_attention, "append_decode",
+                        lambda *a, **kw: calls.append(r := real(*a, **kw)) or r)
+    gen = torch.Generator().manual_seed(0)
+    plan = [(0, 20), (20, 1), (21, 3)] + [(24 + i, 1) for i in range(60)] + [(84, 2), (0, 5), (5, 1)]
+    for start, t in plan:
+        k = (torch.randn(2, H, t, D, generator=gen) * 3).to(dtype)
+        v = torch.randn(2, H, t, D, generator=gen).to(dtype)
+        pos = torch.full((2,), start, dtype=torch.long)
+        torch.ops.kvarn.append_(fast.buffers, k, v, pos, "kvarn", 8, 0, 0, False, "x")
+        reference.append_(ref.buffers, k, v, pos)
+        for name, a, b in zip(ref.fields.named(), fast.buffers, ref.buffers):
+            assert torch.equal(a, b) if not a.is_floating_point() else \
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (start, t, name)
+    assert calls.count(True) >= 50 and calls.count(False) >= 3    # both paths were taken
+
+
+def test_cpu_decode_append_leaves_errors_to_the_reference():
+    """Writes the fast path does not take raise the reference's errors, state unchanged."""
+    cfg = get_config("k4v2", group_size=G)
+    st = allocate_layer(cfg, batch=1, kv_heads=H, head_dim=D, max_len=70, dtype=torch.float32)
+    torch.ops.kvarn.append_(st.buffers, torch.randn(1, H, 69, D), torch.randn(1, H, 69, D),
+                            torch.tensor([0]), "kvarn", 8, 0, 0, False, "x")
+    before = [t.clone() for t in st.buffers]
+    with pytest.raises(ValueError, match="allocated for 70"):
+        torch.ops.kvarn.append_(st.buffers, torch.randn(1, H, 2, D), torch.randn(1, H, 2, D),
+                                torch.tensor([69]), "kvarn", 8, 0, 0, False, "x")
+    with pytest.raises(ValueError, match="float16 high-precision"):
+        torch.ops.kvarn.append_(st.buffers, torch.full((1, H, 1, D), 1e6), torch.randn(1, H, 1, D),
+                                torch.tensor([69]), "kvarn", 8, 0, 0, False, "x")
+    with pytest.raises(ValueError, match="method"):
+        torch.ops.kvarn.append_(st.buffers, torch.randn(1, H, 1, D), torch.randn(1, H, 1, D),
+                                torch.tensor([69]), "kivi", 8, 0, 0, False, "x")
+    assert all(torch.equal(a, b) for a, b in zip(st.buffers, before))

@@ -40,8 +40,8 @@ import platform
 
 import torch
 
-__all__ = ["available", "build", "tile_attention", "decode_attention", "SUPPORTED_BITS",
-           "KernelBuildError"]
+__all__ = ["available", "build", "tile_attention", "decode_attention", "append_decode",
+           "SUPPORTED_BITS", "KernelBuildError"]
 
 
 class KernelBuildError(RuntimeError):
@@ -844,6 +844,93 @@ std::vector<torch::Tensor> kvarn_attention(
   run(a);
   return {out, lse};
 }
+
+// ---------------------------------------------------------------------------------------
+// Decode-step append fast path: the reference append (ops/reference.py) of the common case
+// in one call. Every row continues its sequence (start == lengths == committed > 0), all new
+// tokens are committed (hold == 0) and no tile completes, so the write is: round the new
+// rows to the exact dtype, store them in the sink or the tail ring, bump the counters.
+// Anything else (a new sequence, a rollback, speculative tokens, a freeze, a full tail,
+// the capacity, an fp16 overflow) returns false with nothing written: the caller runs the
+// reference, which also raises the descriptive errors.
+template <typename E>
+static void put_rows(const torch::Tensor& x, E* dst, int64_t b, int64_t H, int64_t T, int64_t D,
+                     int64_t slots, const std::vector<int64_t>& slot_of, int64_t row_stride_b) {
+  auto xf = x.accessor<float, 4>();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < T; ++t) {
+      if (slot_of[t] < 0) continue;
+      E* out = dst + ((b * H + h) * slots + slot_of[t]) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<E>(xf[b][h][t][d]);
+    }
+  (void)row_stride_b;
+}
+
+bool kvarn_append_decode(torch::Tensor k, torch::Tensor v, torch::Tensor sink_k, torch::Tensor sink_v,
+                         torch::Tensor tail_k, torch::Tensor tail_v, torch::Tensor lengths,
+                         torch::Tensor committed, torch::Tensor n_tiles, torch::Tensor capacity,
+                         torch::Tensor start_pos, int64_t group, int64_t recent, int64_t hold) {
+  if (hold != 0 || k.dim() != 4 || v.sizes() != k.sizes() || !k.is_floating_point()
+      || !v.is_floating_point() || k.device().type() != c10::DeviceType::CPU) return false;
+  const int64_t B = sink_k.size(0), H = sink_k.size(1), S = sink_k.size(2), D = sink_k.size(3);
+  const int64_t W = tail_k.size(2), T = k.size(2);
+  if (k.size(0) != B || k.size(1) != H || k.size(3) != D || T < 1) return false;
+  if (start_pos.dim() != 1 || start_pos.size(0) != B) return false;
+  if (start_pos.scalar_type() != torch::kLong && start_pos.scalar_type() != torch::kInt) return false;
+  for (const auto& t : {sink_k, sink_v, tail_k, tail_v})
+    if (!t.is_contiguous() || t.scalar_type() != tail_k.scalar_type()) return false;
+  for (const auto& t : {lengths, committed, n_tiles, capacity})
+    if (!t.is_contiguous() || t.scalar_type() != torch::kLong) return false;
+  auto start = start_pos.to(torch::kLong);
+  const int64_t* sp = start.data_ptr<int64_t>();
+  int64_t* len = lengths.data_ptr<int64_t>();
+  int64_t* com = committed.data_ptr<int64_t>();
+  const int64_t* nt = n_tiles.data_ptr<int64_t>();
+  const int64_t cap = capacity.data_ptr<int64_t>()[0];
+  const int64_t n_max = 0;  (void)n_max;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p0 = sp[b], end = p0 + T;
+    if (p0 <= 0 || p0 != len[b] || com[b] != len[b] || end > cap) return false;
+    const int64_t frozen_end = S + nt[b] * group;
+    if (end > S && (end - frozen_end - recent) >= group) return false;   // a tile completes
+    if (end - std::max(frozen_end, S) > W) return false;                  // tail full
+  }
+  auto kf = k.to(torch::kFloat), vf = v.to(torch::kFloat);
+  const auto exact = tail_k.scalar_type();
+  if (exact == torch::kHalf && k.scalar_type() != torch::kHalf) {        // fp16 range (reference raises)
+    auto peak = torch::maximum(torch::nan_to_num(kf.abs(), 0.0, 0.0).amax(),
+                               torch::nan_to_num(vf.abs(), 0.0, 0.0).amax());
+    if (peak.item<float>() > 65504.0f) return false;
+  }
+  kf = kf.contiguous(); vf = vf.contiguous();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p0 = sp[b];
+    std::vector<int64_t> sink_slot(T, -1), tail_slot(T, -1);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = p0 + t;
+      if (p < S) sink_slot[t] = p; else tail_slot[t] = ((p - S) % W + W) % W;
+    }
+    if (exact == torch::kHalf) {
+      put_rows<c10::Half>(kf, sink_k.data_ptr<c10::Half>(), b, H, T, D, S, sink_slot, 0);
+      put_rows<c10::Half>(vf, sink_v.data_ptr<c10::Half>(), b, H, T, D, S, sink_slot, 0);
+      put_rows<c10::Half>(kf, tail_k.data_ptr<c10::Half>(), b, H, T, D, W, tail_slot, 0);
+      put_rows<c10::Half>(vf, tail_v.data_ptr<c10::Half>(), b, H, T, D, W, tail_slot, 0);
+    } else if (exact == torch::kBFloat16) {
+      put_rows<c10::BFloat16>(kf, sink_k.data_ptr<c10::BFloat16>(), b, H, T, D, S, sink_slot, 0);
+      put_rows<c10::BFloat16>(vf, sink_v.data_ptr<c10::BFloat16>(), b, H, T, D, S, sink_slot, 0);
+      put_rows<c10::BFloat16>(kf, tail_k.data_ptr<c10::BFloat16>(), b, H, T, D, W, tail_slot, 0);
+      put_rows<c10::BFloat16>(vf, tail_v.data_ptr<c10::BFloat16>(), b, H, T, D, W, tail_slot, 0);
+    } else {
+      put_rows<float>(kf, sink_k.data_ptr<float>(), b, H, T, D, S, sink_slot, 0);
+      put_rows<float>(vf, sink_v.data_ptr<float>(), b, H, T, D, S, sink_slot, 0);
+      put_rows<float>(kf, tail_k.data_ptr<float>(), b, H, T, D, W, tail_slot, 0);
+      put_rows<float>(vf, tail_v.data_ptr<float>(), b, H, T, D, W, tail_slot, 0);
+    }
+    len[b] = p0 + T;
+    com[b] = p0 + T;
+  }
+  return true;
+}
 """
 
 _CPP_DECL = (
@@ -855,7 +942,11 @@ _CPP_DECL = (
     "torch::Tensor vc, torch::Tensor vrs, torch::Tensor vrz, torch::Tensor vcs, "
     "std::optional<torch::Tensor> lengths, torch::Tensor n_tiles, std::optional<torch::Tensor> kv_start, "
     "std::optional<torch::Tensor> k_plain, std::optional<torch::Tensor> mask, "
-    "double scale, bool causal, int64_t window, int64_t kb, int64_t vb);")
+    "double scale, bool causal, int64_t window, int64_t kb, int64_t vb);"
+    "bool kvarn_append_decode(torch::Tensor k, torch::Tensor v, torch::Tensor sink_k, "
+    "torch::Tensor sink_v, torch::Tensor tail_k, torch::Tensor tail_v, torch::Tensor lengths, "
+    "torch::Tensor committed, torch::Tensor n_tiles, torch::Tensor capacity, "
+    "torch::Tensor start_pos, int64_t group, int64_t recent, int64_t hold);")
 
 #: (key bits, value bits) the kernel reads (3-bit codes go through a byte-unpack path).
 SUPPORTED_BITS = {(kb, vb) for kb in (2, 3, 4, 8) for vb in (2, 3, 4, 8)}
@@ -869,8 +960,8 @@ def _module():
     # -march=native: the extension is built on (and cached for) the machine that runs it;
     # the CPU model is part of the name so a cache shared between machines never mixes them.
     cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
-    return load_inline(name=f"kvarn_cpu_attention_v3_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
-                       functions=["kvarn_attention"],
+    return load_inline(name=f"kvarn_cpu_attention_v4_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
+                       functions=["kvarn_attention", "kvarn_append_decode"],
                        # -fopenmp: at::parallel_for is inlined here as an OpenMP region (without
                        # it the loop runs on one thread); libgomp resolves to torch's own copy
                        extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
@@ -1011,3 +1102,16 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
         _c(lengths), _c(n_tiles), None, _plain(k_plain), m,
         float(scale), bool(causal), int(window), kb, vb)
     return out
+
+
+def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                  start_pos: torch.Tensor, recent: int, hold: int) -> bool:
+    """The decode-step append in one C++ call; True when done, False (nothing written) when
+    the reference must run: a new sequence, a rollback, uncommitted tokens, a tile that
+    completes, a full tail, the capacity or an fp16 overflow (the reference raises there)."""
+    from kvarn_compile.state import unpack
+
+    f = unpack(buffers)
+    return bool(_module().kvarn_append_decode(
+        k, v, f.sink_k, f.sink_v, f.tail_k, f.tail_v, f.lengths, f.committed, f.n_tiles,
+        f.capacity, start_pos, f.k.col_scale.shape[-1], int(recent), int(hold)))

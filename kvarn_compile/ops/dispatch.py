@@ -8,6 +8,8 @@ The one module that decides which kernel runs where:
 * ``kvarn::attention`` on **CUDA**: the exact region (sink and tail, :mod:`.regions`) with
   its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
   unpack, dual-scale fold, rotated frame), merged by log-sum-exp (:mod:`.regions`).
+* ``kvarn::append_`` on **CPU**: the decode step's append (every row continues, no tile
+  completes) in one C++ call (``cpu_attention.append_decode``); anything else the reference.
 * ``kvarn::append_`` / ``commit_`` on **CUDA**: the reference bookkeeping with the Triton
   tile quantizer for the tiles a write freezes (per-tile key frames included).
 * ``kvarn::tile_partials_triton_`` on **CUDA**: the standalone Triton decode kernel.
@@ -170,6 +172,19 @@ def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.T
         quantize_tiles_into(x[None], *out, kind=kind, bits=bits, rotate=rotate,
                             normalize=normalize, iters=iters, dst_tile=dst)
     return True
+
+
+@library.append_.register_kernel("cpu")
+def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+    """The decode-step append in one C++ call where it applies (``cpu_attention.append_decode``:
+    every row continues, no tile completes), else the reference."""
+    from kvarn_compile.kernels import cpu_attention
+
+    reference.check_method(method)
+    if not check_finite and cpu_attention.available() \
+            and cpu_attention.append_decode(buffers, k, v, start_pos, recent, hold):
+        return
+    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
 
 
 @library.append_.register_kernel("cuda")
