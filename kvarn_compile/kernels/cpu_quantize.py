@@ -138,16 +138,17 @@ template <typename S> inline S to_store(float v) { return S(v); }
 template <> inline float to_store<float>(float v) { return v; }
 
 struct Scratch {
-  std::vector<float> X, XT, Y, YT, cf, rf, rng, b;
-  std::vector<double> colstd, rowstd, c, r, best_c, best_r, acc;
-  std::vector<uint8_t> codes, codes_a;
+  std::vector<float> X, Y, YT, cf, rf, rng, lo, hi, delta, mid, half, lo_a, delta_a;
+  std::vector<double> colstd, rowstd, c, r, best_c, best_r, acc, best_err, err;
+  std::vector<uint8_t> codes, codes_t;
   void init(int R, int C) {
     const size_t n = (size_t)R * C;
-    X.resize(n); XT.resize(n); Y.resize(n); YT.resize(n);
-    cf.resize(C); rf.resize(R); rng.resize(std::max(R, C)); b.resize(C);
+    X.resize(n); Y.resize(n); YT.resize(n); codes_t.resize(n);
+    cf.resize(C); rf.resize(R); rng.resize(std::max(R, C));
+    for (auto* v : {&lo, &hi, &delta, &mid, &half, &lo_a, &delta_a}) v->resize(R);
     colstd.resize(C); rowstd.resize(R); c.resize(C); r.resize(R); best_c.resize(C);
-    best_r.resize(R); acc.resize(std::max(R, C));
-    codes.resize(C); codes_a.resize(C);
+    best_r.resize(R); acc.resize(std::max(R, C)); best_err.resize(R); err.resize(R);
+    codes.resize(C);
   }
 };
 
@@ -169,26 +170,24 @@ struct Job {
   int units() const { return L * n; }
 };
 
-// codes = clamp(rne((b - lo) / delta), 0, qmax) of one row; returns delta.
-inline float rtn(const float* b, int C, float lo, float hi, float qmax, float dmin, uint8_t* out) {
-  const float delta = std::max((hi - lo) / qmax, dmin);
-  for (int j = 0; j < C; ++j) {
-    float q = std::nearbyint((b[j] - lo) / delta);
-    q = std::min(std::max(q, 0.0f), qmax);
-    out[j] = (uint8_t)q;
-  }
-  return delta;
+// code = clamp(round_half_to_even((b - lo) / delta), 0, qmax) (torch.round is nearbyint)
+inline float rne_code(float b, float lo, float delta, float qmax) {
+  return std::min(std::max(std::nearbyint((b - lo) / delta), 0.0f), qmax);
 }
 
-// float64 squared error of one row, summed left to right from 0 (reference _sq_err).
-inline double sq_err(const float* b, int C, const uint8_t* codes, float delta, float lo) {
-  double acc = 0.0;
+// float64 squared rounding error of every row of B, from B^T [C, R] (lanes: rows), each sum
+// from 0 left to right over the columns (reference _sq_err): e = (code * delta + lo) - b.
+inline void sq_err(const float* __restrict__ bt, int R, int C, const float* __restrict__ lo,
+                   const float* __restrict__ delta, float qmax, double* __restrict__ out) {
+  for (int i = 0; i < R; ++i) out[i] = 0.0;
   for (int j = 0; j < C; ++j) {
-    const float e = ((float)codes[j] * delta + lo) - b[j];
-    const double d = (double)e;
-    acc += d * d;
+    const float* __restrict__ bj = bt + (size_t)j * R;
+    for (int i = 0; i < R; ++i) {
+      const float q = rne_code(bj[i], lo[i], delta[i], qmax);
+      const double e = (double)((q * delta[i] + lo[i]) - bj[i]);
+      out[i] += e * e;
+    }
   }
-  return acc;
 }
 
 inline void pack_row(const uint8_t* codes, int C, int bits, uint8_t* out) {
@@ -240,13 +239,16 @@ void quantize_tile(const Job& job, int unit, const Consts& k, Scratch& s,
     job.plain_out[unit] = p ? 1 : 0;
     if (p) { src = plain; normalize = false; }
   }
-  // X [R, C] and XT [C, R]; token-major src is [G, D]
-  float* X = s.X.data(); float* XT = s.XT.data();
-  float* tm = job.is_k ? XT : X;   // token-major copy
-  float* cm = job.is_k ? X : XT;   // channel-major copy
-  std::memcpy(tm, src, sizeof(float) * (size_t)G * D);
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) cm[(size_t)d * G + g] = src[(size_t)g * D + d];
+  // X [R, C] and XT [C, R] (the same values transposed); the token-major src [G, D] is XT for
+  // K tiles and X for V tiles. X is read by the normalization only.
+  const float* X = src;
+  const float* XT = src;
+  float* tr = s.X.data();
+  if (job.is_k ? normalize : true) {
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) tr[(size_t)d * G + g] = src[(size_t)g * D + d];
+    if (job.is_k) X = tr; else XT = tr;
+  }
 
   float* cf = s.cf.data(); float* rf = s.rf.data();
   for (int c = 0; c < C; ++c) cf[c] = 1.0f;
@@ -286,39 +288,57 @@ void quantize_tile(const Job& job, int unit, const Consts& k, Scratch& s,
     for (int i = 0; i < C; ++i) cf[i] = (float)best_c[i];
     for (int i = 0; i < R; ++i) rf[i] = (float)best_r[i];
   }
-  // RTN per row of B = (X / c*) / r*, fold, store, pack
+  // RTN per row of B = (X / c*) / r*, computed on B^T [C, R] so that the lanes are the rows
+  // (every per-row sum stays left to right over the columns); fold, store, pack.
+  const float* BT = XT;                          // x / 1 / 1 = x exactly
+  if (normalize) {
+    scale_cols(XT, R, C, cf, rf, s.Y.data());
+    BT = s.Y.data();
+  }
   const float qmax = (float)((1 << job.bits) - 1);
-  const bool clip = job.clip && job.bits <= k.clip_max_bits;
+  const float dmin = k.delta_min;
+  float* lo = s.lo.data(); float* hi = s.hi.data(); float* delta = s.delta.data();
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = BT[i];
+  for (int j = 1; j < C; ++j) {
+    const float* __restrict__ bj = BT + (size_t)j * R;
+    for (int i = 0; i < R; ++i) { lo[i] = std::min(lo[i], bj[i]); hi[i] = std::max(hi[i], bj[i]); }
+  }
+  for (int i = 0; i < R; ++i) delta[i] = std::max((hi[i] - lo[i]) / qmax, dmin);
+  if (job.clip && job.bits <= k.clip_max_bits) {
+    float* mid = s.mid.data(); float* half = s.half.data();
+    float* lo_a = s.lo_a.data(); float* delta_a = s.delta_a.data();
+    double* best = s.best_err.data(); double* err = s.err.data();
+    for (int i = 0; i < R; ++i) { mid[i] = (lo[i] + hi[i]) / 2.0f; half[i] = (hi[i] - lo[i]) / 2.0f; }
+    sq_err(BT, R, C, lo, delta, qmax, best);
+    for (size_t a = 1; a < k.ratios.size(); ++a) {
+      const float ra = k.ratios[a];
+      for (int i = 0; i < R; ++i) {
+        lo_a[i] = mid[i] - ra * half[i];
+        const float hi_a = mid[i] + ra * half[i];
+        delta_a[i] = std::max((hi_a - lo_a[i]) / qmax, dmin);
+      }
+      sq_err(BT, R, C, lo_a, delta_a, qmax, err);
+      for (int i = 0; i < R; ++i)
+        if (err[i] < best[i]) { best[i] = err[i]; lo[i] = lo_a[i]; delta[i] = delta_a[i]; }
+    }
+  }
+  uint8_t* codes_t = s.codes_t.data();           // [C, R]
+  for (int j = 0; j < C; ++j) {
+    const float* __restrict__ bj = BT + (size_t)j * R;
+    uint8_t* __restrict__ cj = codes_t + (size_t)j * R;
+    for (int i = 0; i < R; ++i) cj[i] = (uint8_t)rne_code(bj[i], lo[i], delta[i], qmax);
+  }
   const int row_bytes = C * job.bits / 8;
   uint8_t* codes_out = job.codes + (size_t)unit * R * row_bytes;
   S* rs = (S*)job.rs + (size_t)unit * R;
   S* rz = (S*)job.rz + (size_t)unit * R;
   S* cs = (S*)job.cs + (size_t)unit * C;
-  float* b = s.b.data();
-  uint8_t* codes = s.codes.data(); uint8_t* codes_a = s.codes_a.data();
+  uint8_t* row = s.codes.data();
   bool inf = false;
   for (int i = 0; i < R; ++i) {
-    const float* xr = X + (size_t)i * C;
-    const float rv = rf[i];
-    for (int jj = 0; jj < C; ++jj) b[jj] = (xr[jj] / cf[jj]) / rv;
-    float lo = b[0], hi = b[0];
-    for (int jj = 1; jj < C; ++jj) { lo = std::min(lo, b[jj]); hi = std::max(hi, b[jj]); }
-    float delta = rtn(b, C, lo, hi, qmax, k.delta_min, codes);
-    if (clip) {
-      const float mid = (lo + hi) / 2.0f, half = (hi - lo) / 2.0f;
-      double best = sq_err(b, C, codes, delta, lo);
-      for (size_t a = 1; a < k.ratios.size(); ++a) {
-        const float lo_a = mid - k.ratios[a] * half, hi_a = mid + k.ratios[a] * half;
-        const float delta_a = rtn(b, C, lo_a, hi_a, qmax, k.delta_min, codes_a);
-        const double err = sq_err(b, C, codes_a, delta_a, lo_a);
-        if (err < best) {
-          best = err; delta = delta_a; lo = lo_a;
-          std::swap(codes, codes_a);
-        }
-      }
-    }
-    pack_row(codes, C, job.bits, codes_out + (size_t)i * row_bytes);
-    const S sv = to_store<S>(rv * delta), zv = to_store<S>(rv * lo);
+    for (int j = 0; j < C; ++j) row[j] = codes_t[(size_t)j * R + i];
+    pack_row(row, C, job.bits, codes_out + (size_t)i * row_bytes);
+    const S sv = to_store<S>(rf[i] * delta[i]), zv = to_store<S>(rf[i] * lo[i]);
     inf |= std::isinf((float)sv) || std::isinf((float)zv);
     rs[i] = sv; rz[i] = zv;
   }
@@ -487,7 +507,7 @@ def _module():
     # -march=native: built on (and cached for) the machine that runs it; the CPU model is part
     # of the name. -ffp-contract=off: no fused multiply-add, every product rounds as in torch.
     cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
-    return load_inline(name=f"kvarn_cpu_quantize_v1_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
+    return load_inline(name=f"kvarn_cpu_quantize_v2_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
                        functions=["kvarn_quantize", "kvarn_freeze"],
                        extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
                                      "-fno-fast-math", "-fopenmp"],
@@ -528,6 +548,7 @@ def available() -> bool:
     return _built()
 
 
+@functools.lru_cache(maxsize=1)
 def _consts() -> tuple[list[float], list[float]]:
     from kvarn_compile.reference import quantize as q
 
