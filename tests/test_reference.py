@@ -155,6 +155,59 @@ def test_normalization_never_increases_imbalance_property(seed, spread, scale):
     assert (imbalance(x / c.unsqueeze(-2) / r.unsqueeze(-1)) <= imbalance(x) * (1 + 1e-6)).all()
 
 
+def test_statistics_are_float64_sequential_sums():
+    """The canonical form every kernel reproduces: stds and clip errors are float64 sums taken
+    left to right (bit-equal to a Python loop), on both axes of a non-contiguous K-like view."""
+    from kvarn_compile.reference.quantize import _sq_err, _std
+
+    y = (torch.randn(96, 64) * torch.exp(torch.randn(64) * 2)).t()       # [64, 96], strided
+    for dim in (-2, -1):
+        got = _std(y, dim)
+        assert got.dtype == torch.float64
+        lines = y.double().unbind(1 if dim == -2 else 0)
+        for i in (0, 17, len(lines) - 1):
+            vals = lines[i].tolist()
+            s = 0.0
+            for v in vals:
+                s += v
+            mean, ss = s / len(vals), 0.0
+            for v in vals:
+                ss += (v - mean) * (v - mean)
+            assert got[i].item() == math.sqrt(ss / (len(vals) - 1))
+    b = torch.randn(4, 128)
+    codes, delta, lo = torch.randint(0, 4, (4, 128)).float(), torch.rand(4) + 0.1, b.amin(-1)
+    err = _sq_err(codes, delta, lo, b)
+    e = ((codes * delta[:, None] + lo[:, None]) - b).double().tolist()
+    s = 0.0
+    for v in e[2]:
+        s += v * v
+    assert err[2].item() == s
+
+
+def test_linear_domain_update_equals_the_log_domain_one():
+    """c = clip(c * clip(std), e^-0.3, e^10) is the method's a = clip(a + log clip(std),
+    -0.3, 10), c = e^a: the log-domain loop (written here from the method description)
+    reaches the same balance, with products r*[i] c*[j] equal up to float rounding."""
+    x = torch.exp(torch.randn(8, 64, 1)) * torch.exp(torch.randn(8, 1, 128)) * torch.randn(8, 64, 128)
+    a, b = torch.zeros(8, 128), torch.zeros(8, 64)
+    best = imbalance(x)
+    best_a, best_b = a, b
+    for _ in range(8):
+        y = lambda: x / a.exp()[..., None, :] / b.exp()[..., :, None]  # noqa: E731
+        a = (a + y().std(-2).clamp(1e-3, 1e3).log()).clamp(-0.3, 10)
+        b = (b + y().std(-1).clamp(1e-3, 1e3).log()).clamp(-0.3, 10)
+        score = imbalance(y())
+        better = score <= best
+        best = torch.where(better, score, best)
+        best_a = torch.where(better[..., None], a, best_a)
+        best_b = torch.where(better[..., None], b, best_b)
+    c, r = normalize_variance(x, 8)
+    torch.testing.assert_close(imbalance(x / c[..., None, :] / r[..., :, None]), best,
+                               rtol=1e-4, atol=0)
+    torch.testing.assert_close(r[..., :, None] * c[..., None, :],
+                               (best_b[..., :, None] + best_a[..., None, :]).exp(), rtol=1e-4, atol=0)
+
+
 # ------------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("normalize", [False, True])

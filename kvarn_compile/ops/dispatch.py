@@ -12,6 +12,9 @@ The one module that decides which kernel runs where:
   completes) in one C++ call (``cpu_attention.append_decode``); anything else the reference.
 * ``kvarn::append_`` / ``commit_`` on **CUDA**: the reference bookkeeping with the Triton
   tile quantizer for the tiles a write freezes (per-tile key frames included).
+* ``kvarn::append_`` / ``commit_`` on **CPU**: the reference bookkeeping with the C++ tile
+  quantizer of ``kernels/cpu_quantize.py``, bit-identical to the reference (key frames and
+  ``clip="mse"`` included; ``KVARN_CPU_KERNEL`` as for attention).
 * ``kvarn::tile_partials_triton_`` on **CUDA**: the standalone Triton decode kernel.
 
 A kernel runs only where it computes exactly what the reference computes (:func:`kernel_applies`):
@@ -29,7 +32,7 @@ from kvarn_compile.ops import library, reference, regions
 from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, unpack
 
-__all__ = ["kernel_applies", "attention", "freeze_tiles_triton"]
+__all__ = ["kernel_applies", "attention", "freeze_tiles_triton", "freeze_tiles_cpu"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None) -> bool:
@@ -197,6 +200,53 @@ def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_fi
 def _commit_cuda(buffers, upto, method, iters, recent, check_finite, name):
     reference.commit_(buffers, upto, method, iters, recent, check_finite, name,
                       tile_kernel=freeze_tiles_triton)
+
+
+def freeze_tiles_cpu(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
+                     tokens_v: torch.Tensor, first_tile: int, method: str, iters: int) -> bool:
+    """Quantize [H, f*G, D] K/V of one row into tile slots with the C++ CPU quantizer
+    (a :data:`reference.TileKernel`; ``kernels/cpu_quantize.py``).
+
+    Bit-identical to the reference quantizer: codes, scales, zero points and per-tile key
+    frames (``key_frame="auto"``, chosen per K tile in C++ by the reference rule). Takes op
+    methods with the clip option too (``"kvarn+clip"``: ``handles_clip``). Returns False
+    (nothing written) where it does not apply: kernel off or not built, fp8 scales,
+    non-contiguous buffers, a non-finite value, a scale overflowing its dtype (the
+    reference handles or reports those).
+    """
+    from kvarn_compile.kernels import cpu_quantize
+
+    base, clip = reference.split_method(method)
+    f = unpack(buffers)
+    if base not in ("kvarn", "hadamard") or clip not in ("none", "mse") \
+            or f.layout.fp8_factors or f.k.row_scale.dtype not in cpu_quantize.SCALE_DTYPES \
+            or not cpu_quantize.available():
+        return False
+    geo = Geometry.of(f)
+    k_dst = [t[row] for t in f.k.core]
+    v_dst = [t[row] for t in f.v.core]
+    plain = None if f.k_plain is None else f.k_plain[row]
+    if any(not t.is_contiguous() for t in (*k_dst, *v_dst, *(() if plain is None else (plain,)))):
+        return False
+    return cpu_quantize.freeze(tokens_k, tokens_v, k_dst, v_dst, plain, first_tile,
+                               key_bits=geo.key_bits, value_bits=geo.value_bits,
+                               group=geo.group, rotate=True, normalize=base == "kvarn",
+                               iters=iters, clip=clip == "mse")
+
+
+freeze_tiles_cpu.handles_clip = True
+
+
+@library.append_.register_kernel("cpu")
+def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+                      tile_kernel=freeze_tiles_cpu)
+
+
+@library.commit_.register_kernel("cpu")
+def _commit_cpu(buffers, upto, method, iters, recent, check_finite, name):
+    reference.commit_(buffers, upto, method, iters, recent, check_finite, name,
+                      tile_kernel=freeze_tiles_cpu)
 
 
 # ------------------------------------------------------------------------------ tile partials

@@ -51,7 +51,9 @@ TILE_CHUNK = 64
 #: A device kernel for tile quantization: ``fn(buffers, row, tokens_k, tokens_v,
 #: first_tile, method, iters) -> bool`` quantizes [H, f*G, D] token-major K/V of one batch
 #: row into tile slots first_tile.. and returns True, or returns False (nothing written)
-#: where it does not apply; the reference quantizer then runs.
+#: where it does not apply; the reference quantizer then runs. ``method`` is the quantizer
+#: method ("kvarn"); a kernel with a true ``handles_clip`` attribute is also called for op
+#: methods with a clip option, and gets the op method ("kvarn+clip").
 TileKernel = Callable[[list, int, torch.Tensor, torch.Tensor, int, str, int], bool]
 
 
@@ -178,11 +180,13 @@ def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
     g, kb, vb = geo.group, geo.key_bits, geo.value_bits
     n = tokens_k.shape[1] // g
     scale_dtype = f.k.row_scale.dtype
-    method, clip = split_method(method)
+    op_method, (method, clip) = method, split_method(method)
     sl = slice(first_tile, first_tile + n)
     s_pos = lambda tile: geo.sink + tile * g  # noqa: E731
-    if tile_kernel is not None and not check and clip == "none" \
-            and tile_kernel(buffers, row, tokens_k, tokens_v, first_tile, method, iters):
+    if tile_kernel is not None and not check \
+            and (clip == "none" or getattr(tile_kernel, "handles_clip", False)) \
+            and tile_kernel(buffers, row, tokens_k, tokens_v, first_tile,
+                            method if clip == "none" else op_method, iters):
         return
     quantized = {}
     for kind, bits, x in (("k", kb, tokens_k), ("v", vb, tokens_v)):

@@ -13,9 +13,10 @@ For K, row_scale/row_zero are the per-channel s_ch/z_ch and col_scale the per-to
 for V, row_scale/row_zero are the per-token s_tok/z_tok and col_scale the per-channel s_ch
 (``docs/kvarn-method`` step 5). Codes are packed along the row, little end first.
 
-Pipeline for one tile (``quantize_tiles``), all in float32:
+Pipeline for one tile (``quantize_tiles``), the tile in float32:
 
-1. (kvarn) two-axis log-domain variance normalization -> column scales c*, row scales r*;
+1. (kvarn) two-axis variance normalization -> column scales c*, row scales r* (statistics
+   in float64 with one defined summation order, see ``normalize_variance``);
 2. round-to-nearest, asymmetric, per row of B = X / c* / r*, half to even;
 3. fold Δ and lo into the row scale and zero point; keep c* as the column scale;
 4. pack the codes; store the scales in the configured dtype.
@@ -45,6 +46,9 @@ __all__ = [
 # Clip constants of the reference normalization (docs/kvarn-method.md, step 3).
 STD_CLIP = (1e-3, 1e3)        # clip of each std before its log is taken
 LOG_SCALE_CLIP = (-0.3, 10.0)  # clip of the accumulated log scales: scales >= e^-0.3 = 0.741
+#: The same clip in the linear domain (float64): clip(a, lo, hi) with c = e^a is
+#: clip(c, e^lo, e^hi), since exp is increasing.
+SCALE_CLIP = (math.exp(LOG_SCALE_CLIP[0]), math.exp(LOG_SCALE_CLIP[1]))
 IMBALANCE_EPS = 1e-8          # floor of min(std) in the imbalance metric
 DELTA_MIN = 1e-10             # floor of the RTN step
 FP8_MAX = 448.0               # largest finite float8_e4m3fn
@@ -57,47 +61,79 @@ class NonFiniteError(ValueError):
 # ------------------------------------------------------------------------------------------
 # Step 1: variance normalization
 # ------------------------------------------------------------------------------------------
+# Every statistic is computed in one exactly defined way, so that a kernel in another
+# language can reproduce it bit for bit (``kernels/cpu_quantize.py``): float64, summed left
+# to right (``cumsum``'s last element is the sequential sum; ``sum`` is blocked and
+# vectorized, its order is an implementation detail), IEEE division and sqrt (correctly
+# rounded everywhere), no exp/log (their last bit differs between libraries).
+def _seq_sum(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """Left-to-right sum of float64 ``y`` along ``dim`` (that dim removed)."""
+    return y.cumsum(dim).select(dim, -1)
+
+
+def _std(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unbiased (N-1) std of fp32 ``y`` along ``dim``, float64, sequential sums:
+    sqrt(sum((y - mean)^2) / (n - 1)) with mean = sum(y) / n."""
+    y = y.double()
+    n = y.shape[dim]
+    dev = y - (_seq_sum(y, dim) / n).unsqueeze(dim)
+    return (_seq_sum(dev * dev, dim) / (n - 1)).sqrt()
+
+
 def _stds(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unbiased (N-1) column and row standard deviations of [..., R, C]."""
-    return y.std(dim=-2), y.std(dim=-1)
+    """Unbiased (N-1) column and row standard deviations of [..., R, C] (float64)."""
+    return _std(y, -2), _std(y, -1)
 
 
-def imbalance(y: torch.Tensor) -> torch.Tensor:
-    """max/min ratio of column stds plus that of row stds, per tile: [..., R, C] -> [...]."""
-    col, row = _stds(y)
+def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
     return (col.amax(-1) / col.amin(-1).clamp_min(IMBALANCE_EPS)
             + row.amax(-1) / row.amin(-1).clamp_min(IMBALANCE_EPS))
 
 
-def normalize_variance(x: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-domain Gauss-Seidel balancing of column and row stds of fp32 tiles [..., R, C].
+def imbalance(y: torch.Tensor) -> torch.Tensor:
+    """max/min ratio of column stds plus that of row stds, per tile: [..., R, C] -> [...]
+    (float64)."""
+    return _imbalance(*_stds(y))
 
-    Returns (c*, r*): column scales [..., C] and row scales [..., R] such that
+
+def normalize_variance(x: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauss-Seidel balancing of column and row stds of fp32 tiles [..., R, C].
+
+    Returns (c*, r*): fp32 column scales [..., C] and row scales [..., R] such that
     X / c*[None, :] / r*[:, None] has the most balanced stds seen, "no scaling" included.
     The original X is divided at every step (no drift); the best-so-far pair is kept
     per tile with ``<=`` so later iterations win ties, as in the reference.
+
+    The method's log-domain update a = clip(a + log(clip(std, 1e-3, 1e3)), -0.3, 10),
+    scale = e^a, is carried out in the linear domain: c = clip(c * clip(std, 1e-3, 1e3),
+    e^-0.3, e^10) (the same numbers in exact arithmetic), with c and r in float64 and the
+    tile scaled in fp32 as Y = (X / fp32(c)[None, :]) / fp32(r)[:, None]. Stds, the
+    imbalance and the ``<=`` pick are float64 with left-to-right sums (see :func:`_std`).
+    The column stds of the Y an iteration ends with are those the next one starts from
+    (the same matrix), so they are computed once.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"Expected float32 tiles for normalize_variance, but got {x.dtype}.")
     lead, (rows, cols) = x.shape[:-2], x.shape[-2:]
-    a = x.new_zeros(*lead, cols)
-    b = x.new_zeros(*lead, rows)
-    best = imbalance(x)
-    best_c = x.new_ones(*lead, cols)
-    best_r = x.new_ones(*lead, rows)
+    c = torch.ones(*lead, cols, dtype=torch.float64, device=x.device)
+    r = torch.ones(*lead, rows, dtype=torch.float64, device=x.device)
+    col, row = _stds(x)
+    best = _imbalance(col, row)
+    best_c, best_r = c, r
 
     def scaled() -> torch.Tensor:
-        return x / torch.exp(a).unsqueeze(-2) / torch.exp(b).unsqueeze(-1)
+        return x / c.float().unsqueeze(-2) / r.float().unsqueeze(-1)
 
     for _ in range(iters):
-        a = (a + torch.log(scaled().std(dim=-2).clamp(*STD_CLIP))).clamp(*LOG_SCALE_CLIP)
-        b = (b + torch.log(scaled().std(dim=-1).clamp(*STD_CLIP))).clamp(*LOG_SCALE_CLIP)
-        score = imbalance(scaled())
+        c = (c * col.clamp(*STD_CLIP)).clamp(*SCALE_CLIP)
+        r = (r * _std(scaled(), -1).clamp(*STD_CLIP)).clamp(*SCALE_CLIP)
+        col, row = _stds(scaled())
+        score = _imbalance(col, row)
         better = score <= best
         best = torch.where(better, score, best)
-        best_c = torch.where(better.unsqueeze(-1), torch.exp(a), best_c)
-        best_r = torch.where(better.unsqueeze(-1), torch.exp(b), best_r)
-    return best_c, best_r
+        best_c = torch.where(better.unsqueeze(-1), c, best_c)
+        best_r = torch.where(better.unsqueeze(-1), r, best_r)
+    return best_c.float(), best_r.float()
 
 
 # ------------------------------------------------------------------------------------------
@@ -118,6 +154,14 @@ def _rtn(b: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: int
     return torch.round((b - lo.unsqueeze(-1)) / delta.unsqueeze(-1)).clamp_(0, qmax), delta
 
 
+def _sq_err(codes: torch.Tensor, delta: torch.Tensor, lo: torch.Tensor, b: torch.Tensor
+            ) -> torch.Tensor:
+    """Squared rounding error per row, float64, summed left to right: the fp32 residual
+    (code * Δ + lo) - B, widened, squared and summed (one defined order, see :func:`_std`)."""
+    e = ((codes * delta.unsqueeze(-1) + lo.unsqueeze(-1)) - b).double()
+    return _seq_sum(e * e, -1)
+
+
 def rtn_rows(b: torch.Tensor, bits: int, clip: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per-row RTN of fp32 [..., R, C]: (codes uint8, delta [..., R], lo [..., R]).
@@ -126,7 +170,8 @@ def rtn_rows(b: torch.Tensor, bits: int, clip: bool = False
     lo/hi are the row's min/max; with ``clip`` (and bits <= ``CLIP_MAX_BITS``) each row
     instead takes the range [mid - a * half, mid + a * half] (mid, half: centre and half
     width of its min-max range) for the a in ``CLIP_RATIOS`` with the smallest squared
-    rounding error. The format is unchanged: Δ and lo fold into the same scales.
+    rounding error (float64, summed left to right: :func:`_sq_err`; the first of equal
+    errors wins). The format is unchanged: Δ and lo fold into the same scales.
     """
     qmax = (1 << bits) - 1
     lo = b.amin(dim=-1)
@@ -135,11 +180,11 @@ def rtn_rows(b: torch.Tensor, bits: int, clip: bool = False
     if not clip or bits > CLIP_MAX_BITS:
         return codes.to(torch.uint8), delta, lo
     mid, half = (lo + hi) / 2, (hi - lo) / 2
-    best = ((codes * delta.unsqueeze(-1) + lo.unsqueeze(-1)) - b).square().sum(-1)
+    best = _sq_err(codes, delta, lo, b)
     for a in CLIP_RATIOS[1:]:
         lo_a = mid - a * half
         codes_a, delta_a = _rtn(b, lo_a, mid + a * half, qmax)
-        err = ((codes_a * delta_a.unsqueeze(-1) + lo_a.unsqueeze(-1)) - b).square().sum(-1)
+        err = _sq_err(codes_a, delta_a, lo_a, b)
         better = err < best
         best = torch.where(better, err, best)
         codes = torch.where(better.unsqueeze(-1), codes_a, codes)
