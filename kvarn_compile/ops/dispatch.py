@@ -9,12 +9,12 @@ The one module that decides which kernel runs where:
   its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
   unpack, dual-scale fold, rotated frame), merged by log-sum-exp (:mod:`.regions`).
 * ``kvarn::append_`` on **CPU**: the decode step's append (every row continues, no tile
-  completes) in one C++ call (``cpu_attention.append_decode``); anything else the reference.
+  completes) in one C++ call (``cpu_attention.append_decode``).
+* ``kvarn::append_`` (any other write) / ``commit_`` on **CPU**: the reference bookkeeping
+  with the C++ tile quantizer of ``kernels/cpu_quantize.py``, bit-identical to the reference
+  (key frames and ``clip="mse"`` included; ``KVARN_CPU_KERNEL`` as for attention).
 * ``kvarn::append_`` / ``commit_`` on **CUDA**: the reference bookkeeping with the Triton
   tile quantizer for the tiles a write freezes (per-tile key frames included).
-* ``kvarn::append_`` / ``commit_`` on **CPU**: the reference bookkeeping with the C++ tile
-  quantizer of ``kernels/cpu_quantize.py``, bit-identical to the reference (key frames and
-  ``clip="mse"`` included; ``KVARN_CPU_KERNEL`` as for attention).
 * ``kvarn::tile_partials_triton_`` on **CUDA**: the standalone Triton decode kernel.
 
 A kernel runs only where it computes exactly what the reference computes (:func:`kernel_applies`):
@@ -177,19 +177,6 @@ def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.T
     return True
 
 
-@library.append_.register_kernel("cpu")
-def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
-    """The decode-step append in one C++ call where it applies (``cpu_attention.append_decode``:
-    every row continues, no tile completes), else the reference."""
-    from kvarn_compile.kernels import cpu_attention
-
-    reference.check_method(method)
-    if not check_finite and cpu_attention.available() \
-            and cpu_attention.append_decode(buffers, k, v, start_pos, recent, hold):
-        return
-    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
-
-
 @library.append_.register_kernel("cuda")
 def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
     reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
@@ -239,6 +226,15 @@ freeze_tiles_cpu.handles_clip = True
 
 @library.append_.register_kernel("cpu")
 def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+    """The decode-step append in one C++ call where it applies (``cpu_attention.append_decode``:
+    every row continues, no tile completes); else the reference's bookkeeping with the C++ tile
+    quantizer (:func:`freeze_tiles_cpu`)."""
+    from kvarn_compile.kernels import cpu_attention
+
+    reference.check_method(method)
+    if not check_finite and cpu_attention.available() \
+            and cpu_attention.append_decode(buffers, k, v, start_pos, recent, hold):
+        return
     reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                       tile_kernel=freeze_tiles_cpu)
 
