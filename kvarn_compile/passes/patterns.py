@@ -312,6 +312,13 @@ def resolve_write(w: CacheWrite, seq_axis: int, batch_axis: int) -> str | None:
     b = w.index[batch_axis]
     if isinstance(b, fx.Node) or not (b == slice(None) or (b.start in (None, 0) and b.step in (None, 1))):
         return f"its cache write {describe(w.write_nodes[0])} writes batch rows that are not a prefix"
+    cache = _shape(w.cache)
+    rows = cache[batch_axis] if b == slice(None) or b.stop is None else b.stop
+    for axis in range(4):
+        want = rows if axis == batch_axis else cache[axis]
+        if axis != seq_axis and not same_size(new[axis], want):
+            return (f"its cache write {describe(w.write_nodes[0])} broadcasts new rows of shape "
+                    f"{list(new)} over axis {axis} of the cache")
     e = w.index[seq_axis]
     t = new[seq_axis]
     if isinstance(e, fx.Node):

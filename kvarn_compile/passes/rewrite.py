@@ -333,6 +333,10 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
                           f"{kn[1] * rv.repeat}, for {qs[1]} query heads")
     if kn[-1] % 16:
         raise Unsupported(f"head_dim {kn[-1]} is not a multiple of 16")
+    out = example(site.out)
+    if out is None or out.dtype != qv.dtype:
+        raise Unsupported(f"the attention output is {getattr(out, 'dtype', None)}, the queries "
+                          f"{qv.dtype} (kvarn::attention returns the queries' dtype)")
     batch = kn[0]
     if not same_size(qs[0], batch):
         raise Unsupported(f"the queries have batch {qs[0]} and the new keys {batch}")
@@ -408,14 +412,25 @@ def _read_kind(m: _Match, tq: Any, t: Any) -> None:
 
 def _check_readers(site: AttentionSite, w: CacheWrite, read: KVRead) -> None:
     """The cache is used by this write and this read only (and, for a graph input, handed
-    back unchanged as an output, e.g. ``self.cache_k = self.cache_k.to(x)``)."""
+    back unchanged as an output, e.g. ``self.cache_k = self.cache_k.to(x)``); the read's
+    intermediate values (expanded heads, transposes) are used by the read only."""
     allowed = set(w.write_nodes) | set(read.nodes) | set(site.nodes)
+    for node in read.nodes + [n for n in w.write_nodes if n.users and w.cache is not None]:
+        for u in node.users:
+            if u not in allowed:
+                raise Unsupported(f"the cache as the attention reads it ({describe(node)}) is also "
+                                  f"used by {u.name} ({describe(u)})")
     root = w.cache if w.cache is not None else w.full
     frontier, seen = [root], {root}
     while frontier:
         x = frontier.pop()
         for u in x.users:
-            if u in allowed or u in seen:
+            if u in seen:
+                continue
+            if u in allowed:
+                if u.args and u.args[0] is x and (_is_noop_cast(u) or is_op(u, "getitem")):
+                    seen.add(u)
+                    frontier.append(u)          # a view in the read: check its other users
                 continue
             if u.op == "output":
                 if w.cache is None or (root.op == "placeholder" and (x is root or _is_noop_cast(x))):
