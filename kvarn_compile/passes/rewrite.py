@@ -179,8 +179,9 @@ def _trace(operand: Any, labels: list[str], which: str,
         return read, found[0]
     unknown = _inplace_writes(src)
     if unknown:
-        raise Unsupported(f"its {which} cache is written by {describe(unknown[0])}, which the pass "
-                          "does not recognize as a KV-cache update")
+        raise Unsupported(f"its {which[:-2] if which == 'values' else which[:-1]} cache is written by "
+                          f"{describe(unknown[0])}, which the pass does not recognize as a KV-cache "
+                          "update")
     write = _cache_upstream(src, writes) if src.op != "placeholder" else None
     if write is not None:
         raise Unsupported(f"its {which} come from the KV cache written by {describe(write)}, but "
@@ -263,8 +264,9 @@ def _unrecognized_attention(node: fx.Node, seen: set[fx.Node], covered: set[fx.N
         if name in _PRODUCTS:
             chain = " -> ".join([name, *reversed(path), "softmax"])
             return (f"not recognized: softmax over a q·kᵀ product ({chain}); the pass rewrites "
-                    "matmul [* or / scale] [+ mask] -> softmax -> matmul and scaled_dot_product_"
-                    "attention only, so this attention keeps its full-precision cache")
+                    "q·kᵀ (matmul or einsum) [* or / scale] [+ mask | masked_fill | where] -> "
+                    "softmax [fp32 and back] -> ·v and scaled_dot_product_attention only, so this "
+                    "attention keeps its full-precision cache")
         if name not in _SCORE_OPS:
             return None
         path.append(name)
@@ -402,11 +404,11 @@ def _read_kind(m: _Match, tq: Any, t: Any) -> None:
     if m.read_kind == "exact":
         m.causal = site.is_causal
         return
+    if m.read_kind == "prefix" and site.mask is None:
+        raise Unsupported(f"the attention reads positions [0, {getattr(stop, 'name', stop)}) of the "
+                          "cache without a mask; the pass cannot tell which of them are written")
     if site.mask is None and not site.is_causal:
         raise Unsupported("no mask over a preallocated cache: the model attends unwritten slots")
-    if m.read_kind == "prefix" and site.mask is None:
-        raise Unsupported(f"the attention reads positions [0, {stop}) of the cache without a mask; "
-                          "the pass cannot tell which of them are written")
     m.causal = True
 
 
@@ -415,8 +417,11 @@ def _check_readers(site: AttentionSite, w: CacheWrite, read: KVRead) -> None:
     back unchanged as an output, e.g. ``self.cache_k = self.cache_k.to(x)``); the read's
     intermediate values (expanded heads, transposes) are used by the read only."""
     allowed = set(w.write_nodes) | set(read.nodes) | set(site.nodes)
+    handed_back = w.cache is not None and w.cache.op == "placeholder"
     for node in read.nodes + [n for n in w.write_nodes if n.users and w.cache is not None]:
         for u in node.users:
+            if u.op == "output" and handed_back and _is_noop_cast(node):
+                continue                        # self.cache_k = self.cache_k.to(x): the input itself
             if u not in allowed:
                 raise Unsupported(f"the cache as the attention reads it ({describe(node)}) is also "
                                   f"used by {u.name} ({describe(u)})")
