@@ -323,7 +323,7 @@ def resolve_write(w: CacheWrite, seq_axis: int, batch_axis: int) -> str | None:
     t = new[seq_axis]
     if isinstance(e, fx.Node):
         pos = example(e)
-        if pos is None or pos.dim() != 1 or not same_size(pos.shape[0], t):
+        if pos is None or pos.dim() != 1 or not _one_row_per_position(pos.shape[0], t):
             return (f"its cache write {describe(w.write_nodes[0])} writes {t} rows at positions "
                     f"shaped {None if pos is None else tuple(pos.shape)} (expected one position per row)")
         w.start_kind, w.start = "positions", e
@@ -352,6 +352,16 @@ def resolve_write(w: CacheWrite, seq_axis: int, batch_axis: int) -> str | None:
                 f"with {t} rows; cannot tell it writes exactly one position per row")
     w.start_kind, w.start, w.end = "int", start, stop
     return None
+
+
+def _one_row_per_position(positions: Any, rows: Any) -> bool:
+    """A write of ``rows`` new rows at ``positions`` positions writes one row per position:
+    the counts are equal, or (symbolic sizes) the write would fail otherwise. Indexed writes
+    broadcast only a count of 1, and Dynamo specializes sizes of 1, so two counts that are
+    not the int 1 must be equal for the write to have run."""
+    if isinstance(positions, int) and isinstance(rows, int):
+        return positions == rows
+    return not (isinstance(positions, int) and positions == 1) and not (isinstance(rows, int) and rows == 1)
 
 
 def _fmt_slice(sl: slice) -> str:
@@ -503,14 +513,16 @@ def _merge_heads(n: fx.Node, labels: list, tr: _Trace, src: tuple, out: tuple):
     (kv heads x repeats, head-major)."""
     if len(src) != len(out) + 1:
         return None
-    for i in range(len(out)):
-        if sizes_equal(src[:i], out[:i]) and sizes_equal(src[i + 2:], out[i + 1:]) \
-                and isinstance(src[i], int) and isinstance(src[i + 1], int) \
-                and same_size(out[i], src[i] * src[i + 1]):
-            if labels[i] != "q":
-                raise ChainBroken(n, "merges axes other than KV heads x repeats")
+    fits = [i for i in range(len(out))
+            if sizes_equal(src[:i], out[:i]) and sizes_equal(src[i + 2:], out[i + 1:])
+            and isinstance(src[i], int) and isinstance(src[i + 1], int)
+            and same_size(out[i], src[i] * src[i + 1])]
+    for i in fits:                  # (with axes of size 1 several merges fit the shapes)
+        if labels[i] == "q":
             tr.parts.append("repeat_kv")
             return n.args[0], labels[:i] + ["h", "r"] + labels[i + 1:]
+    if fits:
+        raise ChainBroken(n, "merges axes other than KV heads x repeats")
     return None
 
 
