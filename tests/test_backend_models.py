@@ -60,8 +60,8 @@ the prefill eagerly on its full-precision StaticCache, works: the first compiled
 prompt's K/V into the packed state (``kvarn::append_from_``) and frees the buffers; its oracle is an fp
 prefill followed by eager KVarN decoding. A static sliding-window layer whose prompt fits in its
 window is rewritten and then refused when the window fills: the backend stops with a clear
-error (tested). Not tested because it kills the process: ``StaticCache.reset()`` on released
-buffers segfaults (``zero_()`` on a zero-byte storage).
+error (tested). Resetting and reusing a StaticCache whose buffers were released, and every
+other eager access to released buffers, are tested in ``test_released_buffers.py``.
 """
 
 from __future__ import annotations

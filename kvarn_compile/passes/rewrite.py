@@ -16,8 +16,14 @@ Scope and invariants:
   storage per batch row holding the row's index, so a reorder between calls (beam search)
   reaches the next call, which reorders the packed rows). A
   preallocated cache that is a graph input is handed to the append (``kvarn::append_from_``
-  or ``kvarn::append_keyed``), which reads it only while it still holds storage, to take
-  over a prompt that a non-compiled forward wrote there; then its storage is freed.
+  or ``kvarn::append_keyed``, as a ``[B, H, S, D]`` view of the rows written), which reads
+  it only when something wrote it since its last release, to take over a prompt that a
+  non-compiled forward wrote there; then its memory is freed (the tensor stays valid and
+  reads zeros: ``registry.release_storage``).
+* An attention operand is traced back to its cache through view steps only
+  (``patterns.trace_kv``); the cache's layout (``[B, H, S, D]`` or ``[B, S, H, D]``), the
+  batch rows and positions read and the GQA expansion come from that trace, and the write
+  must append a run of positions along the traced positions axis.
 * In-place method calls are never dropped by dead-code elimination (Dynamo records them
   with no users); see ``fx_utils.dce``.
 """
