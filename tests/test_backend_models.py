@@ -52,6 +52,8 @@ table is printed again at the end of every run of this module):
                                                                   then roll + copy_)
     gpt-fast      buffer   sdpa            4/4 (eager and inductor, 2 graphs)
     nanoGPT       buffer   matmul chain    4/4 (eager and inductor, 2 graphs)
+    llama_ref     buffer   matmul chain    4/4 (eager, 2 graphs; [B, S, H, D] cache read up to
+                                                start_pos + seqlen)
 
 The end of the module covers the hand-over of model-owned caches: a second StaticCache reusing
 the compiled graphs is freed too (the backend frees those buffers after every call), and
@@ -390,13 +392,26 @@ def _nanogpt():
     return ng, model
 
 
+def _llama_ref():
+    lm = _example("llama_ref_model")
+    torch.manual_seed(0)
+    model = lm.Transformer(lm.ModelArgs(vocab_size=128, max_seq_len=MAX_LEN)).eval()
+    for p in model.parameters():
+        p.data.mul_(3.0)
+    return lm, model
+
+
+EXAMPLES = {"gpt_fast": _gpt_fast, "nanogpt": _nanogpt, "llama_ref": _llama_ref}
+
+
 def _buffers(model):
-    return [b for name, b in model.named_buffers() if name.endswith(("k_cache", "v_cache"))]
+    return [b for name, b in model.named_buffers()
+            if name.endswith(("k_cache", "v_cache", "cache_k", "cache_v"))]
 
 
 @pytest.mark.parametrize("example", ["gpt_fast", pytest.param("nanogpt", marks=pytest.mark.slow)])
 def test_example_inductor_equals_eager(example):
-    module, model = _gpt_fast() if example == "gpt_fast" else _nanogpt()
+    module, model = EXAMPLES[example]()
     prompt = _prompt(4, length=PROMPT) % 128
     tokens = {}
     for compiler in ("eager", "inductor"):
@@ -414,9 +429,9 @@ def test_example_inductor_equals_eager(example):
     assert tokens["inductor"].tolist() == tokens["eager"].tolist()
 
 
-@pytest.mark.parametrize("example", ["gpt_fast", "nanogpt"])
+@pytest.mark.parametrize("example", ["gpt_fast", "nanogpt", "llama_ref"])
 def test_example_8bit_equals_fp(example):
-    module, model = _gpt_fast() if example == "gpt_fast" else _nanogpt()
+    module, model = EXAMPLES[example]()
     prompt = _prompt(5, length=PROMPT) % 128
     fp = module.generate(copy.deepcopy(model), prompt, NEW)
     backend = kvarn_backend(**PRESET, key_bits=8, value_bits=8, compiler="eager")

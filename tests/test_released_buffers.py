@@ -32,7 +32,7 @@ import torch
 import transformers as tf
 
 from kvarn_compile import kvarn_backend
-from kvarn_compile.registry import is_freed
+from kvarn_compile.registry import is_freed, releasable, released
 from test_backend_models import (
     EAGER_RTOL, MAX_LEN, PRESET, Oracle, _assert_same, _build, _example, _generate, _prompt,
     _static_cache, fp_prefill_then_kvarn,
@@ -282,3 +282,23 @@ def test_release_returns_the_memory():
     assert m["released"] >= m["fp_bytes"] - 4 * 2 * 4096             # all but the partial end pages
     assert m["reset"] - m["after"] >= 0.9 * m["fp_bytes"], m       # zero_() committed them again
     assert m["reset"] - m["again"] >= 0.9 * m["fp_bytes"], m       # and the next call freed them
+
+
+def test_buffers_that_cannot_be_freed_in_place_are_kept_and_noted():
+    """Buffers ``release_storage`` cannot free without making an access illegal (shared or
+    pinned memory here; CUDA memory likewise) are kept as they are: same tokens, the report
+    says why, and an uncompiled prefill into them is still adopted."""
+    module, model, reset, buffers = _gpt_fast_model()
+    fp_model = copy.deepcopy(model)
+    for t in buffers:
+        t.share_memory_()
+    backend = kvarn_backend(**EIGHT_BIT, compiler="eager")
+    step = torch.compile(model, backend=backend)
+    prompt = _prompt(1, length=60) % 128
+    want = module.generate(fp_model, prompt, 6)
+    assert module.generate(model, prompt, 6, step=step).tolist() == want.tolist()
+    assert _eager_prefill_generate(module, model, step, prompt, 6).tolist() == want.tolist()
+    assert not any(released(t) for t in buffers) and backend.report.released_bytes == 0
+    assert any("K/V buffers are kept in full precision" in n for n in backend.report.notes)
+    assert not releasable(torch.zeros(4, 4, device="meta"))
+    assert not releasable(torch.zeros(4, 4)[:2])             # a view into a larger buffer
