@@ -28,7 +28,7 @@ import torch.fx as fx
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
-from kvarn_compile.registry import release_storage
+from kvarn_compile.registry import claim, releasable, release_storage
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["kvarn_backend", "KVarNBackend", "Report"]
@@ -244,17 +244,36 @@ class KVarNBackend:
                 return extras[model]
 
         def run(*args: Any) -> Any:
+            for i, _ in released:
+                claim(args[i])
             out = compiled(*args, *states_for(args))
             # The model's own cache tensors this graph no longer reads: freed after the
             # call (kvarn::append_from_ has taken over any prompt written there before), on
-            # every call, so a new cache passed in their place (a second StaticCache) is
-            # freed too.
+            # every call, so a new cache passed in their place (a second StaticCache) or a
+            # buffer the model wrote again (a reset, an uncompiled prefill) is freed too.
+            # Freed memory stays mapped and reads zeros (registry.release_storage).
             for i, site in released:
-                if args[i].untyped_storage().nbytes():
+                if releasable(args[i]):
                     site.released_bytes += release_storage(args[i])
+                else:
+                    self._note_kept(args[i])
             return out
 
         return run
+
+    def _note_kept(self, tensor: torch.Tensor) -> None:
+        """Say once per device why a model-owned buffer was kept instead of freed."""
+        where = "cuda" if tensor.is_cuda else tensor.device.type
+        if tensor.device.type == "cpu":
+            why = ("it is not a whole CPU buffer this platform can free in place (a view, "
+                   "shared or pinned memory, or not Linux)")
+        else:
+            why = (f"{where} memory cannot be freed under a live tensor without making a later "
+                   "access to it an illegal memory access")
+        note = (f"model-owned {where} K/V buffers are kept in full precision: {why}; use "
+                "kvarn_compile.hf.KVarNCache or a cat-style cache to avoid allocating them")
+        if note not in self.report.notes:
+            self.report.notes.append(note)
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], mode: str | None,
                  static: list[Any] | None = None):
@@ -312,10 +331,12 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
         max_cache_len: tokens per sequence for caches whose capacity the model does not
             fix (``torch.cat`` caches such as transformers' DynamicCache). Preallocated
             caches keep their own length.
-        release_buffers: free the storage of model-owned full-precision cache buffers that
-            the rewritten graphs no longer use (their tensors stay, with zero bytes), after
-            every call that passes them (a prompt an uncompiled forward wrote there is first
-            adopted into the packed cache).
+        release_buffers: free the memory of model-owned full-precision cache buffers that
+            the rewritten graphs no longer use, after every call that passes them (a prompt
+            an uncompiled forward wrote there is first adopted into the packed cache). On
+            CPU (Linux) their pages go back to the operating system while the tensors stay
+            valid: they read zeros and may still be reset, written, copied or printed. CUDA
+            buffers are kept (see ``kvarn_compile.registry``).
         spec_tokens: newest tokens of each write kept uncommitted (speculative decoding).
         compiler: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is).
         mode: a torch.compile mode; also accepted as the keyword torch.compile/transformers pass.

@@ -17,8 +17,15 @@
      output equals plain eager;
    * rejected: a ValueError/RuntimeError from kvarn (a clear message, nothing computed).
 
-   Anything else (a rewritten program whose output matches neither, an unlisted site other
-   than the known one, another exception) fails the test.
+   The generator covers [B, H, S, D] and [B, S, H, D] caches, caches sized for a larger
+   batch (written and read through a batch slice), reads of every slot or of a prefix
+   (``keys[:, :start + T]``, ``k[..., :maxp1, :]``), in-place writes whose return value is
+   read (litgpt's ``index_copy_``, torchchat's ``index_put_``), GQA by views or
+   ``repeat_interleave``, einsum and fp32-softmax round trips, masked_fill/where masks.
+   :func:`must_rewrite` classifies the programs whose meaning the pass can prove: those must
+   end rewritten (a refusal of one fails). Anything else (a rewritten program whose output
+   matches neither, an unlisted site other than the known one, another exception) fails
+   the test.
 
 The number of examples run per target and outcome is printed at the end of the module
 (``-s`` not needed). CI runs ``FUZZ_CI`` examples per target; the ``slow`` variants run
@@ -171,10 +178,12 @@ def test_compiled_matches_eager_ops_long(data):
 # ==============================================================================================
 # 2. the pattern matcher: rewritten correctly, or reported and unchanged, never miscompiled
 # ==============================================================================================
-WRITES = ["index_copy_", "setitem_positions", "setitem_slice", "narrow_copy", "cat"]
-READS = ["direct", "repeat_kv", "repeat_interleave"]
-ATTNS = ["sdpa", "eager", "eager_f32", "eager_div"]
-MASKS = ["none", "bool", "float", "bool_rows", "is_causal", "float_from_scores"]
+WRITES = ["index_copy_", "index_put_", "setitem_positions", "setitem_slice", "narrow_copy", "cat"]
+READS = ["direct", "repeat_kv", "expand_flatten", "repeat_interleave"]
+ATTNS = ["sdpa", "eager", "eager_f32", "eager_div", "eager_cast", "einsum"]
+MASKS = ["none", "bool", "float", "bool_rows", "is_causal", "float_from_scores", "masked_fill",
+         "where"]
+LAYOUTS = ["bhsd", "bshd"]          # [B, H, S, D] or [B, S, H, D] caches (sequence on dim 1)
 #: perturbations the pass must refuse (or, for "softcap", leave unchanged and report)
 PERTURB = ["none", "extra_read", "return_weights", "softcap", "runtime_scale", "double_write",
            "v_cloned"]
@@ -188,43 +197,65 @@ def _repeat_kv(x, n):
 
 
 def _program(spec):
-    """A model-like attention step for ``spec``: (q, k, v, where, kc, vc, mask, scale_t) -> tuple.
+    """A model-like attention step for ``spec``:
+    (q, k, v, where, kc, vc, mask, scale_t, upto) -> tuple.
 
-    ``where`` is the positions tensor or the int start; ``kc``/``vc`` the preallocated cache
-    (in place) or the past K/V (cat). Returns (out, keys, values[, extra]).
+    ``k``/``v`` are in the cache's layout; ``where`` is the positions tensor or the int start;
+    ``kc``/``vc`` the preallocated cache (in place; with ``bslice`` it has one more batch row
+    than the step writes, as a cache sized for a larger batch) or the past K/V (cat);
+    ``upto`` the positions a "prefix" read keeps. Returns (out, keys, values[, extra]).
     """
     write, read, attn, mask_kind, scale, perturb, grp, d = (
         spec["write"], spec["read"], spec["attn"], spec["mask"], spec["scale"], spec["perturb"],
         spec["grp"], spec["d"])
+    seq = 2 if spec["layout"] == "bhsd" else 1
+    lead = (slice(None),) * seq
 
     def expand(x):
         if read == "repeat_kv":
             return _repeat_kv(x, grp)
+        if read == "expand_flatten":
+            b, h, t, dd = x.shape
+            return x.unsqueeze(2).expand(b, h, grp, t, dd).flatten(1, 2)
         if read == "repeat_interleave":
             return x.repeat_interleave(grp, dim=1)
         return x
 
-    def fn(q, k, v, where, kc, vc, mask, scale_t):
+    def fn(q, k, v, where, kc, vc, mask, scale_t, upto):
         if write == "cat":
-            keys, values = torch.cat([kc, k], dim=-2), torch.cat([vc, v], dim=-2)
+            keys, values = torch.cat([kc, k], dim=seq), torch.cat([vc, v], dim=seq)
+            ret = (keys, values)
         else:
             for _ in range(2 if perturb == "double_write" else 1):
-                if write == "index_copy_":
-                    kc.index_copy_(2, where, k)
-                    vc.index_copy_(2, where, v)
+                tk, tv = (kc[:k.shape[0]], vc[:k.shape[0]]) if spec["bslice"] else (kc, vc)
+                rk, rv = tk, tv
+                if write == "index_copy_":       # litgpt reads the return value
+                    rk, rv = tk.index_copy_(seq, where, k), tv.index_copy_(seq, where, v)
+                elif write == "index_put_":      # torchchat reads the return value
+                    rk = torch.ops.aten.index_put_(tk, [None] * seq + [where], k)
+                    rv = torch.ops.aten.index_put_(tv, [None] * seq + [where], v)
                 elif write == "setitem_positions":
-                    kc[:, :, where] = k
-                    vc[:, :, where] = v
+                    tk[lead + (where,)] = k
+                    tv[lead + (where,)] = v
                 elif write == "setitem_slice":
-                    kc[:, :, where:where + k.shape[2]] = k
-                    vc[:, :, where:where + v.shape[2]] = v
+                    tk[lead + (slice(where, where + k.shape[seq]),)] = k
+                    tv[lead + (slice(where, where + v.shape[seq]),)] = v
                 else:
-                    kc.narrow(2, where, k.shape[2]).copy_(k)
-                    vc.narrow(2, where, v.shape[2]).copy_(v)
-            keys, values = kc, vc
+                    tk.narrow(seq, where, k.shape[seq]).copy_(k)
+                    tv.narrow(seq, where, v.shape[seq]).copy_(v)
+            keys, values = rk, rv
+            ret = (kc, vc)
+        if spec["read_len"] == "prefix":     # llama: keys[:, :start + T]; litgpt: k[..., :maxp1, :]
+            end = where + k.shape[seq] if write == "setitem_slice" else upto
+            keys, values = keys[lead + (slice(None, end),)], values[lead + (slice(None, end),)]
+            mask = mask[..., :end] if isinstance(mask, torch.Tensor) else mask
+        if seq == 1:
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         vals = values.clone() if perturb == "v_cloned" else values
         kk, vv = expand(keys), expand(vals)
         extra = ()
+        additive = torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf")) \
+            if mask_kind in ("bool", "bool_rows") else None
         if attn == "sdpa":
             kw = {"enable_gqa": True} if read == "direct" and grp > 1 else {}
             if mask_kind == "is_causal":
@@ -235,7 +266,7 @@ def _program(spec):
                 am = torch.zeros_like(q @ kr.transpose(2, 3)).masked_fill(~mask, float("-inf"))
             out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=am, scale=scale, **kw)
         else:
-            s = q @ kk.transpose(2, 3)
+            s = torch.einsum("bhqd,bhkd->bhqk", q, kk) if attn == "einsum" else q @ kk.transpose(2, 3)
             if attn == "eager_div":
                 s = s / math.sqrt(d)
             elif perturb == "runtime_scale":
@@ -249,17 +280,23 @@ def _program(spec):
             elif mask_kind == "float":
                 s = s + mask
             elif mask_kind in ("bool", "bool_rows"):
-                s = s + torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+                s = s + additive
+            elif mask_kind == "masked_fill":
+                s = s.masked_fill(~mask, float("-inf"))
+            elif mask_kind == "where":
+                s = torch.where(mask, s, float("-inf"))
             if attn == "eager_f32":
                 w = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            elif attn == "eager_cast":
+                w = F.softmax(s.float(), dim=-1).type_as(q)
             else:
                 w = F.softmax(s, dim=-1)
-            out = w @ vv
+            out = torch.einsum("bhqk,bhkd->bhqd", w, vv) if attn == "einsum" else w @ vv
             if perturb == "return_weights":
                 extra = (w,)
         if perturb == "extra_read":
             extra = (keys.sum(),)
-        return (out, keys, values, *extra)
+        return (out, *ret, *extra)
 
     return fn
 
@@ -268,11 +305,13 @@ def _spec(data):
     attn = data.draw(st.sampled_from(ATTNS), label="attention")
     grp = data.draw(st.sampled_from([1, 2]), label="q_per_kv")
     reads = READS if attn == "sdpa" or grp == 1 else READS[1:]
-    masks = MASKS if attn == "sdpa" else [m for m in MASKS if m != "is_causal"]
+    masks = [m for m in MASKS if m not in ("masked_fill", "where")] if attn == "sdpa" \
+        else [m for m in MASKS if m != "is_causal"]
     perturbs = ["none"] * 8 + [p for p in PERTURB[1:]
                                if attn != "sdpa" or p not in ("return_weights", "softcap", "runtime_scale")]
     spec = dict(
         write=data.draw(st.sampled_from(WRITES), label="cache write"),
+        layout=data.draw(st.sampled_from(LAYOUTS), label="cache layout"),
         read=data.draw(st.sampled_from(reads), label="kv read"),
         attn=attn,
         mask=data.draw(st.sampled_from(masks), label="mask"),
@@ -283,6 +322,10 @@ def _spec(data):
         grp=grp,
         d=data.draw(st.sampled_from([16, 32, 64]), label="head dim"),
     )
+    inplace = spec["write"] != "cat"
+    spec["bslice"] = inplace and data.draw(st.booleans(), label="cache sized for a larger batch")
+    spec["read_len"] = data.draw(st.sampled_from(["full", "prefix"]), label="positions read") \
+        if inplace else "full"
     if spec["write"] == "cat" and spec["perturb"] == "double_write":
         spec["perturb"] = "none"
     chunks = [data.draw(st.integers(1, 70), label="prefill")]
@@ -291,6 +334,25 @@ def _spec(data):
     spec["chunks"] = chunks
     spec["seed"] = data.draw(st.integers(0, 2 ** 20), label="seed")
     return spec
+
+
+def must_rewrite(spec) -> bool:
+    """A valid program whose meaning the pass can prove, so it must be rewritten (a refusal
+    of it is a failure, not an acceptable "unchanged"). Refusing the others is right: the
+    perturbations (a second reader, weights returned, soft-capping, a run-time scale, two
+    writes), masks computed from the scores, and a preallocated cache read without a mask
+    (over all slots, or up to a position the pass cannot relate to the write: the model
+    attends slots that may be unwritten)."""
+    if spec["perturb"] not in ("none", "v_cloned") or spec["mask"] == "float_from_scores":
+        return False
+    if spec["write"] == "cat":
+        return True
+    exact = spec["read_len"] == "prefix" and spec["write"] == "setitem_slice"   # keys[:, :start + T]
+    if spec["mask"] == "none":
+        return exact
+    if spec["mask"] == "is_causal" and spec["read_len"] == "prefix":
+        return exact
+    return True
 
 
 def _masks(spec, p0, t, gen):
@@ -325,20 +387,28 @@ def _matcher_case(data, target):
     ref = allocate_layer(cfg, batch=b, kv_heads=h, head_dim=d, max_len=CAP, dtype=torch.float32)
     scale_t = torch.tensor(d ** -0.5)
     cat = spec["write"] == "cat"
+    seq_major = spec["layout"] == "bshd"
+
+    def layout(x):                       # [B, H, S, D] -> the cache's layout
+        return x.transpose(1, 2).contiguous() if seq_major else x
+
+    rows = b + 1 if spec["bslice"] else b
     if cat:
-        caches = {"compiled": [torch.zeros(b, h, 0, d)] * 2, "plain": [torch.zeros(b, h, 0, d)] * 2}
+        empty = layout(torch.zeros(b, h, 0, d))
+        caches = {"compiled": [empty] * 2, "plain": [empty] * 2}
     else:
-        caches = {"compiled": [torch.zeros(b, h, CAP, d) for _ in range(2)],
-                  "plain": [torch.zeros(b, h, CAP, d) for _ in range(2)]}
+        caches = {name: [layout(torch.zeros(rows, h, CAP, d)) for _ in range(2)]
+                  for name in ("compiled", "plain")}
     outcome, p0 = None, 0
     for t in spec["chunks"]:
         q = torch.randn(b, hq, t, d, generator=gen)
         k, v = _kv(gen, b, h, t, d, 1.0, torch.float32)
         allowed, additive = _masks(spec, p0, t, gen)
         mask = additive if spec["mask"] in ("float",) else allowed
-        where = torch.arange(p0, p0 + t) if spec["write"] in ("index_copy_", "setitem_positions") else p0
+        where = torch.arange(p0, p0 + t) if spec["write"] in ("index_copy_", "index_put_",
+                                                                 "setitem_positions") else p0
         try:
-            got = compiled(q, k, v, where, *caches["compiled"], mask, scale_t)
+            got = compiled(q, layout(k), layout(v), where, *caches["compiled"], mask, scale_t, p0 + t)
         except Exception as err:  # noqa: BLE001 - classified below
             if _is_kvarn_error(err):
                 outcome = "rejected"
@@ -346,7 +416,7 @@ def _matcher_case(data, target):
             raise
         if cat:
             caches["compiled"] = [got[1], got[2]]
-        want_plain = fn(q, k, v, where, *caches["plain"], mask, scale_t)
+        want_plain = fn(q, layout(k), layout(v), where, *caches["plain"], mask, scale_t, p0 + t)
         if cat:
             caches["plain"] = [want_plain[1], want_plain[2]]
         R.append_(ref.buffers, k, v, torch.full((b,), p0), method=cfg.method, iters=cfg.sinkhorn_iters)
@@ -355,12 +425,14 @@ def _matcher_case(data, target):
         if rewritten:
             # the same program, eagerly, over what the packed cache decodes to
             k_hat, v_hat = R.materialize(ref.buffers, dtype=torch.float32)
+            new_k, new_v = layout(k_hat[:, :, p0:p0 + t]), layout(v_hat[:, :, p0:p0 + t])
             if cat:
-                hat = fn(q, k_hat[:, :, p0:p0 + t], v_hat[:, :, p0:p0 + t], where,
-                         k_hat[:, :, :p0], v_hat[:, :, :p0], mask, scale_t)
+                hat = fn(q, new_k, new_v, where, layout(k_hat[:, :, :p0]), layout(v_hat[:, :, :p0]),
+                         mask, scale_t, p0 + t)
             else:
-                hat = fn(q, k_hat[:, :, p0:p0 + t], v_hat[:, :, p0:p0 + t], where,
-                         k_hat.clone(), v_hat.clone(), mask, scale_t)
+                pad = [torch.zeros(rows - b, h, CAP, d)]
+                hat = fn(q, new_k, new_v, where, layout(torch.cat([k_hat] + pad)),
+                         layout(torch.cat([v_hat] + pad)), mask, scale_t, p0 + t)
             torch.testing.assert_close(got[0], hat[0], rtol=1e-3, atol=1e-3,
                                        msg=lambda m: f"miscompiled (rewritten) {spec}: {m}")
             for a, c in zip(got[3:], hat[3:]):
@@ -378,6 +450,10 @@ def _matcher_case(data, target):
         assert not backend.report.rewritten and not backend.states
         assert backend.report.unchanged, f"attention neither rewritten nor reported: {spec}"
         assert all(s.reason for s in backend.report.unchanged)
+    if must_rewrite(spec):
+        assert outcome == "rewritten", (f"a program the pass must rewrite was {outcome}: {spec}\n"
+                                        f"{backend.report}")
+        COUNTS[f"{target}, programs it must rewrite"]["rewritten"] += 1
     COUNTS[target][outcome] += 1
 
 

@@ -22,6 +22,7 @@ import transformers as tf
 from kvarn_compile import inductor_pass, kvarn_backend
 from kvarn_compile.hf import kv_geometry
 from kvarn_compile.passes.inductor import KVarNInductorPass
+from kvarn_compile.registry import freeable_bytes, is_freed
 from test_backend_models import (
     INDUCTOR_RTOL, MAX_LEN, NEW, NEW_SHORT, PRESET, PROMPT, Oracle, _assert_same, _build,
     _buffers, _check_sites, _generate, _gpt_fast, _prompt, _static_cache,
@@ -43,12 +44,11 @@ def _inductor_graphs() -> int:
 
 
 def _fp_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return sum(freeable_bytes(t) for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 def _freed(cache) -> bool:
-    return all(t.untyped_storage().nbytes() == 0 for layer in cache.layers
-               for t in (layer.keys, layer.values))
+    return all(is_freed(t) for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 def test_llama_static_cache():
@@ -94,14 +94,14 @@ def test_gpt_fast_equals_kvarn_backend():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     m = copy.deepcopy(model)
-    fp_bytes = sum(b.numel() * b.element_size() for b in _buffers(m))
+    fp_bytes = sum(freeable_bytes(b) for b in _buffers(m))
     kv = inductor_pass(**PRESET)
     got = gf.generate(m, prompt, NEW, step=torch.compile(m, options={"pre_grad_custom_pass": kv}))
     assert got.tolist() == want.tolist()
     assert kv.report.graphs == 2 and _inductor_graphs() == 2, str(kv.report)
     assert len(kv.report.rewritten) == len(kv.report.sites) == 4
     assert {s.cache for s in kv.report.sites} == {"setitem[:, :, positions]"}
-    assert all(b.untyped_storage().nbytes() == 0 for b in _buffers(m))
+    assert all(is_freed(b) for b in _buffers(m))
     assert kv.report.released_bytes == fp_bytes
     assert kv.nbytes == backend.nbytes
 
@@ -115,7 +115,7 @@ def test_gpt_fast_equals_kvarn_backend():
     assert again.tolist() == want.tolist()
     hits = torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
     assert kv.report.graphs == 2 + (2 - hits), (hits, str(kv.report))
-    assert all(b.untyped_storage().nbytes() == 0 for b in _buffers(m2))
+    assert all(is_freed(b) for b in _buffers(m2))
     assert kv.report.released_bytes == 2 * fp_bytes
 
 

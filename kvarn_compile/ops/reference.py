@@ -615,15 +615,15 @@ def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Te
     sequence; otherwise (or for a view the caller cannot free) only a state that does not
     continue at p is restarted. ``append``: the append to use (default :func:`append_`).
     """
-    from kvarn_compile.registry import releasable
+    from kvarn_compile.registry import managed, unwritten_since_release
 
-    if not cache_k.untyped_storage().nbytes() or not cache_v.untyped_storage().nbytes():
-        return                                       # released: nothing to adopt (fast path)
+    if unwritten_since_release(cache_k) and unwritten_since_release(cache_v):
+        return                                       # released, nothing written since (fast path)
     starts = start_pos.tolist()
     p = starts[0]
     if p <= 0 or any(s != p for s in starts) or p > cache_k.shape[2]:
         return                                       # a new sequence, or the append refuses it
-    if not (fresh and releasable(cache_k) and releasable(cache_v)):
+    if not (fresh and managed(cache_k) and managed(cache_v)):
         if all(n == p for n in unpack(buffers).lengths.tolist()):
             return                                   # the packed state continues at p
     (append or append_)(buffers, cache_k[:, :, :p], cache_v[:, :, :p], torch.zeros_like(start_pos),

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["is_op", "example", "arg", "module_path", "dce", "single_user", "SDPA"]
+__all__ = ["is_op", "example", "arg", "module_path", "dce", "single_user", "source_line", "describe",
+           "SDPA"]
 
 SDPA = torch._C._nn.scaled_dot_product_attention
 
@@ -33,8 +34,17 @@ _ALIASES: dict[str, tuple[Any, ...]] = {
     "narrow": (torch.narrow,),
     "copy_": (),
     "sdpa": (SDPA, torch.nn.functional.scaled_dot_product_attention),
+    "einsum": (torch.einsum, torch.functional.einsum),
+    "permute": (torch.permute,),
+    "unsqueeze": (torch.unsqueeze,),
+    "flatten": (torch.flatten,),
+    "index_put_": (torch.ops.aten.index_put_, torch.ops.aten.index_put_.default,
+                   torch.index_put_),
+    "masked_fill": (torch.masked_fill,),
+    "where": (torch.where,),
+    "swapaxes": (torch.swapaxes, torch.swapdims),
 }
-_METHOD_NAMES = {"truediv": ("div",), "mul": ("mul",), "add": ("add",)}
+_METHOD_NAMES = {"truediv": ("div",), "mul": ("mul",), "add": ("add",), "swapaxes": ("swapdims",)}
 
 
 def is_op(node: Any, *names: str) -> bool:
@@ -65,6 +75,34 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 
 def single_user(node: fx.Node) -> bool:
     return len(node.users) == 1
+
+
+def source_line(node: fx.Node) -> str:
+    """``file.py:LINE`` of the model code that produced ``node`` (its innermost frame), or
+    "" when Dynamo recorded no stack trace."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    if not frames:
+        return ""
+    loc = frames[-1].split(",")
+    file = loc[0].split('"')[1].rsplit("/", 1)[-1] if '"' in loc[0] else loc[0]
+    line = loc[1].strip().replace("line ", "") if len(loc) > 1 else "?"
+    return f"{file}:{line}"
+
+
+def describe(node: Any) -> str:
+    """A node as a reason names it: ``op (file.py:LINE)``."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if node.op == "placeholder":
+        return f"graph input {node.name}"
+    if node.op == "call_method":
+        op = f".{node.target}()"
+    else:
+        op = getattr(node.target, "__name__", None) or str(node.target)
+        op = {"setitem": "x[...] = ...", "getitem": "x[...]"}.get(op, op)
+    where = source_line(node)
+    return f"{op} ({where})" if where else op
 
 
 def module_path(node: fx.Node) -> str:

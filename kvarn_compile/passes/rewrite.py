@@ -16,8 +16,14 @@ Scope and invariants:
   storage per batch row holding the row's index, so a reorder between calls (beam search)
   reaches the next call, which reorders the packed rows). A
   preallocated cache that is a graph input is handed to the append (``kvarn::append_from_``
-  or ``kvarn::append_keyed``), which reads it only while it still holds storage, to take
-  over a prompt that a non-compiled forward wrote there; then its storage is freed.
+  or ``kvarn::append_keyed``, as a ``[B, H, S, D]`` view of the rows written), which reads
+  it only when something wrote it since its last release, to take over a prompt that a
+  non-compiled forward wrote there; then its memory is freed (the tensor stays valid and
+  reads zeros: ``registry.release_storage``).
+* An attention operand is traced back to its cache through view steps only
+  (``patterns.trace_kv``); the cache's layout (``[B, H, S, D]`` or ``[B, S, H, D]``), the
+  batch rows and positions read and the GQA expansion come from that trace, and the write
+  must append a run of positions along the traced positions axis.
 * In-place method calls are never dropped by dead-code elimination (Dynamo records them
   with no users); see ``fx_utils.dce``.
 """
@@ -33,9 +39,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kvarn_compile.passes.fx_utils import dce, example, module_path
+from kvarn_compile.passes.fx_utils import dce, describe, example, is_op, module_path
 from kvarn_compile.passes.patterns import (
-    ATTENTIONS, CACHE_WRITES, KV_READS, AttentionSite, CacheWrite, KVRead, Unsupported,
+    ATTENTIONS, CACHE_WRITES, AttentionSite, CacheWrite, ChainBroken, KVRead, Unsupported,
+    refuse_sliding_window, resolve_write, same_size, trace_kv,
 )
 from kvarn_compile.state import LayerState
 
@@ -68,8 +75,16 @@ class _Match:
     site: AttentionSite
     wk: CacheWrite
     wv: CacheWrite
-    rk: KVRead | None
-    rv: KVRead | None
+    rk: KVRead
+    rv: KVRead
+    #: the cache axes holding batch, heads, positions, head dim (identity: [B, H, S, D])
+    perm: tuple[int, int, int, int] = (0, 1, 2, 3)
+    batch: int = 1
+    #: how the attention reads the positions: "full" (the whole preallocated cache), "exact"
+    #: (exactly the positions written so far), "prefix" (positions [0, lk) of a longer cache)
+    read_kind: str = "full"
+    lk: Any = None              # the key length the model's attention sees (int, SymInt or node)
+    causal: bool = True         # kvarn::attention's causal flag (see _pair)
 
 
 def site_name(node: fx.Node) -> str:
@@ -92,14 +107,6 @@ def site_name(node: fx.Node) -> str:
     return node.name
 
 
-def _strip_read(node: Any) -> tuple[Any, KVRead | None]:
-    for _, matcher in KV_READS:
-        read = matcher(node) if isinstance(node, fx.Node) else None
-        if read is not None:
-            return read.source, read
-    return node, None
-
-
 def _find_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheWrite]]:
     writes: dict[fx.Node, list[CacheWrite]] = {}
     for node in graph.nodes:
@@ -109,6 +116,84 @@ def _find_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheWrite]]:
                 writes.setdefault(w.full, []).append(w)
                 break
     return writes
+
+
+def _inplace_writes(node: fx.Node) -> list[fx.Node]:
+    """Users of ``node`` (or of views of it) that write it in place."""
+    out, frontier, seen = [], [node], {node}
+    while frontier:
+        x = frontier.pop()
+        for u in x.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.args and u.args[0] is x and (
+                    is_op(u, "setitem", "index_put_") or (u.op == "call_method" and str(u.target).endswith("_"))):
+                out.append(u)
+            elif u.args and u.args[0] is x and (is_op(u, "getitem", "narrow") or _is_noop_cast(u)):
+                frontier.append(u)
+    return out
+
+
+def _is_noop_cast(n: fx.Node) -> bool:
+    from kvarn_compile.passes.patterns import _noop_cast
+
+    return _noop_cast(n)
+
+
+def _cache_upstream(node: fx.Node, writes: dict[fx.Node, list[CacheWrite]]) -> fx.Node | None:
+    """A cache write that ``node`` is computed from (a recognized write's cache, or a tensor
+    written in place), searched through ``node``'s inputs; None when there is none."""
+    frontier, seen = [node], {node}
+    while frontier and len(seen) < 400:
+        x = frontier.pop(0)
+        if x in writes:
+            return writes[x][0].write_nodes[0]
+        if x.op in ("placeholder", "call_function", "call_method"):
+            found = _inplace_writes(x)
+            if found:
+                return found[0]
+        for a in x.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                frontier.append(a)
+    return None
+
+
+_NO_CACHE = ("its keys/values do not come from a recognized KV-cache update "
+             "(attention without a cache, e.g. an encoder or a cache-less forward)")
+
+
+def _trace(operand: Any, labels: list[str], which: str,
+           writes: dict[fx.Node, list[CacheWrite]]) -> tuple[KVRead, CacheWrite]:
+    """The read of ``operand`` back to its cache and the one write into that cache, or
+    Unsupported with a reason that names the node where the chain from the cache broke."""
+    try:
+        read = trace_kv(operand, labels)
+    except ChainBroken as err:
+        write = _cache_upstream(err.node, writes)
+        if write is None:
+            raise Unsupported(_NO_CACHE) from None
+        raise Unsupported(f"its {which} come from the KV cache written by {describe(write)}, but "
+                          f"reach the attention through {describe(err.node)}, which {err.why}; "
+                          "the pass does not follow that step") from None
+    src = read.source
+    found = writes.get(src)
+    if found:
+        if len(found) > 1:
+            raise Unsupported("the cache is written more than once in one step")
+        return read, found[0]
+    unknown = _inplace_writes(src)
+    if unknown:
+        raise Unsupported(f"its {which[:-2] if which == 'values' else which[:-1]} cache is written by "
+                          f"{describe(unknown[0])}, which the pass does not recognize as a KV-cache "
+                          "update")
+    write = _cache_upstream(src, writes) if src.op != "placeholder" else None
+    if write is not None:
+        raise Unsupported(f"its {which} come from the KV cache written by {describe(write)}, but "
+                          f"reach the attention through {describe(src)}, which is not a view the "
+                          "pass follows (transpose, slice, GQA expand/repeat, no-op cast)")
+    raise Unsupported(_NO_CACHE)
 
 
 def find_sites(graph: fx.Graph) -> tuple[list[_Match], list[SiteReport]]:
@@ -185,8 +270,9 @@ def _unrecognized_attention(node: fx.Node, seen: set[fx.Node], covered: set[fx.N
         if name in _PRODUCTS:
             chain = " -> ".join([name, *reversed(path), "softmax"])
             return (f"not recognized: softmax over a q·kᵀ product ({chain}); the pass rewrites "
-                    "matmul [* or / scale] [+ mask] -> softmax -> matmul and scaled_dot_product_"
-                    "attention only, so this attention keeps its full-precision cache")
+                    "q·kᵀ (matmul or einsum) [* or / scale] [+ mask | masked_fill | where] -> "
+                    "softmax [fp32 and back] -> ·v and scaled_dot_product_attention only, so this "
+                    "attention keeps its full-precision cache")
         if name not in _SCORE_OPS:
             return None
         path.append(name)
@@ -216,54 +302,158 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
 
 
 def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
-    k_src, rk = _strip_read(site.k)
-    v_src, rv = _strip_read(site.v)
-    wk_list, wv_list = writes.get(k_src), writes.get(v_src)
-    if not wk_list or not wv_list:
-        raise Unsupported("its keys/values do not come from a recognized KV-cache update "
-                          "(attention without a cache, e.g. an encoder or a cache-less forward)")
-    if len(wk_list) > 1 or len(wv_list) > 1:
-        raise Unsupported("the cache is written more than once in one step")
-    wk, wv = wk_list[0], wv_list[0]
-    if wk.spelling != wv.spelling:
+    rk, wk = _trace(site.k, site.k_labels, "keys", writes)
+    rv, wv = _trace(site.v, site.v_labels, "values", writes)
+    refuse_sliding_window(rk.source)
+    if (wk.cache is None) != (wv.cache is None):
         raise Unsupported(f"keys and values use different cache updates ({wk.spelling} / {wv.spelling})")
-    if k_src is v_src:
+    if rk.source is rv.source:
         raise Unsupported("keys and values share one cache tensor")
-    qv, kn, vn = example(site.q), example(wk.new), example(wv.new)
-    if qv is None or kn is None or vn is None or kn.dim() != 4 or tuple(kn.shape) != tuple(vn.shape):
+    if rk.axes != rv.axes:
+        raise Unsupported("the key and value caches have different layouts")
+    axes = rk.axes
+    perm = (axes["b"], axes["h"], axes["s"], axes["d"])
+    for w in (wk, wv):
+        reason = resolve_write(w, axes["s"], axes["b"])
+        if reason is not None:
+            raise Unsupported(reason)
+    if wk.cache is None and axes["b"] != 0:
+        raise Unsupported("a torch.cat cache whose batch axis is not the first")
+    if wk.start_kind != wv.start_kind or (
+            wk.start_kind == "positions" and wk.start is not wv.start) or (
+            wk.start_kind == "int" and not same_size(wk.start, wv.start)):
+        raise Unsupported("keys and values are written at positions the pass cannot prove equal")
+    qv, kraw, vraw = example(site.q), example(wk.new), example(wv.new)
+    if qv is None or kraw is None or vraw is None or kraw.dim() != 4 or qv.dim() != 4 \
+            or tuple(kraw.shape) != tuple(vraw.shape):
         raise Unsupported("the new keys/values are not [batch, kv_heads, tokens, head_dim] of one shape")
-    if any(not isinstance(s, int) for s in (*kn.shape[:2], kn.shape[3], qv.shape[1])):
+    kn = [kraw.shape[a] for a in perm]                  # [B, H, T, D]
+    qs = [qv.shape[a] for a in site.q_perm] if site.q_perm else list(qv.shape)
+    if any(not isinstance(x, int) for x in (kn[0], kn[1], kn[3], qs[1])):
         raise Unsupported("dynamic batch, head or head_dim sizes (e.g. the same compiled model ran "
                           "with a second batch size); this graph runs in full precision - compile "
                           "a fresh model per batch size to keep the cache compressed")
-    if qv.shape[-1] != kn.shape[-1] or qv.shape[1] % kn.shape[1]:
-        raise Unsupported(f"query heads {qv.shape[1]} / head_dim {qv.shape[-1]} do not fit "
-                          f"kv heads {kn.shape[1]} / head_dim {kn.shape[-1]}")
-    if kn.shape[-1] % 16:
-        raise Unsupported(f"head_dim {kn.shape[-1]} is not a multiple of 16")
-    # the cache must be used by this write and this read only
+    if qs[-1] != kn[-1] or qs[1] % kn[1]:
+        raise Unsupported(f"query heads {qs[1]} / head_dim {qs[-1]} do not fit "
+                          f"kv heads {kn[1]} / head_dim {kn[-1]}")
+    if rk.repeat != rv.repeat or qs[1] % (kn[1] * rk.repeat):
+        raise Unsupported(f"the keys are expanded to {kn[1] * rk.repeat} heads and the values to "
+                          f"{kn[1] * rv.repeat}, for {qs[1]} query heads")
+    if kn[-1] % 16:
+        raise Unsupported(f"head_dim {kn[-1]} is not a multiple of 16")
+    out = example(site.out)
+    if out is None or out.dtype != qv.dtype:
+        raise Unsupported(f"the attention output is {getattr(out, 'dtype', None)}, the queries "
+                          f"{qv.dtype} (kvarn::attention returns the queries' dtype)")
+    batch = kn[0]
+    if not same_size(qs[0], batch):
+        raise Unsupported(f"the queries have batch {qs[0]} and the new keys {batch}")
     for w, read in ((wk, rk), (wv, rv)):
-        allowed = set(w.write_nodes) | ({read.nodes[-1]} if read else {site.k, site.v} | set(site.nodes))
-        holder = w.cache if w.cache is not None else w.full
-        others = [u for u in holder.users if u not in allowed and u.op != "output"]
-        if others:
-            raise Unsupported(f"the cache is also read by {others[0].name} ({others[0].target}); "
-                              "rewriting would change what that reader sees")
-        if w.cache is not None and any(u.op == "output" for u in holder.users):
-            raise Unsupported("the graph returns the cache tensor itself")
-    tq = qv.shape[2]
-    lk = example(site.k).shape[2]
-    if _known_different(kn.shape[2], tq):
-        raise Unsupported(f"the cache update writes {kn.shape[2]} tokens for {tq} queries: not a "
+        rows = read.batch if read.batch is not None else example(read.source).shape[axes["b"]]
+        if not same_size(rows, batch):
+            raise Unsupported(f"the attention reads {rows} batch rows of the cache and the update "
+                              f"writes {batch}")
+        _check_readers(site, w, read)
+    tq = qs[2]
+    if _known_different(kn[2], tq):
+        raise Unsupported(f"the cache update writes {kn[2]} tokens for {tq} queries: not a "
                           "self-attention cache that grows with the queries (e.g. cross-attention "
                           "over an encoder's K/V, written once); it keeps its full-precision cache")
-    if wk.cache is not None and site.mask is None and not site.is_causal:
-        raise Unsupported("no mask over a preallocated cache: the model attends unwritten slots")
+    m = _Match(site, wk, wv, rk, rv, perm, batch)
+    _read_kind(m, tq, kn[2])
     if site.mask is not None:
-        mv = example(site.mask)
-        if mv is None or mv.dim() != 4 or mv.shape[-1] != lk:
+        mv = example(site.mask.node)
+        if mv is None or not 2 <= mv.dim() <= 4 or not same_size(mv.shape[-1], m.lk) \
+                or not (same_size(mv.shape[-2], tq) or same_size(mv.shape[-2], 1)):
             raise Unsupported("the attention mask is not [batch|1, heads|1, queries, cache length]")
-    return _Match(site, wk, wv, rk, rv)
+    return m
+
+
+def _read_kind(m: _Match, tq: Any, t: Any) -> None:
+    """Which positions the model's attention reads, and kvarn::attention's causal flag:
+
+    * a cat cache, read whole: exactly the positions written; the model's own semantics;
+    * the whole preallocated cache ("full"): unwritten slots are read too, so the model
+      must hide them with a mask or is_causal; it is read causally, which hides nothing a
+      causal mask shows;
+    * positions [0, start + T) of a preallocated cache, the same end as the write
+      (``cache[:bsz, :start_pos + seqlen]``, llama): exactly the positions written ("exact");
+    * another prefix [0, n) (``k[..., :input_pos_maxp1, :]``, litgpt): like "full" with n
+      slots; a mask is required (kvarn::attention raises if its n columns do not cover the
+      positions held), unwritten slots are hidden causally.
+    """
+    site, w, r = m.site, m.wk, m.rk
+    stop = r.stop
+    if not same_size(stop, m.rv.stop) and not (stop is None and m.rv.stop is None):
+        raise Unsupported("the keys and values are read up to different positions")
+    if w.cache is None:
+        if stop is not None:
+            raise Unsupported("the attention reads part of a torch.cat cache")
+        m.read_kind, m.causal, m.lk = "exact", site.is_causal, _key_len(site)
+        return
+    cap = example(w.cache).shape[m.perm[2]]
+    if stop is None or same_size(stop, cap):
+        m.read_kind, m.lk = "full", cap
+    elif w.end is not None and same_size(stop, w.end):
+        m.read_kind, m.lk = "exact", stop
+    elif (w.start_kind == "positions" and isinstance(stop, int) and stop > 1 and same_size(stop, t)
+          and site.is_causal and site.mask is None and same_size(tq, t)
+          and site.form == "scaled_dot_product_attention"):
+        # transformers sdpa_attention_forward, prefill of an empty StaticCache (Qwen2, Qwen3):
+        #   key = key[:, :, :q_length, :]; sdpa(q, key, value, attn_mask=None, is_causal=True)
+        # transformers only emits it when the mask was skipped because the cache is empty
+        # (q_offset == 0, a Python int Dynamo guards on); then the first q_length slots are
+        # exactly the tokens this step wrote, so attending the whole packed cache is the same.
+        m.read_kind, m.lk = "full", stop
+    else:
+        m.read_kind, m.lk = "prefix", stop
+    if m.read_kind == "exact":
+        m.causal = site.is_causal
+        return
+    if m.read_kind == "prefix" and site.mask is None:
+        raise Unsupported(f"the attention reads positions [0, {getattr(stop, 'name', stop)}) of the "
+                          "cache without a mask; the pass cannot tell which of them are written")
+    if site.mask is None and not site.is_causal:
+        raise Unsupported("no mask over a preallocated cache: the model attends unwritten slots")
+    m.causal = True
+
+
+def _check_readers(site: AttentionSite, w: CacheWrite, read: KVRead) -> None:
+    """The cache is used by this write and this read only (and, for a graph input, handed
+    back unchanged as an output, e.g. ``self.cache_k = self.cache_k.to(x)``); the read's
+    intermediate values (expanded heads, transposes) are used by the read only."""
+    allowed = set(w.write_nodes) | set(read.nodes) | set(site.nodes)
+    handed_back = w.cache is not None and w.cache.op == "placeholder"
+    for node in read.nodes + [n for n in w.write_nodes if n.users and w.cache is not None]:
+        for u in node.users:
+            if u.op == "output" and handed_back and _is_noop_cast(node):
+                continue                        # self.cache_k = self.cache_k.to(x): the input itself
+            if u not in allowed:
+                raise Unsupported(f"the cache as the attention reads it ({describe(node)}) is also "
+                                  f"used by {u.name} ({describe(u)})")
+    root = w.cache if w.cache is not None else w.full
+    frontier, seen = [root], {root}
+    while frontier:
+        x = frontier.pop()
+        for u in x.users:
+            if u in seen:
+                continue
+            if u in allowed:
+                if u.args and u.args[0] is x and (_is_noop_cast(u) or is_op(u, "getitem")):
+                    seen.add(u)
+                    frontier.append(u)          # a view in the read: check its other users
+                continue
+            if u.op == "output":
+                if w.cache is None or (root.op == "placeholder" and (x is root or _is_noop_cast(x))):
+                    continue
+                raise Unsupported("the graph returns the cache tensor itself")
+            if u.args and u.args[0] is x and (_is_noop_cast(u) or is_op(u, "getitem")) \
+                    and w.cache is not None:
+                seen.add(u)
+                frontier.append(u)
+                continue
+            raise Unsupported(f"the cache is also read by {u.name} ({describe(u)}); "
+                              "rewriting would change what that reader sees")
 
 
 # ------------------------------------------------------------------------------ rewrite
@@ -291,30 +481,45 @@ class RewriteContext:
     released_inputs: list[tuple[int, SiteReport]] = dataclasses.field(default_factory=list)
 
 
-def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, device: torch.device) -> fx.Node:
-    """An int64 [B] tensor with the first written position, built in the graph."""
+def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, row: int,
+                device: torch.device) -> fx.Node:
+    """An int64 [B] tensor with the first written position, built in the graph (``row``:
+    elements per position, heads x head dim, for a cat cache's past length)."""
     if w.start_kind == "positions":   # checked to be one contiguous run at run time
         return graph.call_function(torch.ops.kvarn.positions_start.default, (w.start, batch))
     if w.start_kind == "int":
         return graph.call_function(torch.full, ((batch,), w.start),
                                    {"dtype": torch.int64, "device": device})
     # "past_len": a cat cache; its length is numel / (B * H * D) (0 for the empty start)
-    kn = example(w.new)
     numel = graph.call_method("numel", (w.start,))
-    length = graph.call_function(operator.floordiv, (numel, kn.shape[0] * kn.shape[1] * kn.shape[3]))
+    length = graph.call_function(operator.floordiv, (numel, batch * row))
     return graph.call_function(torch.full, ((batch,), length), {"dtype": torch.int64, "device": device})
 
 
-def _past_row_tags(graph: fx.Graph, w: CacheWrite) -> fx.Node | None:
+def _past_row_tags(graph: fx.Graph, w: CacheWrite, batch: int) -> fx.Node | None:
     """The batch-row tags of a cat cache's past (the handle an earlier call returned, see
     step 4 of rewrite_graph), read in the graph: ``past[:, 0, 0, 0]``. None for an in-place
     cache, a single batch row or an empty past."""
     past = example(w.start)
-    if w.cache is not None or example(w.new).shape[0] == 1:    # one row: nothing to reorder
+    if w.cache is not None or batch == 1:                 # one row: nothing to reorder
         return None
-    if past is None or past.dim() != 4 or (isinstance(past.shape[2], int) and past.shape[2] == 0):
+    if past is None or past.dim() != 4 or (isinstance(past.shape[w.axis], int) and past.shape[w.axis] == 0):
         return None
     return graph.call_function(operator.getitem, (w.start, (slice(None), 0, 0, 0)))
+
+
+def _key_len(site: AttentionSite) -> Any:
+    """The number of keys of the attention's K operand (its positions axis)."""
+    return example(site.k).shape[site.k_labels.index("s")]
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """``a == b`` known at compile time (ints, or one and the same symbol)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return str(a.node.expr) == str(b.node.expr)
+    return False
 
 
 def _known_different(a: Any, b: Any) -> bool:
@@ -328,36 +533,81 @@ def _known_different(a: Any, b: Any) -> bool:
         return False
 
 
-def _same_size(a: Any, b: Any) -> bool:
-    """``a == b`` known at compile time (ints, or one and the same symbol)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return str(a.node.expr) == str(b.node.expr)
-    return False
-
-
-def _key_length(graph: fx.Graph, w: CacheWrite, batch: int, heads: int, dim: int) -> Any:
-    """The key length the model's attention reads: the capacity of a preallocated cache, or
-    past + new tokens of a cat cache (built from the past's numel; the cat itself is gone)."""
+def _key_length(graph: fx.Graph, m: _Match, w: CacheWrite, row: int) -> Any:
+    """The key length the model's attention reads: the positions read of a preallocated
+    cache, or past + new tokens of a cat cache (built from the past's numel; the cat itself
+    is gone)."""
     if w.cache is not None:
-        return int(example(w.cache).shape[2])
+        return m.lk
     past_len = graph.call_function(
-        operator.floordiv, (graph.call_method("numel", (w.start,)), batch * heads * dim))
-    return graph.call_function(operator.add, (past_len, graph.call_method("size", (w.new, 2))))
+        operator.floordiv, (graph.call_method("numel", (w.start,)), m.batch * row))
+    return graph.call_function(operator.add, (past_len, graph.call_method("size", (w.new, w.axis))))
 
 
-def _top_left_causal(graph: fx.Graph, m: _Match, batch: int, heads: int, dim: int,
+def _top_left_causal(graph: fx.Graph, m: _Match, q: fx.Node, row: int,
                      device: torch.device) -> fx.Node:
     """``sdpa(is_causal=True)`` with Tq != Lk aligns its mask to the top-left corner (query i
     sees keys 0..i, PyTorch's ``tril(ones(Tq, Lk))``): that mask, [1, 1, Tq, Lk], indexed by
     absolute key position as kvarn::attention reads it. Keys 0..i are always written (query
     i sits at position >= i), so the bottom-right causal flag hides none of them."""
-    tq = graph.call_method("size", (m.site.q, 2))
-    lk = _key_length(graph, m.wk, batch, heads, dim)
+    tq = graph.call_method("size", (q, 2))
+    lk = _key_length(graph, m, m.wk, row)
     ones = graph.call_function(torch.ones, ((tq, lk),), {"dtype": torch.bool, "device": device})
     tril = graph.call_method("tril", (ones,))
     return graph.call_function(operator.getitem, (tril, (None, None)))
+
+
+def _build_mask(graph: fx.Graph, spec: Any) -> fx.Node | None:
+    """The mask kvarn::attention takes for a MaskSpec (see patterns.MaskSpec)."""
+    if spec is None:
+        return None
+    node = spec.node
+    if spec.kind in ("tensor", "bool"):
+        return node
+    if spec.kind == "add":
+        return node if spec.scale == 1.0 else graph.call_function(operator.mul, (node, spec.scale))
+    if spec.kind == "not":
+        return graph.call_function(operator.invert, (node,))
+    zeros = graph.call_function(torch.zeros_like, (node,), {"dtype": torch.float32})
+    where = node if spec.kind == "fill" else graph.call_function(operator.invert, (node,))
+    return graph.call_method("masked_fill", (zeros, where, spec.value))
+
+
+def _permuted(graph: fx.Graph, node: fx.Node, perm: tuple[int, ...] | None) -> fx.Node:
+    if perm is None or tuple(perm) == tuple(range(len(perm))):
+        return node
+    if sorted(perm) == list(range(len(perm))) and sum(a != b for a, b in zip(perm, range(len(perm)))) == 2:
+        a, b = [i for i, p in enumerate(perm) if p != i]
+        return graph.call_method("transpose", (node, a, b))
+    return graph.call_method("permute", (node, *perm))
+
+
+def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase the nodes of ``nodes`` left without users, repeatedly (a chain in any order)."""
+    todo = [n for n in dict.fromkeys(nodes)]
+    changed = True
+    while changed:
+        changed = False
+        for n in list(todo):
+            if not getattr(n, "_erased", False) and not n.users:
+                graph.erase_node(n)
+                n._erased = True
+                todo.remove(n)
+                changed = True
+            elif getattr(n, "_erased", False):
+                todo.remove(n)
+
+
+def _cache_views(root: fx.Node) -> list[fx.Node]:
+    """Alias and slice nodes of an in-place cache (no-op casts, ``cache[:B, ...]``)."""
+    out, frontier = [], [root]
+    while frontier:
+        x = frontier.pop()
+        for u in x.users:
+            if u.op != "output" and u.args and u.args[0] is x and (_is_noop_cast(u) or is_op(u, "getitem")):
+                out.append(u)
+                frontier.append(u)
+    return out
 
 
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteContext,
@@ -375,19 +625,18 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_body = placeholders[-1].next if placeholders else next(iter(graph.nodes))
     extra: list[torch.Tensor] = []
-    caches: list[tuple[SiteReport, fx.Node, fx.Node, fx.Node]] = []
+    caches: list[tuple[SiteReport, _Match, fx.Node]] = []
     keyed = ctx.state_key is not None
     for m in matches:
         name = site_name(m.site.out)
-        kn = example(m.wk.new)
-        batch, heads, _, dim = kn.shape
-        lk = example(m.site.k).shape[2]
+        raw = example(m.wk.new)
+        batch, heads, _, dim = (raw.shape[a] for a in m.perm)
         if m.wk.cache is not None:
-            max_len = int(example(m.wk.cache).shape[2])
+            max_len = int(example(m.wk.cache).shape[m.perm[2]])
         else:
             max_len = ctx.max_cache_len
         state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim, max_len=max_len,
-                              dtype=kn.dtype, device=kn.device)
+                              dtype=raw.dtype, device=raw.device)
         # 1. the state's buffers become graph inputs (keyed mode: a constant key instead)
         bufs: list[fx.Node] = []
         if not keyed:
@@ -397,13 +646,14 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                     ph.meta["example_value"] = t
                     bufs.append(ph)
             extra.extend(state.buffers)
-        # 2. quantize-on-append where the model wrote its cache
+        # 2. quantize-on-append where the model wrote its cache (new rows as [B, H, T, D])
         first_write = min((n for n in m.wk.write_nodes + m.wv.write_nodes),
                           key=lambda n: list(graph.nodes).index(n))
         with graph.inserting_before(first_write):
-            start = _start_node(graph, m.wk, batch, kn.device)
-            new_k = m.wk.new
-            rows = _past_row_tags(graph, m.wk)
+            start = _start_node(graph, m.wk, batch, heads * dim, raw.device)
+            new_k = _permuted(graph, m.wk.new, m.perm)
+            new_v = _permuted(graph, m.wv.new, m.perm)
+            rows = _past_row_tags(graph, m.wk, batch)
             if rows is not None and keyed:
                 new_k = graph.call_function(torch.ops.kvarn.reorder_keyed.default,
                                             (new_k, rows, ctx.state_key(name)))
@@ -412,31 +662,28 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             if keyed:
                 append = graph.call_function(
                     torch.ops.kvarn.append_keyed.default,
-                    (new_k, m.wv.new, start, None, None, ctx.state_key(name), max_len,
+                    (new_k, new_v, start, None, None, ctx.state_key(name), max_len,
                      ctx.method, ctx.iters, ctx.recent, ctx.hold, ctx.check_finite, False))
             else:
                 append = graph.call_function(
                     torch.ops.kvarn.append_.default,
-                    (bufs, m.wk.new, m.wv.new, start, ctx.method, ctx.iters, ctx.recent,
+                    (bufs, new_k, new_v, start, ctx.method, ctx.iters, ctx.recent,
                      ctx.hold, ctx.check_finite, name))
-        # 3. fused attention in place of the model's attention
+        # 3. fused attention in place of the model's attention (see _read_kind for `causal`)
         scale = m.site.scale if m.site.scale is not None else dim ** -0.5
-        # The model's own semantics, exactly: a mask-free, non-causal attention attends every
-        # key (a cat cache holds written keys only; a preallocated cache needs a mask or
-        # is_causal, see _pair); a preallocated cache is read causally, which hides nothing
-        # a causal mask shows.
-        causal = bool(m.site.is_causal or m.wk.cache is not None)
-        mask = m.site.mask
         with graph.inserting_before(m.site.out):
-            if m.site.is_causal and not _same_size(lk, example(m.site.q).shape[2]):
-                mask = _top_left_causal(graph, m, batch, heads, dim, kn.device)
+            q = _permuted(graph, m.site.q, m.site.q_perm)
+            mask = _build_mask(graph, m.site.mask)
+            if m.site.is_causal and not _same_size(_key_len(m.site), example(q).shape[2]):
+                mask = _top_left_causal(graph, m, q, heads * dim, raw.device)
             if keyed:
                 att = graph.call_function(torch.ops.kvarn.attention_keyed.default,
-                                          (m.site.q, append, mask, ctx.state_key(name),
-                                           float(scale), causal, 0))
+                                          (q, append, mask, ctx.state_key(name),
+                                           float(scale), m.causal, 0))
             else:
                 att = graph.call_function(torch.ops.kvarn.attention.default,
-                                          (m.site.q, bufs, mask, float(scale), causal, 0))
+                                          (q, bufs, mask, float(scale), m.causal, 0))
+            att = _permuted(graph, att, m.site.out_perm)
             att.meta["example_value"] = example(m.site.out)
         m.site.out.replace_all_uses_with(att)
         # 4. the model's cache is no longer written; cat caches get a row-tagged handle
@@ -444,53 +691,85 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             if w.cache is None:
                 cat = w.full
                 with graph.inserting_before(att):
-                    shape = example(cat).shape
+                    shape = list(example(cat).shape)
                     # row i of the handle holds i: a reorder of the cache outside the graph
                     # (beam search) reaches the next call as the order of these tags
                     tags = graph.call_function(torch.arange, (batch,),
-                                               {"dtype": kn.dtype, "device": kn.device})
+                                               {"dtype": raw.dtype, "device": raw.device})
                     zero = graph.call_method("view", (tags, batch, 1, 1, 1))
-                    length = _key_length(graph, w, batch, heads, dim)
-                    handle = graph.call_method("expand", (zero, shape[0], shape[1], length, shape[3]))
+                    shape[w.axis] = _key_length(graph, m, w, heads * dim)
+                    handle = graph.call_method("expand", (zero, *shape))
                 for user in list(cat.users):
                     if user.op == "output":
                         user.replace_input_with(cat, handle)
-            else:
-                for node in w.write_nodes:
-                    graph.erase_node(node)
-        for node in m.site.nodes:
-            if not node.users:
-                graph.erase_node(node)
-        report = SiteReport(name, True, m.site.form, m.wk.spelling,
-                            m.rk.spelling if m.rk else "", state_bytes=state.nbytes, graph=graph_id)
+        _erase_unused(graph, list(m.site.nodes) + m.rk.nodes + m.rv.nodes
+                      + m.wk.write_nodes + m.wv.write_nodes)
+        for w in (m.wk, m.wv):
+            if w.cache is not None:
+                for node in w.write_nodes:        # in-place writes have no users left
+                    if not getattr(node, "_erased", False):
+                        graph.erase_node(node)
+                        node._erased = True
+                _drop_aliases(graph, w.cache)
+        report = SiteReport(name, True, m.site.form, m.wk.spelling, m.rk.spelling,
+                            state_bytes=state.nbytes, graph=graph_id)
         reports.append(report)
         if m.wk.cache is not None:
-            caches.append((report, m.wk.cache, m.wv.cache, append))
+            caches.append((report, m, append))
     dce(graph, keep=[n for n in side_effects if not getattr(n, "_erased", False)])
-    for report, cache_k, cache_v, append in caches:
-        _hand_over(graph, ctx, report, cache_k, cache_v, append, placeholders)
+    for report, m, append in caches:
+        _hand_over(graph, ctx, report, m, append, placeholders)
     graph.lint()
     gm.recompile()
     return extra, reports
 
 
-def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, cache_k: fx.Node,
-               cache_v: fx.Node, append: fx.Node, placeholders: list[fx.Node]) -> None:
+def _drop_aliases(graph: fx.Graph, root: fx.Node) -> None:
+    """After the rewrite: the outputs that handed back a no-op alias of a cache graph input
+    (``self.cache_k = self.cache_k.to(x)``) hand back the input itself; unused views go."""
+    views = _cache_views(root)
+    if root.op == "placeholder":
+        for v in views:
+            if _is_noop_cast(v):
+                for user in list(v.users):
+                    if user.op == "output":
+                        user.replace_input_with(v, root)
+    _erase_unused(graph, list(reversed(views)))
+
+
+def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, m: _Match,
+               append: fx.Node, placeholders: list[fx.Node]) -> None:
     """Give the model's own preallocated K/V tensors (graph inputs the rewritten graph no
     longer reads) to the append: a prompt a non-compiled forward wrote there is adopted
-    into the packed state, then their storage is freed (``release_buffers``).
+    into the packed state, then their memory is freed (``release_buffers``).
 
-    Keyed mode: ``kvarn::append_keyed`` takes them and frees them itself. Inputs mode:
+    The append reads them as [B, H, S, D] views (a ``[B, S, H, D]`` cache transposed, a
+    larger batch sliced to the rows written). Keyed mode: ``kvarn::append_keyed`` takes them
+    and frees whole buffers itself (a view it cannot free is kept). Inputs mode:
     ``kvarn::append_from_`` (``kvarn::adopt_`` + ``kvarn::append_`` with
     ``ctx.separate_adopt``) replaces the append, and the backend's runtime wrapper frees
     the inputs listed in ``ctx.released_inputs`` after each call. Either way a tensor that
     is passed later in their place (a second transformers StaticCache) is freed as well.
     """
-    if cache_k.users or cache_v.users or cache_k not in placeholders or cache_v not in placeholders:
+    cache_k, cache_v = m.wk.cache, m.wv.cache
+    if cache_k not in placeholders or cache_v not in placeholders:
         return
+    if any(u.op != "output" for c in (cache_k, cache_v) for u in c.users):
+        return
+    views = []
+    with graph.inserting_before(append):
+        for c in (cache_k, cache_v):
+            v = c
+            if m.batch != example(c).shape[m.perm[0]]:
+                index = [slice(None)] * 4
+                index[m.perm[0]] = slice(None, m.batch)
+                v = graph.call_function(operator.getitem, (v, tuple(index)))
+            views.append(_permuted(graph, v, m.perm))
+    view_k, view_v = views
+    whole = view_k is cache_k and view_v is cache_v
     if ctx.state_key is not None:
         args = list(append.args)
-        args[3], args[4], args[12] = cache_k, cache_v, bool(ctx.release_buffers)
+        args[3], args[4], args[12] = view_k, view_v, bool(ctx.release_buffers) and whole
         append.args = tuple(args)
         return
     fresh = bool(ctx.release_buffers)
@@ -498,12 +777,12 @@ def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, cache_k
         bufs, _, _, start = append.args[:4]
         with graph.inserting_before(append):
             graph.call_function(torch.ops.kvarn.adopt_.default,
-                                (bufs, cache_k, cache_v, start, ctx.method, ctx.iters, ctx.recent,
+                                (bufs, view_k, view_v, start, ctx.method, ctx.iters, ctx.recent,
                                  ctx.hold, ctx.check_finite, append.args[9], fresh))
     else:
         with graph.inserting_before(append):
             merged = graph.call_function(torch.ops.kvarn.append_from_.default,
-                                         (*append.args, cache_k, cache_v, fresh))
+                                         (*append.args, view_k, view_v, fresh))
         append.replace_all_uses_with(merged)
         graph.erase_node(append)
     if ctx.release_buffers:
