@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["is_op", "example", "arg", "module_path", "dce", "single_user", "source_line", "describe",
+__all__ = ["is_op", "is_size_query", "example", "arg", "module_path", "dce", "single_user", "source_line", "describe",
            "SDPA"]
 
 SDPA = torch._C._nn.scaled_dot_product_attention
@@ -56,6 +56,22 @@ def is_op(node: Any, *names: str) -> bool:
             return True
         if node.op == "call_method" and node.target in (name, *_METHOD_NAMES.get(name, ())):
             return True
+    return False
+
+
+def is_size_query(node: Any, of: fx.Node) -> bool:
+    """True when ``node`` reads only the shape of ``of`` (``of.size()``, ``of.size(d)``,
+    ``of.shape``, ``of.dim()``, ``aten.sym_size``): what Dynamo records for
+    ``b, h, s, d = x.shape`` under dynamic shapes."""
+    if not isinstance(node, fx.Node) or not node.args or node.args[0] is not of:
+        return False
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    if node.op == "call_function":
+        if node.target is getattr:
+            return len(node.args) > 1 and node.args[1] == "shape"
+        return node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default,
+                               torch.ops.aten.dim.default)
     return False
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kvarn_compile.passes.fx_utils import dce, describe, example, is_op, module_path
+from kvarn_compile.passes.fx_utils import dce, describe, example, is_op, is_size_query, module_path
 from kvarn_compile.passes.patterns import (
     ATTENTIONS, CACHE_WRITES, AttentionSite, CacheWrite, ChainBroken, KVRead, Unsupported,
     refuse_sliding_window, resolve_write, same_size, trace_kv,
@@ -418,20 +418,43 @@ def _read_kind(m: _Match, tq: Any, t: Any) -> None:
     m.causal = True
 
 
+#: View steps that never copy, even on the stride-0 handle a cat cache becomes: a shape
+#: query on the end of a chain of these is answered from the handle (or the kept buffer).
+_SHAPE_VIEWS = ("transpose", "permute", "getitem", "unsqueeze", "expand", "mT")
+
+
+def _view_path(node: fx.Node, root: fx.Node) -> list[fx.Node] | None:
+    """The view steps from ``root`` (excluded) to ``node`` (included) when each takes the
+    previous one as its first argument and is a copy-free view (:data:`_SHAPE_VIEWS`, no-op
+    casts); None otherwise."""
+    path = []
+    while node is not root:
+        if not (isinstance(node, fx.Node) and node.args and isinstance(node.args[0], fx.Node)
+                and (is_op(node, *_SHAPE_VIEWS) or _is_noop_cast(node)
+                     or (node.op == "call_function" and node.target is getattr
+                         and node.args[1] == "mT"))):
+            return None
+        path.append(node)
+        node = node.args[0]
+    return path[::-1]
+
+
 def _check_readers(site: AttentionSite, w: CacheWrite, read: KVRead) -> None:
     """The cache is used by this write and this read only (and, for a graph input, handed
     back unchanged as an output, e.g. ``self.cache_k = self.cache_k.to(x)``); the read's
     intermediate values (expanded heads, transposes) are used by the read only."""
     allowed = set(w.write_nodes) | set(read.nodes) | set(site.nodes)
     handed_back = w.cache is not None and w.cache.op == "placeholder"
+    root = w.cache if w.cache is not None else w.full
     for node in read.nodes + [n for n in w.write_nodes if n.users and w.cache is not None]:
         for u in node.users:
             if u.op == "output" and handed_back and _is_noop_cast(node):
                 continue                        # self.cache_k = self.cache_k.to(x): the input itself
+            if is_size_query(u, node) and _view_path(node, root) is not None:
+                continue                        # b, s, h, d = keys.shape: answered without the data
             if u not in allowed:
                 raise Unsupported(f"the cache as the attention reads it ({describe(node)}) is also "
                                   f"used by {u.name} ({describe(u)})")
-    root = w.cache if w.cache is not None else w.full
     frontier, seen = [root], {root}
     while frontier:
         x = frontier.pop()
@@ -447,6 +470,8 @@ def _check_readers(site: AttentionSite, w: CacheWrite, read: KVRead) -> None:
                 if w.cache is None or (root.op == "placeholder" and (x is root or _is_noop_cast(x))):
                     continue
                 raise Unsupported("the graph returns the cache tensor itself")
+            if is_size_query(u, x):
+                continue                        # the shape only: the handle or buffer keeps it
             if u.args and u.args[0] is x and (_is_noop_cast(u) or is_op(u, "getitem")) \
                     and w.cache is not None:
                 seen.add(u)
@@ -582,6 +607,23 @@ def _permuted(graph: fx.Graph, node: fx.Node, perm: tuple[int, ...] | None) -> f
     return graph.call_method("permute", (node, *perm))
 
 
+def _shape_queries_on(graph: fx.Graph, reads: list[fx.Node], cat: fx.Node, handle: fx.Node) -> None:
+    """Shape queries of the read chain's views of ``cat`` (``b, h, s, d = keys.shape`` in a
+    ``repeat_kv``) ask the same views of ``handle`` instead (same shape, copy-free; checked
+    by ``_check_readers``), so the cat and its views can go."""
+    for node in reads:
+        queries = [u for u in node.users if is_size_query(u, node)]
+        path = _view_path(node, cat) if queries else None
+        if not path:
+            continue
+        for q in queries:
+            with graph.inserting_before(q):
+                x = handle
+                for step in path:
+                    x = graph.node_copy(step, lambda n, prev=step.args[0], new=x: new if n is prev else n)
+            q.replace_input_with(node, x)
+
+
 def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     """Erase the nodes of ``nodes`` left without users, repeatedly (a chain in any order)."""
     todo = [n for n in dict.fromkeys(nodes)]
@@ -690,7 +732,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         for w in (m.wk, m.wv):
             if w.cache is None:
                 cat = w.full
-                with graph.inserting_before(att):
+                with graph.inserting_before(cat.next):    # before any reader of the cat's shape
                     shape = list(example(cat).shape)
                     # row i of the handle holds i: a reorder of the cache outside the graph
                     # (beam search) reaches the next call as the order of these tags
@@ -700,8 +742,9 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                     shape[w.axis] = _key_length(graph, m, w, heads * dim)
                     handle = graph.call_method("expand", (zero, *shape))
                 for user in list(cat.users):
-                    if user.op == "output":
-                        user.replace_input_with(cat, handle)
+                    if user.op == "output" or is_size_query(user, cat):
+                        user.replace_input_with(cat, handle)    # same shape as the cat
+                _shape_queries_on(graph, m.rk.nodes if w is m.wk else m.rv.nodes, cat, handle)
         _erase_unused(graph, list(m.site.nodes) + m.rk.nodes + m.rv.nodes
                       + m.wk.write_nodes + m.wv.write_nodes)
         for w in (m.wk, m.wv):
