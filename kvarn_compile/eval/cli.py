@@ -26,7 +26,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: k2v2 k4v2 k4v4 (--quick: k2v2)")
     p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS,
                    help="default: none kivi hadamard kvarn kvarn+clip (with --key-outliers also "
-                        "hadamard+kauto kvarn+kauto)")
+                        "hadamard+krot kvarn+krot: the rotated-only reference key frame)")
     p.add_argument("--lengths", nargs="+", type=int, default=None,
                    help="context lengths L (default: 512 1024 2048; --quick: 384 768)")
     p.add_argument("--windows", type=int, default=None, help="text windows averaged (default 2; --quick 1)")

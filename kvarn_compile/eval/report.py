@@ -17,7 +17,7 @@ __all__ = ["to_jsonable", "write_json", "markdown_summary", "write_outputs", "pl
            "plot_block_curves", "plot_error_quantiles", "plot_layer_errors"]
 
 _COLORS = {"none": "tab:gray", "kivi": "tab:red", "hadamard": "tab:orange", "kvarn": "tab:blue",
-           "kvarn+clip": "tab:green", "kvarn+kauto": "tab:purple", "hadamard+kauto": "tab:brown"}
+           "kvarn+clip": "tab:green", "kvarn+krot": "tab:purple", "hadamard+krot": "tab:brown"}
 
 
 def _color(method: str) -> str:
