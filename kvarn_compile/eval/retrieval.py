@@ -12,8 +12,9 @@ the true code.
 
 The format was chosen for the small default model: with numbered lines
 (``line 17: REGISTER_CONTENT is <4821>``) SmolLM2-135M answers almost nothing even in full
-precision (0 of 6 at 40 lines), so agreement there measured nothing; with word keys it
-answers most questions up to about a hundred lines. Each length's result says whether the
+precision (0 to 1 of 6 at 10 to 40 lines, with several question formats), so agreement
+there measured nothing; with word keys it answers 5 of 6 at 20 and at 40 lines (about 300
+and 570 tokens), 3 of 6 at 60 lines and 1 of 6 at 100 (seed 0). Each length's result says whether the
 full-precision model solves it (``fp_solves``: accuracy >= :data:`FP_SOLVES`); where it does
 not, agreement mostly compares two wrong answers, and the summary says so.
 
