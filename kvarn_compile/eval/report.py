@@ -287,6 +287,7 @@ def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> path
     presets = list(grids[0]["results"])
     fig, axes = _figure(plt, len(grids), len(presets), 4.4, 3.5)
     handles: dict[str, Any] = {}
+    folded: dict[str, list[str]] = {}
     styles = {"pseudo": dict(linestyle="-", marker="o", markersize=5),
               "static": dict(linestyle=":", marker="s", markersize=5, markerfacecolor="white")}
     for r, g in enumerate(grids):
@@ -299,7 +300,9 @@ def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> path
                 for setting in ("pseudo", "static"):
                     ys = [res["by_length"][str(L)][setting]["kl"] for L in Ls]
                     ax.plot(Ls, ys, color=_color(method), **styles[setting])
-                handles.setdefault(label, Line2D([], [], color=_color(method), linewidth=3))
+                handles.setdefault(method, Line2D([], [], color=_color(method), linewidth=3))
+                if label != method and preset not in folded.setdefault(label, []):
+                    folded[label].append(preset)
             if all_L:
                 _context_axis(ax, sorted(all_L))
             ax.set_yscale("log")
@@ -308,14 +311,18 @@ def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> path
                 ax.set_ylabel("KL(fp ‖ quant), nats/token")
             ax.set_title(f"{preset}, {g['corpus']} text", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
-    setting_handles = {
-        "pseudo-decode (all positions after the sink)": Line2D([], [], color="black", **styles["pseudo"]),
-        "static (last block, once-quantized prefix)": Line2D([], [], color="black", **styles["static"])}
+    setting_handles = {"pseudo-decode": Line2D([], [], color="black", **styles["pseudo"]),
+                       "static": Line2D([], [], color="black", **styles["static"])}
     labels = list(handles) + list(setting_handles)
     _legend_below(fig, list(handles.values()) + list(setting_handles.values()), labels,
-                  ncol=min(len(labels), 4))
-    fig.suptitle(_wrap("KL vs context: pseudo-decode (quantized as the tokens are produced) vs "
-                       "static (a clean prefix quantized once)", 4.4 * len(presets)), fontsize=10)
+                  ncol=len(labels) if len(labels) <= 7 else (len(labels) + 1) // 2)
+    title = ("KL vs context. Solid, filled circles: pseudo-decode (quantized as the tokens are "
+             "produced, all positions after the sink); dotted, open squares: static (last block "
+             "over a clean prefix quantized once).")
+    if folded:
+        title += " " + "; ".join(f"{label.replace(' = ', ' and ')}: identical at {', '.join(ps)} (one curve)"
+                                 for label, ps in folded.items()) + "."
+    fig.suptitle(_wrap(title, 4.4 * len(presets)), fontsize=9)
     return _save(plt, fig, path)
 
 
@@ -327,6 +334,7 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
     fig, axes = _figure(plt, 1, len(presets), 4.4, 3.4)
     sink = g["sink_tokens"]
     handles: dict[str, Any] = {}
+    folded: dict[str, list[str]] = {}
     for c, preset in enumerate(presets):
         ax = axes[0][c]
         for label, res, method in _curves(g["results"][preset]):
@@ -336,16 +344,21 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
             pts = [(x, y) for x, y in zip(cur["block_start"], cur["kl"]) if x >= sink and y > 1e-9]
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             (line,) = ax.plot(xs, ys, "-", marker=".", color=_color(method))
-            handles.setdefault(label, line)
+            handles.setdefault(method, line)
+            if label != method and preset not in folded.setdefault(label, []):
+                folded[label].append(preset)
         ax.set_yscale("log")
         ax.set_xlabel("block start position (tokens)")
         if c == 0:
             ax.set_ylabel("pseudo-decode KL of the block")
         ax.set_title(f"{preset}, {g['corpus']} text", fontsize=10)
         ax.grid(True, alpha=0.3)
-    _legend_below(fig, list(handles.values()), list(handles))
-    fig.suptitle(_wrap("pseudo-decode KL per block of the window (error accumulates with position)",
-                       4.4 * len(presets)), fontsize=10)
+    _legend_below(fig, list(handles.values()), list(handles), ncol=len(handles))
+    title = "Pseudo-decode KL of each block of the window against its position"
+    if folded:
+        title += " (" + "; ".join(f"{label.replace(' = ', ' and ')}: identical at {', '.join(ps)}, one curve"
+                                  for label, ps in folded.items()) + ")"
+    fig.suptitle(_wrap(title, 4.4 * len(presets)), fontsize=9)
     return _save(plt, fig, path)
 
 
@@ -386,7 +399,8 @@ def plot_error_quantiles(result: dict[str, Any], path: str | pathlib.Path) -> pa
             ax.set_xticks(ticks)
             ax.set_xticklabels(labels, fontsize=6)
             for cx, method in centers:
-                ax.text(cx, -0.22, method, ha="center", va="top", fontsize=7, transform=ax.get_xaxis_transform())
+                ax.text(cx, -0.17, method, ha="center", va="top", fontsize=7,
+                        transform=ax.get_xaxis_transform())
             ax.set_ylim(0, 1.12)
             if c == 0:
                 ax.set_ylabel("share of the bucket's\nsquared error", fontsize=8)
@@ -394,7 +408,7 @@ def plot_error_quantiles(result: dict[str, Any], path: str | pathlib.Path) -> pa
     handles = [Patch(facecolor="lightgray", edgecolor="black", label="magnitude part"),
                Patch(facecolor="white", edgecolor="black", hatch="//", label="direction part")]
     _legend_below(fig, handles, [h.get_label() for h in handles])
-    fig.suptitle(_wrap("per-token error by rank bucket (worst tokens first): magnitude vs direction "
+    fig.suptitle(_wrap("Per-token error by rank bucket (worst tokens first): magnitude vs direction "
                        "part; the label above a bar is that bucket's share of all the error",
                        max(4.6, 1.5 * n_methods) * len(presets)), fontsize=10)
     return _save(plt, fig, path)
@@ -409,14 +423,20 @@ def plot_layer_errors(result: dict[str, Any], path: str | pathlib.Path) -> pathl
     presets = list(d)
     fig, axes = _figure(plt, 1, len(presets), 4.6, 3.4)
     styles = {"K": ":", "V": "--", "attention output": "-"}
+    from matplotlib.ticker import MaxNLocator
+
     methods: dict[str, None] = {}
+    folded: dict[str, list[str]] = {}
     for c, preset in enumerate(presets):
         ax = axes[0][c]
-        for method, res in d[preset].items():
+        for label, res, method in _curves(d[preset]):
             lay = res["layers"]
             methods[method] = None
-            for (what, style), ys in zip(styles.items(), (lay["k_rel"], lay["v_rel"], lay["attn_out_rel"])):
-                ax.plot(ys, style, color=_color(method))
+            if label != method:
+                folded.setdefault(label, []).append(preset)
+            for style, ys in zip(styles.values(), (lay["k_rel"], lay["v_rel"], lay["attn_out_rel"])):
+                ax.plot(ys, style, color=_color(method), marker="." if len(ys) <= 8 else None)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         if c == 0:
             ax.set_ylabel("relative error ‖x̂ - x‖ / ‖x‖")
@@ -424,9 +444,12 @@ def plot_layer_errors(result: dict[str, Any], path: str | pathlib.Path) -> pathl
         ax.grid(True, alpha=0.3)
     handles = [Line2D([], [], color=_color(m), linewidth=3) for m in methods]
     handles += [Line2D([], [], color="black", linestyle=st) for st in styles.values()]
-    _legend_below(fig, handles, list(methods) + list(styles), ncol=min(len(handles), 6))
-    fig.suptitle(_wrap(f"per-layer error at L = {result['diagnostics']['length']} (static setting)",
-                       4.6 * len(presets)), fontsize=10)
+    _legend_below(fig, handles, list(methods) + list(styles), ncol=len(handles))
+    title = f"Per-layer relative error at L = {result['diagnostics']['length']} (static setting)"
+    if folded:
+        title += " (" + "; ".join(f"{label.replace(' = ', ' and ')}: identical at {', '.join(ps)}, one curve"
+                                  for label, ps in folded.items()) + ")"
+    fig.suptitle(_wrap(title, 4.6 * len(presets)), fontsize=9)
     return _save(plt, fig, path)
 
 
