@@ -193,14 +193,26 @@ def test_bench_json_schema_on_a_tiny_model(tiny_llama, tmp_path):
             assert 0 < s["min"] <= s["p25"] <= s["median"] <= s["p75"] <= s["max"]
             assert r["kv_bytes_used"] <= r["kv_bytes_allocated"]
         kv, fp = row["runners"]["kvarn"], row["runners"]["inductor"]
-        # 2 layers x (prefill graph, decode graph), nothing left in full precision
-        assert kv["sites_rewritten"] == 4 and kv["sites_unchanged"] == 0
+        # the eager prefill is copied in: only the decode graph compiles (2 layers), and its
+        # first step packs the prompt (complete tiles past the sink exist)
+        assert kv["sites_rewritten"] == 2 and kv["sites_unchanged"] == 0
+        assert kv["kv_bytes_by_region"]["tiles"] > 0 and kv["compile_prefill_s"] is None
         assert kv["kv_bytes_used"] < fp["kv_bytes_used"]
         assert row["kvarn_speedup"]["inductor"] > 0
     text = bench.bench_table(res)
     assert "KVarN" in text and "compiled (eager) fp32" in text and "eager fp32" in text
     png = bench.plot_bench(res, tmp_path / "bench.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # each compiled model prefilling itself: a prefill graph too, timed
+    res = bench.run_bench(lengths=(128,), steps=4, chunk=64, fp_backend="eager", prefill_mode="compiled",
+                          preset=get_config("k4v2", group_size=32), compiler="eager", eager=False,
+                          progress=False, model=tiny_llama, tokenizer=None,
+                          prompt_fn=lambda n: prompt[:, :n])
+    (row,) = res["rows"]
+    assert set(row["runners"]) == {"kvarn", "inductor"}
+    kv = row["runners"]["kvarn"]
+    assert kv["sites_rewritten"] == 4 and kv["compile_prefill_s"] > 0 and kv["prefill_chunk_s"]["n"] == 1
 
 
 # ------------------------------------------------------------------------------ reports

@@ -2,8 +2,8 @@
 
 For every context length L the three runners of :mod:`.speed` (the model compiled with
 ``kvarn_backend``, the same model compiled by plain ``torch.compile`` over a full-precision
-``StaticCache``, and eager over that cache) prefill L tokens of real text and decode
-``steps`` tokens in one interleaved loop. Every cache is sized to L + steps (a static
+``StaticCache``, and eager) get L tokens of real text prefilled (by default once, eager, and
+copied to each) and decode ``steps`` tokens in one interleaved loop. Every cache is sized to L + steps (a static
 cache's decode reads all its slots, so each length compiles its own graphs: Dynamo is
 reset between lengths, and the compile times are those of a cold process unless Inductor's
 on-disk cache already holds the graphs). Reported per length and runner: ms per decode step
@@ -30,7 +30,7 @@ BENCH_DEFAULTS = {"lengths": (1024, 2048, 4096), "steps": 12, "chunk": 512, "pre
 #: Keys of every runner row of :func:`run_bench`'s ``rows`` (the JSON schema, tested).
 SCHEMA = {
     "top": ("benchmark", "model", "preset", "config", "corpus", "steps", "chunk", "warmup",
-            "compiler", "env", "rows", "total_s"),
+            "compiler", "prefill_mode", "env", "rows", "total_s"),
     "row": ("context_tokens", "capacity_tokens", "runners", "kvarn_speedup"),
     "runner": ("label", "ms_per_step", "tokens_per_s", "steps_ms", "compile_prefill_s",
                "compile_decode_s", "prefill_chunk_s", "kv_bytes_used", "kv_bytes_allocated"),
@@ -61,13 +61,14 @@ def run_bench(model_name: str | None = None, *, lengths=BENCH_DEFAULTS["lengths"
               steps: int = BENCH_DEFAULTS["steps"], chunk: int = BENCH_DEFAULTS["chunk"],
               preset: str = BENCH_DEFAULTS["preset"], corpus: str = "lee", compiler: str = "inductor",
               eager: bool = True, warmup: int = BENCH_DEFAULTS["warmup"], progress: bool = True,
-              fp_backend: str = "inductor", model=None, tokenizer=None,
+              fp_backend: str = "inductor", prefill_mode: str = "eager", model=None, tokenizer=None,
               prompt_fn=None) -> dict[str, Any]:
     """Benchmark every length (see the module docstring); return a JSON-ready dict.
 
     ``model``/``tokenizer`` replace loading ``model_name`` (the model is deep-copied for the
     KVarN runner); ``prompt_fn(length) -> ids [1, length]`` replaces the corpus text.
-    ``fp_backend`` is the baseline's ``torch.compile`` backend (tests use ``"eager"``).
+    ``fp_backend`` is the baseline's ``torch.compile`` backend (tests use ``"eager"``);
+    ``prefill_mode`` is :func:`.speed.prefill`'s ``mode``.
     """
     import copy
 
@@ -76,7 +77,8 @@ def run_bench(model_name: str | None = None, *, lengths=BENCH_DEFAULTS["lengths"
     from kvarn_compile.hf import kv_geometry
 
     from .progress import Phases
-    from .speed import cache_bytes, decode_interleaved, make_runners, packed_bytes, prefill, spread
+    from .speed import (cache_bytes, decode_interleaved, eager_runner, make_runners, packed_bytes,
+                        prefill, spread)
 
     lengths = sorted(int(L) for L in lengths)
     for L in lengths:
@@ -109,7 +111,8 @@ def run_bench(model_name: str | None = None, *, lengths=BENCH_DEFAULTS["lengths"
         by = {r.name: r for r in runners}
         fp_alloc = cache_bytes(by["inductor"].cache)
         with phases.group(f"context {L}"):
-            last = prefill(runners, prompt_fn(L), c, phases)
+            source = by.get("eager") or eager_runner(fp_model, max_len)
+            last = prefill(runners, prompt_fn(L), c, phases, mode=prefill_mode, source=source)
             decode_interleaved(runners, int(last["inductor"].argmax()), L, steps, phases, warmup=warmup)
         held = L + steps
         dtype_size = next(fp_model.parameters()).element_size()
@@ -134,13 +137,14 @@ def run_bench(model_name: str | None = None, *, lengths=BENCH_DEFAULTS["lengths"
         row["runners"]["kvarn"]["sites_unchanged"] = len(by["kvarn"].backend.report.unchanged)
         for other in ("inductor", "eager"):
             if other in by and by[other].step_ms and by["kvarn"].step_ms:
-                row["kvarn_speedup"][other] = (spread(by[other].step_ms)["median"]
-                                               / spread(by["kvarn"].step_ms)["median"])
+                paired = [o / k for o, k in zip(by[other].step_ms, by["kvarn"].step_ms)]
+                row["kvarn_speedup"][other] = spread(paired)["median"]
         rows.append(row)
     torch._dynamo.reset()
     return {"benchmark": "kvarn-compile bench", "model": model_name or DEFAULT_MODEL,
             "preset": preset if isinstance(preset, str) else cfg.short(), "config": cfg.short(), "corpus": corpus_used,
-            "steps": steps, "chunk": chunk, "warmup": warmup, "compiler": compiler, "env": _env(),
+            "steps": steps, "chunk": chunk, "warmup": warmup, "compiler": compiler,
+            "prefill_mode": prefill_mode, "env": _env(),
             "fp_dtype": str(next(fp_model.parameters()).dtype).replace("torch.", ""),
             "rows": rows, "phases_s": dict(phases.durations), "total_s": phases.elapsed()}
 
@@ -162,16 +166,19 @@ def bench_table(res: dict[str, Any]) -> str:
     for row in res["rows"]:
         for i, (name, r) in enumerate(row["runners"].items()):
             ratio = row["kvarn_speedup"].get(name)
-            comp = (f"{r['compile_prefill_s']:.0f} + {r['compile_decode_s']:.0f}"
-                    if r["compile_prefill_s"] is not None and r["compile_decode_s"] is not None else "-")
+            comp = " + ".join(f"{r[k]:.0f}" for k in ("compile_prefill_s", "compile_decode_s")
+                              if r[k] is not None) or "-"
             tps = f"{r['tokens_per_s']:7.1f}" if r["tokens_per_s"] else "    n/a"
             lines.append(f"{row['context_tokens'] if i == 0 else '':>7}  {r['label']:14} "
                          f"{format_spread(r['ms_per_step']):>32} {tps} "
                          f"{(f'{ratio:.2f}x' if ratio else ''):>8} {_mib(r['kv_bytes_used']):>13} "
                          f"{_mib(r['kv_bytes_allocated']):>9} {comp:>12}")
-    lines.append("vs KVarN: that runner's median ms/step over KVarN's (> 1: KVarN is faster). "
-                 "KV MiB: the eager model shares the Inductor model's cache. compile s: first "
-                 "prefill chunk + first decode step (incl. compiling).")
+    compile_note = ("first prefill chunk + first decode step" if res["prefill_mode"] == "compiled" else
+                    "first decode step (the prompt is prefilled once, eager, and copied; KVarN's "
+                    "first step also packs it)")
+    lines.append("vs KVarN: median of the per-step ratios runner / KVarN (> 1: KVarN is faster). "
+                 f"compile s: {compile_note}, incl. compiling. KV MiB in use: the tokens held; "
+                 "allocated: the capacity (context + steps).")
     return "\n".join(lines)
 
 
@@ -228,6 +235,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     from kvarn_compile.config import PRESETS
 
     from .cli import add_threads_argument
+    from .speed import PREFILL_MODES
 
     d = BENCH_DEFAULTS
     p.add_argument("--lengths", type=int_at_least(1), nargs="+", default=list(d["lengths"]), metavar="L",
@@ -244,6 +252,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
                    help="what runs kvarn_backend's rewritten graphs (default inductor)")
     p.add_argument("--no-eager", action="store_true", help="leave the eager model out")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="eager",
+                   help="eager (default): one full-precision eager prefill per length, copied to "
+                        "every model (only decode graphs compile); compiled: each compiled model "
+                        "prefills itself (its prefill graph's compile time is reported too)")
     add_threads_argument(p)
     p.add_argument("--plot", type=output_file, default=d["plot"], metavar="PATH",
                    help=f"PNG plot of tokens/s and KV bytes against context (default ./{d['plot']})")
@@ -262,7 +274,7 @@ def bench_from_args(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_grad_enabled(False)
     res = run_bench(args.model, lengths=args.lengths, steps=args.steps, chunk=args.chunk,
                     preset=args.preset, corpus=args.corpus, compiler=args.compiler,
-                    eager=not args.no_eager, progress=not args.no_progress)
+                    eager=not args.no_eager, prefill_mode=args.prefill, progress=not args.no_progress)
     print(bench_table(res))
     path = plot_bench(res, args.plot)
     print(f"plot: {path}")

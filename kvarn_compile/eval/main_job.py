@@ -2,15 +2,19 @@
 
 1. **load**: the default model (SmolLM2-135M-Instruct, fp32) twice, and a prompt of
    ``prompt_tokens`` tokens of real text (the Lee news corpus unless told otherwise).
-2. **compile and prefill**: one copy is compiled with ``kvarn_backend(preset)`` (as a user
-   writes it); the other is the uncompressed baseline, compiled with plain ``torch.compile``
-   (Inductor) and also run eager. Both compiled models prefill the prompt in chunks over
-   their own transformers ``StaticCache`` of prompt + new tokens; the KVarN pass takes its
-   cache over into packed states and releases the fp buffers (:mod:`.speed`).
-3. **generate**: ``new_tokens`` greedy tokens of the uncompressed Inductor model; the KVarN
-   model and the eager model are fed the same tokens in the same loop, which times every
-   step of all three, interleaved, after two warm-up steps that compile the decode graphs.
-4. **quality**: on every generated position, KL(uncompressed ‖ KVarN) and top-1 agreement
+2. **prefill**: by default the prompt runs once through the uncompiled model in full
+   precision, in chunks, into a transformers ``StaticCache`` of prompt + new tokens, and
+   every model starts from a copy of it (``prefill_mode="compiled"``: each compiled model
+   prefills itself, see :func:`.speed.prefill`).
+3. **compile and generate**: one copy of the model is compiled with ``kvarn_backend(preset)``
+   (as a user writes it; its first step takes the prompt's K/V over into packed states and
+   releases the fp buffers, which is what transformers' ``generate(...,
+   compile_config=...)`` does too); the other is the uncompressed baseline, compiled with
+   plain ``torch.compile`` (Inductor) and also run eager. ``new_tokens`` greedy tokens of
+   the Inductor model; the KVarN and eager models are fed the same tokens in the same loop,
+   which times every step of all three, interleaved, after two warm-up steps that compile
+   the decode graphs.
+4. **quality**: on every decoded position, KL(uncompressed ‖ KVarN) and top-1 agreement
    (teacher-forced: both saw the same tokens), and the first position where KVarN's greedy
    choice differs, which is where free-running greedy streams part. The eager model
    against the Inductor model gives the floor of these numbers (rounding only).
@@ -36,7 +40,7 @@ __all__ = ["DEFAULTS", "run_main_job", "print_main_job", "add_run_arguments", "v
 #: cores KVarN decode only ties with Inductor fp32 at 2k tokens), short enough for about three
 #: minutes on 2 idle cores.
 DEFAULTS = {"prompt_tokens": 8192, "new_tokens": 32, "chunk": 512, "preset": "k4v2",
-            "corpus": "lee", "warmup": 2}
+            "corpus": "lee", "warmup": 2, "prefill": "eager"}
 
 
 @torch.no_grad()
@@ -44,7 +48,7 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
                  prompt_tokens: int = DEFAULTS["prompt_tokens"], new_tokens: int = DEFAULTS["new_tokens"],
                  chunk: int = DEFAULTS["chunk"], corpus: str = DEFAULTS["corpus"],
                  compiler: str = "inductor", eager: bool = True, warmup: int = DEFAULTS["warmup"],
-                 progress: bool = True) -> dict[str, Any]:
+                 prefill_mode: str = DEFAULTS["prefill"], progress: bool = True) -> dict[str, Any]:
     """Run the main job (see the module docstring); return every number as a JSON-ready dict."""
     from kvarn_compile.config import get_config
     from kvarn_compile.eval.harness import kl_top1
@@ -52,7 +56,8 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
     from kvarn_compile.hf import kv_geometry
 
     from .progress import Phases
-    from .speed import cache_bytes, decode_interleaved, make_runners, packed_bytes, prefill, spread
+    from .speed import (cache_bytes, decode_interleaved, eager_runner, make_runners, packed_bytes,
+                        prefill, spread)
 
     _check(prompt_tokens=prompt_tokens, new_tokens=new_tokens, chunk=chunk, warmup=warmup)
     chunk = min(chunk, prompt_tokens)
@@ -69,21 +74,27 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
     by = {r.name: r for r in runners}
     kv, ind = by["kvarn"], by["inductor"]
     fp_cache_allocated = cache_bytes(ind.cache)          # before anything can be released
-    last = prefill(runners, ids, chunk, phases, fp_prefill="eager" if eager else "inductor")
-    for r in runners:
-        r.logits.append(last[r.name])
+    source = by.get("eager") or eager_runner(fp_model, max_len)
+    last = prefill(runners, ids, chunk, phases, mode=prefill_mode, source=source)
+    if prefill_mode == "compiled":   # the prompt's last logits differ only then
+        for r in (kv, ind):
+            r.logits.append(last[r.name])
     tokens = decode_interleaved(runners, int(last["inductor"].argmax()), prompt_tokens,
                                 new_tokens - 1, phases, warmup=warmup)
 
     with phases("quality and memory"):
         fp_logits, kv_logits = torch.stack(ind.logits), torch.stack(kv.logits)
         kl, agree = kl_top1(fp_logits, kv_logits)
+        # kv_logits[j] predicts generated token off + j; with an eager prefill the first token
+        # comes from the shared full-precision prefill, so it is the same by construction
+        off = new_tokens - len(kv.logits)
         kv_choice = kv_logits.argmax(-1)
-        differs = (kv_choice != tokens[:new_tokens]).nonzero()
-        first_div = int(differs[0]) if len(differs) else new_tokens
+        differs = (kv_choice != tokens[off:new_tokens]).nonzero()
+        first_div = off + int(differs[0]) if len(differs) else new_tokens
         floor = None
         if eager:
-            e_kl, e_agree = kl_top1(fp_logits, torch.stack(by["eager"].logits))
+            e_logits = torch.stack(by["eager"].logits)
+            e_kl, e_agree = kl_top1(fp_logits[len(fp_logits) - len(e_logits):], e_logits)
             floor = {"kl_mean": float(e_kl.mean()), "kl_max": float(e_kl.max()),
                      "top1": float(e_agree.mean()), "positions": int(e_kl.numel())}
         kv_heads, head_dim = kv_geometry(kv_model)
@@ -117,7 +128,7 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
         "dtype": str(dtype).replace("torch.", ""), "layers": n_layers, "kv_heads": kv_heads,
         "head_dim": head_dim, "corpus": corpus, "corpus_description": CORPORA[corpus].description,
         "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chunk": chunk, "compiler": compiler,
-        "warmup_steps": warmup,
+        "warmup_steps": warmup, "prefill_mode": prefill_mode,
         "rewrite": {"sites_rewritten": len(report.rewritten), "sites_total": len(report.sites),
                     "graphs_compiled": report.graphs, "report": str(report)},
         "kv_bytes": {
@@ -133,13 +144,14 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
         "bpe_overall": 8 * packed["used"] / (per_token * held), "bpe_tiles": bpe_tiles,
         "speed": {"context_tokens": [prompt_tokens + warmup, max_len - 1], "runners": speed,
                   "kvarn_speedup": ratios},
-        "quality": {"positions": int(kl.numel()), "teacher_forced_top1": float(agree.mean()),
+        "quality": {"positions": int(kl.numel()), "first_position": off,
+                    "teacher_forced_top1": float(agree.mean()),
                     "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
                     "kl_per_position": [float(x) for x in kl],
                     "greedy_first_divergence": first_div, "noise_floor_eager_vs_inductor": floor},
         "text": {"prompt_tail": tok.decode(ids[0, -24:]), "uncompressed": text,
                  "kvarn_same_prefix": tok.decode(tokens[:first_div]),
-                 "kvarn_diverging_token": tok.decode(kv_choice[first_div:first_div + 1])
+                 "kvarn_diverging_token": tok.decode(kv_choice[first_div - off:first_div - off + 1])
                  if first_div < new_tokens else None,
                  "uncompressed_token_there": tok.decode(tokens[first_div:first_div + 1])
                  if first_div < new_tokens else None},
@@ -191,6 +203,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     from kvarn_compile.cli import int_at_least
 
     from .cli import add_threads_argument
+    from .speed import PREFILL_MODES
 
     d = DEFAULTS
     p.add_argument("--preset", default=d["preset"], choices=sorted(PRESETS),
@@ -207,6 +220,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
                    help="what runs kvarn_backend's rewritten graphs (default inductor; eager: no "
                         "Inductor compile of the KVarN model)")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default=d["prefill"],
+                   help="eager (default): the prompt runs once through the uncompiled model in full "
+                        "precision and every model starts from a copy of that cache; the KVarN "
+                        "model's first compiled step packs it (as transformers' generate with a "
+                        "compile_config); compiled: each compiled model prefills itself (compiles a "
+                        "prefill graph; KVarN chunks attend the packed earlier chunks; slower)")
     p.add_argument("--no-eager", action="store_true",
                    help="leave the eager model out of the speed comparison")
     p.add_argument("--kv-report", action="store_true",
@@ -237,7 +256,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         results["kv_report"] = rep
     res = run_main_job(args.model, preset=args.preset, prompt_tokens=args.prompt_tokens,
                        new_tokens=args.new_tokens, chunk=args.chunk, corpus=args.corpus,
-                       compiler=args.compiler, eager=not args.no_eager,
+                       compiler=args.compiler, eager=not args.no_eager, prefill_mode=args.prefill,
                        progress=not args.no_progress)
     print_main_job(res)
     results["main"] = res
@@ -257,12 +276,14 @@ def print_main_job(res: dict[str, Any], file=None) -> None:
     kb, q, sp, rw = res["kv_bytes"], res["quality"], res["speed"], res["rewrite"]
     fp_dt = kb["full_precision_dtype"].replace("float", "fp")
     p(f"\nkvarn_backend({res['preset']!r}) on {res['model']} ({res['dtype']}, {res['layers']} layers, "
-      f"{res['kv_heads']} KV heads x {res['head_dim']}): a {res['prompt_tokens']}-token prompt from the "
+      f"{res['kv_heads']} KV heads x {res['head_dim']}): a prompt of {res['prompt_tokens']} tokens from the "
       f"{res['corpus_description']} (--corpus {res['corpus']}), then {res['new_tokens']} greedy tokens")
     caches = kb["caches_released"]
     graphs = rw["graphs_compiled"]
-    per_graph = f" ({res['layers']} layers x {graphs} graphs: prefill, decode)" \
-        if graphs == 2 and rw["sites_total"] == 2 * res["layers"] else f" in {graphs} graphs"
+    per_graph = (f" ({res['layers']} layers x 2 graphs: prefill, decode)"
+                 if graphs == 2 and rw["sites_total"] == 2 * res["layers"] else
+                 f" ({res['layers']} layers, one decode graph)"
+                 if graphs == 1 and rw["sites_total"] == res["layers"] else f" in {graphs} graphs")
     p(f"  rewrite    {rw['sites_rewritten']}/{rw['sites_total']} attention sites rewritten{per_graph}; "
       f"released the KVarN model's {fp_dt} StaticCache buffers "
       f"({_mib(kb['model_fp_buffers_released'])}"
@@ -288,10 +309,11 @@ def print_main_job(res: dict[str, Any], file=None) -> None:
         p(f"             {r['label']:14} {format_spread(r['ms_per_step']):>34}  {tps}  ({what})")
     for other, rt in sp["kvarn_speedup"].items():
         pr = rt["paired"]
-        x = rt["median_ratio"]
+        x = pr["median"]
         how = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
-        p(f"             KVarN is {how} than {runners[other]['label']} (ratio of medians {x:.2f}; "
-          f"per-step paired ratio IQR {pr['p25']:.2f}-{pr['p75']:.2f})")
+        p(f"             KVarN is {how} than {runners[other]['label']} (median of the per-step ratios "
+          f"{runners[other]['label']} / KVarN, IQR {pr['p25']:.2f}-{pr['p75']:.2f}; ratio of the "
+          f"medians {rt['median_ratio']:.2f})")
     comp = []
     for r in runners.values():
         if not r["compiled"]:
@@ -300,20 +322,25 @@ def print_main_job(res: dict[str, Any], file=None) -> None:
                                                               ("decode", "first_decode_step_s"))
                  if r.get(key) is not None]
         comp.append(f"{r['label']} " + " + ".join(parts))
-    p(f"  compile    {'; '.join(comp)} (first chunk / first step, incl. compiling; the "
-      "uncompressed prefill runs eager)")
+    eager_prefill = res["prefill_mode"] == "eager"
+    p(f"  compile    {'; '.join(comp)} (first chunk / first step, incl. compiling"
+      + ("; KVarN's first step also packs the prompt)" if eager_prefill else ")"))
     chunks = [f"{r['label']} {r['prefill_chunk_s']['median']:.2f} s" for r in runners.values()
               if r.get("prefill_chunk_s")]
-    if chunks:
-        p(f"  prefill    per {res['chunk']}-token chunk (median): {', '.join(chunks)}")
+    how = ("once, eager in full precision; every model starts from a copy of that cache"
+           if eager_prefill else "through each compiled model")
+    p(f"  prefill    {res['prompt_tokens']} tokens {how}; per {res['chunk']}-token chunk (median): "
+      f"{', '.join(chunks) if chunks else 'n/a'}")
     floor = q["noise_floor_eager_vs_inductor"]
     div = q["greedy_first_divergence"]
-    p(f"  quality    {q['positions']} generated positions, teacher-forced on the uncompressed model's "
-      f"greedy tokens: top-1 agreement {q['teacher_forced_top1']:.3f}, KL(fp ‖ KVarN) {q['kl_mean']:.4f} "
-      f"nats/token (max {q['kl_max']:.3f})")
+    first = (" (the first token comes from the shared full-precision prefill)"
+             if q.get("first_position") else "")
+    p(f"  quality    {q['positions']} decoded positions{first}, teacher-forced on the uncompressed "
+      f"model's greedy tokens: top-1 agreement {q['teacher_forced_top1']:.3f}, KL(fp ‖ KVarN) "
+      f"{q['kl_mean']:.4f} nats/token (max {q['kl_max']:.3f})")
     p("             free-running greedy decoding: "
       + ("KVarN's first token already differs" if div == 0 else
-         f"KVarN picks the same first {div} tokens, then differs" if div < q["positions"]
+         f"KVarN picks the same first {div} tokens, then differs" if div < res["new_tokens"]
          else f"KVarN picks the same {div} tokens"))
     if floor:
         p(f"             noise floor (eager vs Inductor {fp_dt}, rounding only): KL {floor['kl_mean']:.1e}, "

@@ -8,15 +8,16 @@ Three runners of one model decode the same tokens:
   full-precision ``StaticCache`` of the same length;
 * ``eager``: the same model, not compiled, over its own full-precision ``StaticCache``.
 
-Both caches are sized to exactly the prompt plus the new tokens: a static cache's decode
-step reads every slot of it, so a larger one would slow both down. The prompt is prefilled
-in chunks of equal length (one prefill graph per compiled model; its first chunk compiles
-it) through the KVarN model and one full-precision runner; the other full-precision
-runner starts from a copy of that cache. Decoding is greedy on the Inductor model; the other runners are fed
-its tokens (teacher forcing), so all of them see the same sequence and every position's
-logits can be compared. The step loop is interleaved: in every step each runner runs once,
-in an order that rotates from step to step, so load on a shared machine hits all runners
-alike; the first ``warmup`` steps compile the decode graphs and are not timed.
+Every cache is sized to exactly the prompt plus the new tokens: a static cache's decode
+step reads every slot of it, so a larger one would slow it down. The prompt is prefilled
+in chunks of equal length (:func:`prefill`): by default once, eagerly in full precision,
+into a cache every runner gets a copy of (the KVarN model's first compiled step takes it
+over into packed states); or through each compiled model. Decoding is greedy on the
+Inductor model; the other runners are fed its tokens (teacher forcing), so all of them see
+the same sequence and every position's logits can be compared. The step loop is
+interleaved: in every step each runner runs once, in an order that rotates from step to
+step, so load on a shared machine hits all runners alike; the first ``warmup`` steps
+compile the decode graphs and are not timed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 __all__ = ["Runner", "spread", "format_spread", "make_runners", "prefill", "decode_interleaved",
-           "cache_bytes", "packed_bytes"]
+           "cache_bytes", "packed_bytes", "PREFILL_MODES", "eager_runner"]
 
 
 def spread(values: list[float]) -> dict[str, float | int]:
@@ -113,9 +114,16 @@ def make_runners(kv_model, fp_model, *, preset, max_len: int, compiler: str = "i
                       static_cache_for(fp_model, max_len),
                       _cache_kwarg(fp_model))]
     if eager:
-        runners.append(Runner("eager", f"eager {_dtype_name(fp_model)}", fp_model,
-                              static_cache_for(fp_model, max_len), _cache_kwarg(fp_model)))
+        runners.append(eager_runner(fp_model, max_len))
     return runners
+
+
+def eager_runner(fp_model, max_len: int) -> Runner:
+    """The uncompiled model over a fresh full-precision ``StaticCache`` of ``max_len`` tokens."""
+    from kvarn_compile.hf import static_cache_for
+
+    return Runner("eager", f"eager {_dtype_name(fp_model)}", fp_model,
+                  static_cache_for(fp_model, max_len), _cache_kwarg(fp_model))
 
 
 def _dtype(model) -> torch.dtype:
@@ -127,30 +135,51 @@ def _dtype_name(model) -> str:
     return names.get(_dtype(model), str(_dtype(model)).replace("torch.", ""))
 
 
-def prefill(runners: list[Runner], ids: torch.Tensor, chunk: int, phases, *,
-            fp_prefill: str = "inductor") -> dict[str, torch.Tensor]:
-    """Prefill ``ids`` [1, L] in chunks of ``chunk`` tokens; return each runner's last logits.
+#: How the prompt gets into the caches (see :func:`prefill`).
+PREFILL_MODES = ("eager", "compiled")
 
-    The full-precision cache is filled once, by the ``fp_prefill`` runner (``"inductor"`` or
-    ``"eager"``); the other full-precision runner starts from a copy of it (same K/V up to
-    rounding). The KVarN runner always prefills through its compiled model. The first chunk
-    of a compiled runner compiles its prefill graph (one phase each); the other chunks run
-    interleaved under one progress bar.
+
+def prefill(runners: list[Runner], ids: torch.Tensor, chunk: int, phases, *, mode: str = "eager",
+            source: Runner | None = None) -> dict[str, torch.Tensor]:
+    """Prefill ``ids`` [1, L] in chunks of ``chunk`` tokens into every runner's cache.
+
+    ``mode="eager"``: the prompt runs once through the uncompiled full-precision model
+    (``source``, default the eager runner) into its ``StaticCache``; every other runner
+    starts from a copy of that cache. The KVarN model's first compiled step then takes these
+    K/V over into its packed states (as with transformers' ``generate(...,
+    compile_config=...)``, which also prefills eagerly and compiles only the decoding step).
+    No prefill graph compiles; the prompt is attended exactly while it is prefilled.
+
+    ``mode="compiled"``: the KVarN model and the Inductor model prefill through their own
+    compiled prefill graphs (their first chunk compiles it; every later chunk of the KVarN
+    model attends the packed tiles of the earlier ones); the eager runner starts from a copy
+    of the Inductor model's cache.
+
+    Chunks of several runners are interleaved. Returns each runner's logits of the last
+    prompt position.
     """
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"Expected a prefill mode in {PREFILL_MODES}, but got {mode!r}.")
+    by = {r.name: r for r in runners}
+    if mode == "eager":
+        source = source or by.get("eager")
+        if source is None:
+            raise ValueError("Expected an eager runner (or source=) for mode='eager'.")
+        active, copy_from = [source], source
+    else:
+        active = [r for r in runners if r.name in ("kvarn", "inductor")]
+        copy_from = by.get("inductor")
     n = ids.shape[-1]
     starts = list(range(0, n, chunk))
-    fp_names = {"inductor", "eager"}
-    active = [r for r in runners if r.name not in fp_names or r.name == fp_prefill]
     last: dict[str, torch.Tensor] = {}
     for r in active:
-        if r.name == "eager":
+        if r.name in ("kvarn", "inductor"):
+            with phases(f"compile prefill: {r.label}", note=f"first {min(chunk, n)}-token chunk"):
+                last[r.name], took = r(ids[:, :chunk], 0)
+            r.first_call_s["prefill"] = took
+        else:
             last[r.name], took = r(ids[:, :chunk], 0)
             r.prefill_s.append(took)
-            r.first_call_s["prefill"] = took
-            continue
-        with phases(f"compile prefill: {r.label}", note=f"first {min(chunk, n)}-token chunk"):
-            last[r.name], took = r(ids[:, :chunk], 0)
-        r.first_call_s["prefill"] = took
     names = " and ".join(r.label for r in active)
     for i in phases.bar(range(1, len(starts)), f"prefill {n} tokens ({names}, {chunk}-token chunks)",
                         total=len(starts) - 1, unit="chunk"):
@@ -158,11 +187,10 @@ def prefill(runners: list[Runner], ids: torch.Tensor, chunk: int, phases, *,
         for r in active[k:] + active[:k]:
             last[r.name], took = r(ids[:, starts[i]:starts[i] + chunk], starts[i])
             r.prefill_s.append(took)
-    source = next((r for r in runners if r.name == fp_prefill), None)
     for r in runners:
-        if r.name in fp_names and r is not source and source is not None:
-            r.cache = copy.deepcopy(source.cache)
-            last[r.name] = last[source.name]
+        if r not in active and copy_from is not None:
+            r.cache = copy.deepcopy(copy_from.cache)
+            last[r.name] = last[copy_from.name]
     return last
 
 
