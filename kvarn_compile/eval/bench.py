@@ -162,7 +162,8 @@ def bench_table(res: dict[str, Any]) -> str:
             f"{'vs KVarN':>8} {'KV MiB in use':>13} {'allocated':>9} {'compile s':>12}")
     lines = [f"kvarn-compile bench: {res['model']}, {res['config']}, {res['steps']} decode steps per "
              f"length ({res['warmup']} warm-up), prefill chunks of {res['chunk']} tokens, "
-             f"{res['env']['threads']} threads", head, "-" * len(head)]
+             f"{res['env']['threads']} thread{'s' if res['env']['threads'] != 1 else ''}",
+             head, "-" * len(head)]
     for row in res["rows"]:
         for i, (name, r) in enumerate(row["runners"].items()):
             ratio = row["kvarn_speedup"].get(name)
@@ -192,13 +193,14 @@ def plot_bench(res: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
     names = list(rows[0]["runners"])
     colors = {"kvarn": "tab:blue", "inductor": "tab:red", "eager": "tab:gray"}
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    dodge = {name: 2 ** (0.025 * (i - (len(names) - 1) / 2)) for i, name in enumerate(names)}
     for name in names:
         rs = [row["runners"][name] for row in rows]
         med = [1e3 / r["ms_per_step"]["median"] if r["ms_per_step"]["n"] else float("nan") for r in rs]
         lo = [m - 1e3 / r["ms_per_step"]["p75"] if r["ms_per_step"]["n"] else 0 for m, r in zip(med, rs)]
         hi = [1e3 / r["ms_per_step"]["p25"] - m if r["ms_per_step"]["n"] else 0 for m, r in zip(med, rs)]
-        a1.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, color=colors.get(name),
-                    label=rs[0]["label"])
+        a1.errorbar([x * dodge[name] for x in xs], med, yerr=[lo, hi], marker="o", capsize=3,
+                    color=colors.get(name), label=rs[0]["label"])
     a1.set_title("decode speed (median, bars: interquartile range)")
     a1.set_ylabel("tokens/s (batch 1)")
     a1.set_ylim(bottom=0)
@@ -209,7 +211,8 @@ def plot_bench(res: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
             "o:", color="tab:orange", label="fp16 cache (for scale)")
     a2.plot(xs, used["kvarn"], "o-", color=colors["kvarn"], label=f"KVarN {res['preset']} in use")
     a2.plot(xs, [row["runners"]["kvarn"]["kv_bytes_allocated"] / 2**20 for row in rows], "s--",
-            color=colors["kvarn"], alpha=0.6, label="KVarN allocated")
+            color=colors["kvarn"], markerfacecolor="none", markersize=9,
+            label="KVarN allocated (capacity)")
     a2.set_title("KV cache bytes")
     a2.set_ylabel("MiB")
     a2.set_ylim(bottom=0)
@@ -221,8 +224,9 @@ def plot_bench(res: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
         ax.set_xlabel("context length (tokens)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-    fig.suptitle(f"{res['model']}: KVarN {res['preset']} vs full precision, "
-                 f"{res['env']['threads']} CPU threads", fontsize=10)
+    t = res["env"]["threads"]
+    fig.suptitle(f"{res['model']}: KVarN {res['preset']} vs full precision, decode at batch 1, "
+                 f"{t} CPU thread{'s' if t != 1 else ''}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
