@@ -419,5 +419,5 @@ def test_auto_threads_follow_what_other_processes_use_now(monkeypatch):
     samples = iter([(100.0, 1000.0), (100.0 + 20.0, 1000.0 + 200.0)])      # 0.2 cores busy
     assert cli._threads("auto") is None
     assert cli._threads("3") == 3
-    with pytest.raises(SystemExit, match="expected --threads >= 1"):
+    with pytest.raises(ValueError, match="Expected --threads >= 1"):
         cli._threads("0")
