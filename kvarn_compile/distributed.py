@@ -20,6 +20,7 @@ This module holds what *is* about ranks:
   ``tp_plan="auto"``, whose rule never replicates: the KV heads must divide by the size
   (transformers' ``get_kv_heads_per_rank``); otherwise it refuses before loading, instead
   of the model failing later with a reshape error inside its attention;
+  :func:`hf_tp_kwargs` spells ``tp_plan="auto"`` for ``from_pretrained``;
 * :func:`gather_report` / :func:`print_report`: every rank's report (sites, graphs, packed
   bytes, KV heads, released bytes) gathered with one collective, and one summary printed
   on rank 0 (sites, bytes per rank, bytes in total).
@@ -35,7 +36,7 @@ from typing import Any, TextIO
 
 import torch
 
-__all__ = ["TensorParallelHeads", "tensor_parallel_heads", "check_hf_tensor_parallel",
+__all__ = ["TensorParallelHeads", "tensor_parallel_heads", "check_hf_tensor_parallel", "hf_tp_kwargs",
            "RankReport", "DistributedReport", "rank_report", "gather_report", "print_report"]
 
 
@@ -129,6 +130,18 @@ def check_hf_tensor_parallel(config: Any, tp: int) -> TensorParallelHeads:
             f"{type(text).__name__} with {heads} query / {kv} KV heads cannot be loaded with "
             f"tp_plan='auto' on {tp} ranks: {err} (transformers splits k_proj by whole heads "
             "and does not replicate KV heads.)") from None
+
+
+def hf_tp_kwargs() -> dict[str, Any]:
+    """``from_pretrained`` keywords for tensor parallelism with the model's own plan:
+    ``distributed_config=DistributedConfig(tp_plan="auto")`` (the spelling transformers
+    asks for; the bare ``tp_plan="auto"`` still works but warns), ``tp_plan="auto"`` on
+    transformers releases without ``DistributedConfig``."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
 
 
 # ------------------------------------------------------------------------------ reports

@@ -87,7 +87,9 @@ def _load_hf(model_dir: str, tp: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    kw = {"tp_plan": "auto"} if tp > 1 else {}
+    from kvarn_compile.distributed import hf_tp_kwargs
+
+    kw = hf_tp_kwargs() if tp > 1 else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
