@@ -15,7 +15,8 @@ k4v2 with G=32 and a 60-token prompt plus 6 new tokens, so a tile is frozen whil
 
 Per scenario (transformers: ``kvarn_backend`` over the dynamic cache and over a
 ``StaticCache``, ``KVarNCache`` with the ``kvarn`` attention, ``inductor_pass`` under
-Inductor; gpt-fast: ``kvarn_backend`` eager, replicated, and Inductor), asserted:
+Inductor; gpt-fast: ``kvarn_backend`` with split and with replicated KV heads; slow:
+``kvarn_backend(compiler="inductor")`` on both models), asserted:
 
 1. greedy tokens equal to the single-process KVarN run, per-step logits within 1e-3 of the
    logit scale (the row-parallel sums add in another order);
@@ -27,8 +28,12 @@ Inductor; gpt-fast: ``kvarn_backend`` eager, replicated, and Inductor), asserted
 5. a rank that raises, or hangs, ends the run with its error or a collective timeout,
    well before the test's timeout, never a hang.
 
-Inductor runs are two of the seven scenarios (a tiny model's Inductor compile takes
-several seconds per rank); the others use ``compiler="eager"``.
+A tiny model's Inductor compile takes tens of seconds per rank, so one run holds the
+scenarios that use ``compiler="eager"`` and one Inductor scenario (``inductor_pass``), and
+a second run, marked ``slow``, holds ``kvarn_backend``'s own Inductor path on both models
+(``kvarn_backend(compiler="inductor")`` over a ``StaticCache``, and the gpt-fast model).
+The Inductor scenarios are compared with the one-process ``compiler="eager"`` run of the
+same model (``REFERENCE``).
 """
 
 from __future__ import annotations
@@ -52,14 +57,24 @@ NEW = 6
 LOGIT_RTOL = 1e-3
 #: lengths, committed, n_tiles, capacity: int64 [B] per state, kept whole on every rank
 COUNTER_BYTES = 4 * 8
-RUN_TIMEOUT_S = 300      # the whole two-rank run (the collectives time out after PG_TIMEOUT_S)
+RUN_TIMEOUT_S = 600      # the whole two-rank run (the collectives time out after PG_TIMEOUT_S)
 PG_TIMEOUT_S = 60
 
 #: distributed ops of the Dynamo graphs (DTensor parameters, functional collectives)
 COLLECTIVE_OPS = ("to_local", "from_local", "redistribute", "all_reduce", "wait_tensor")
 
+#: One two-rank run (one torchrun) does these; one of them compiles with Inductor.
 SCENARIOS = ["hf_backend_dynamic", "hf_backend_static", "hf_kvarn_cache", "hf_inductor_pass",
-             "gptfast_backend", "gptfast_replicated", "gptfast_inductor"]
+             "gptfast_backend", "gptfast_replicated"]
+#: A second run, marked slow: kvarn_backend's own Inductor path (its lowerings, autotuning)
+#: on the tp_plan model and on the gpt-fast model.
+SLOW_SCENARIOS = ["hf_backend_static_inductor", "gptfast_inductor"]
+#: The one-process run an Inductor scenario is compared with: the same model, cache and
+#: preset compiled with ``compiler="eager"`` (Dynamo's graphs do not depend on the compiler,
+#: and Inductor's tokens equal eager's, tests/test_backend_models.py); this spares the test
+#: process the Inductor compiles.
+REFERENCE = {"hf_inductor_pass": "hf_backend_static", "hf_backend_static_inductor": "hf_backend_static",
+             "gptfast_inductor": "gptfast_backend"}
 
 
 # ------------------------------------------------------------------------------ scenarios
@@ -116,12 +131,12 @@ def _left(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def hf_backend(model_dir: str, tp: int, cache_kind: str):
+def hf_backend(model_dir: str, tp: int, cache_kind: str, compiler: str = "eager"):
     from kvarn_compile import kvarn_backend
     from kvarn_compile.hf import static_cache_for
 
     model = _load_hf(model_dir, tp)
-    backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
+    backend = kvarn_backend(**PRESET, compiler=compiler, max_cache_len=MAX_LEN)
     model.compile(backend=backend)
     cache = static_cache_for(model, MAX_LEN) if cache_kind == "static" else None
     result = _hf_generate(model, cache)
@@ -200,7 +215,8 @@ def run_scenario(name: str, model_dir: str, tp: int) -> dict:
     torch._dynamo.reset()
     counters.clear()
     if name.startswith("hf_backend_"):
-        result, obj = hf_backend(model_dir, tp, name.removeprefix("hf_backend_"))
+        cache_kind, _, compiler = name.removeprefix("hf_backend_").partition("_")
+        result, obj = hf_backend(model_dir, tp, cache_kind, compiler or "eager")
     elif name == "hf_kvarn_cache":
         result, obj = hf_kvarn_cache(model_dir, tp)
     elif name == "hf_inductor_pass":
@@ -270,8 +286,12 @@ def launch(out: pathlib.Path, *args: str, nproc: int = 2) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", __file__, "--out", str(out), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)
+    log = open(out / "ranks.log", "w")        # a file: a full pipe would stall the ranks
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
+    proc.log_path = log.name
+    log.close()
+    return proc
 
 
 def wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -280,12 +300,13 @@ def wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     import pytest
 
     try:
-        text, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
+        proc.wait()
+        text = pathlib.Path(proc.log_path).read_text()
         pytest.fail(f"the two-rank run did not finish in {timeout:.0f} s (killed):\n{text[-6000:]}")
-    return proc.returncode, text
+    return proc.returncode, pathlib.Path(proc.log_path).read_text()
 
 
 if __name__ == "__main__":
@@ -297,22 +318,23 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(two-rank results per scenario and rank, single-process results per scenario)."""
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    save_tiny_llama(path)
+    return path
+
+
+def _two_ranks(base: pathlib.Path, model_dir: pathlib.Path, scenarios: list[str],
+               single_process=lambda: None):
+    """Every rank's results per scenario; ``single_process`` runs while the ranks do."""
     import torch
 
-    pytest.importorskip("accelerate", reason="tp_plan='auto' needs accelerate (pip install -e '.[test]')")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    base = tmp_path_factory.mktemp("tp")
-    model_dir = base / "tiny-llama"
-    save_tiny_llama(model_dir)
     t0 = time.perf_counter()
-    proc = launch(base, "--model-dir", str(model_dir), "--scenarios", *SCENARIOS)
+    proc = launch(base, "--model-dir", str(model_dir), "--scenarios", *scenarios)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:                       # the single-process runs, while the ranks run
-        single = {name: run_scenario(name, str(model_dir), 1) for name in SCENARIOS}
+    try:
+        single_process()
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -321,9 +343,40 @@ def runs(tmp_path_factory):
         torch._dynamo.reset()
     code, text = wait(proc, max(RUN_TIMEOUT_S - (time.perf_counter() - t0), 10))
     assert code == 0, f"the two-rank run failed (exit {code}):\n{text[-8000:]}"
-    ranks = {name: [json.loads((base / f"{name}.rank{r}.json").read_text()) for r in range(2)]
-             for name in SCENARIOS}
+    return {name: [json.loads((base / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+            for name in scenarios}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_dir):
+    """(two-rank results per scenario and rank, single-process results per scenario)."""
+    import torch
+
+    pytest.importorskip("accelerate", reason="tp_plan='auto' needs accelerate (pip install -e '.[test]')")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    single = {}
+
+    def single_process():
+        for name in SCENARIOS:
+            if name not in REFERENCE:
+                single[name] = run_scenario(name, str(model_dir), 1)
+
+    ranks = _two_ranks(tmp_path_factory.mktemp("tp"), model_dir, SCENARIOS, single_process)
+    single.update({name: single[ref] for name, ref in REFERENCE.items()})
     return ranks, single
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory, model_dir, runs):
+    return _two_ranks(tmp_path_factory.mktemp("tp_slow"), model_dir, SLOW_SCENARIOS), runs[1]
+
+
+def _results(request, name: str):
+    return request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
+
+
+ALL = SCENARIOS + [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
 
 
 def _check_logits(got: list, want: list, what: str) -> None:
@@ -335,9 +388,9 @@ def _check_logits(got: list, want: list, what: str) -> None:
         assert err <= LOGIT_RTOL, f"{what}: step {step} logits differ by {err:.2e} > {LOGIT_RTOL}"
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_two_ranks_equal_single_process(runs, name):
-    ranks, single = runs
+@pytest.mark.parametrize("name", ALL)
+def test_two_ranks_equal_single_process(request, name):
+    ranks, single = _results(request, name)
     ref = single[name]
     assert len(set(ref["tokens"])) > 2, "degenerate model: the comparison would be vacuous"
     for rank, got in enumerate(ranks[name]):
@@ -346,9 +399,9 @@ def test_two_ranks_equal_single_process(runs, name):
         _check_logits(got["logits"], ref["logits"], what)
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_bytes_per_rank(runs, name):
-    ranks, single = runs
+@pytest.mark.parametrize("name", ALL)
+def test_bytes_per_rank(request, name):
+    ranks, single = _results(request, name)
     ref = single[name]["report"]
     states = len(ref["kv_heads"])
     assert states == 2 and ref["nbytes"] > 0, ref["text"]
@@ -372,9 +425,9 @@ def test_bytes_per_rank(runs, name):
     assert summary["bytes_total"] == sum(summary["bytes_per_rank"])
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_no_extra_graphs_and_same_sites(runs, name):
-    ranks, single = runs
+@pytest.mark.parametrize("name", ALL)
+def test_no_extra_graphs_and_same_sites(request, name):
+    ranks, single = _results(request, name)
     ref = single[name]["report"]
     for got in ranks[name]:
         rep = got["report"]
@@ -458,7 +511,7 @@ def test_failure_on_one_rank_ends_the_run(tmp_path, mode):
     pytest.importorskip("torch")
     t0 = time.perf_counter()
     code, text = wait(launch(tmp_path, "--fail-rank", "1", "--fail-mode", mode,
-                             "--pg-timeout", "5"), 120)
+                             "--pg-timeout", "3"), 120)
     elapsed = time.perf_counter() - t0
     assert code != 0, text[-4000:]
     if mode == "raise":
