@@ -17,6 +17,7 @@ why. For ``backend="inductor"`` the same pass runs as an Inductor pre-grad pass:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -49,13 +50,21 @@ def _log_graph(msg: str, *args: Any) -> None:
 
 
 class Report:
-    """Every attention site seen by a backend, over all the graphs it compiled."""
+    """Every attention site seen by a backend, over all the graphs it compiled.
 
-    def __init__(self, released_bytes: Callable[[], int] | None = None) -> None:
+    ``str(report)`` lists the sites per graph, the bytes of the packed states (in use and
+    allocated, when the backend passes ``states``) and of the released model buffers, then
+    the notes; the lowering notes (one per site and graph) are summarized once per op and
+    shape bucket: how many sites, which choice won, the range of each choice's timings.
+    """
+
+    def __init__(self, released_bytes: Callable[[], int] | None = None,
+                 states: Callable[[], Any] | None = None) -> None:
         self.sites: list[SiteReport] = []
         self.graphs = 0
         self.notes: list[str] = []
         self._released_elsewhere = released_bytes
+        self._states = states
 
     @property
     def released_bytes(self) -> int:
@@ -72,6 +81,14 @@ class Report:
     def unchanged(self) -> list[SiteReport]:
         return [s for s in self.sites if not s.rewritten]
 
+    def state_bytes(self) -> dict[str, int] | None:
+        """``{"used": ..., "allocated": ...}`` bytes of the packed states (None: not known)."""
+        if self._states is None:
+            return None
+        states = list(self._states())
+        return {"used": sum(sum(s.used_bytes().values()) for s in states),
+                "allocated": sum(s.nbytes for s in states)}
+
     def __str__(self) -> str:
         lines = [f"KVarN rewrite report: {len(self.rewritten)} attention site(s) rewritten, "
                  f"{len(self.unchanged)} left unchanged, in {self.graphs} graph(s)"]
@@ -80,13 +97,67 @@ class Report:
             if sites:
                 lines.append(f" graph {graph}:")
                 lines.extend(s.line() for s in sites)
+        held = self.state_bytes()
+        if held and held["allocated"]:
+            lines.append(f" packed KV states: {_mib(held['used'])} in use (tokens held), "
+                         f"{_mib(held['allocated'])} allocated (capacity)")
         if self.released_bytes:
-            lines.append(f" released {self.released_bytes} bytes of model-owned full-precision "
-                         "K/V buffers")
-        lines.extend(f" note: {n}" for n in self.notes)
+            lines.append(f" released {self.released_bytes} bytes ({_mib(self.released_bytes)}) of "
+                         "model-owned full-precision K/V buffers")
+        lines.extend(f" note: {n}" for n in summarize_notes(self.notes))
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+_LOWERING_NOTE = re.compile(r"^lowering (?P<op>\S+): (?P<body>.*) \[(?P<key>[^\[\]]*)\]$")
+_TIMING = re.compile(r"(?P<name>\S+) (?P<ms>[0-9.]+) ms")
+
+
+def summarize_notes(notes: list[str]) -> list[str]:
+    """The notes, with the lowering lines (``lowering OP: WINNER of N choice(s) [...], HOW;
+    TIMINGS [KEY]``, one per site and graph) folded into one line per op and key: the count,
+    the winners, how they were chosen and each choice's timing range. Other notes are kept
+    as they are, in order."""
+    out: list[str | None] = []
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for note in notes:
+        m = _LOWERING_NOTE.match(note)
+        if m is None:
+            out.append(note)
+            continue
+        op, body, key = m["op"], m["body"], m["key"]
+        winner = body.split(" of ", 1)[0]
+        how = ("replayed" if "replayed" in body else "benchmarked" if "benchmarked" in body
+               else "single choice")
+        timing_text = body.split("; ", 1)[1] if "; " in body else ""
+        g = groups.get((op, key))
+        if g is None:
+            g = groups[(op, key)] = {"count": 0, "winners": {}, "how": {}, "ms": {}}
+            out.append(None)              # placeholder: the group's line goes where it first appeared
+            g["slot"] = len(out) - 1
+        g["count"] += 1
+        g["winners"][winner] = g["winners"].get(winner, 0) + 1
+        g["how"][how] = g["how"].get(how, 0) + 1
+        for t in _TIMING.finditer(timing_text):
+            g["ms"].setdefault(t["name"], []).append(float(t["ms"]))
+    for (op, key), g in groups.items():
+        fields = dict(part.split("=", 1) for part in key.split("|") if "=" in part)
+        bucket = " ".join(f"{k}={fields.pop(k)}" for k in ("query", "length_bucket") if k in fields)
+        fields.pop("op", None)
+        rest = " ".join(f"{k}={v}" for k, v in fields.items()) if fields else key
+        winners = ", ".join(f"{w} x{n}" if len(g["winners"]) > 1 else w
+                            for w, n in sorted(g["winners"].items(), key=lambda kv: -kv[1]))
+        how = ", ".join(f"{h} x{n}" if g["count"] > 1 else h for h, n in g["how"].items())
+        times = ", ".join(f"{name} {min(v):.3g}-{max(v):.3g} ms" if min(v) != max(v) else f"{name} {v[0]:.3g} ms"
+                          for name, v in sorted(g["ms"].items(), key=lambda kv: min(kv[1])))
+        out[g["slot"]] = (f"lowering {op} at {g['count']} site(s), {bucket or 'bucket ' + key}: "
+                          f"{winners} ({how}){'; ' + times if times else ''} [{rest}]")
+    return [n for n in out if n is not None]
 
 
 class KVarNBackend:
@@ -107,7 +178,7 @@ class KVarNBackend:
         #: id(parameter) -> (weak reference, model number): which model a graph belongs to
         self._param_models: dict[int, tuple[Any, int]] = {}
         self._n_models = 0
-        self.report = Report()
+        self.report = Report(states=lambda: self.states.values())
         #: (before, after) normalized graph text of every compiled graph (see testing.py)
         self.graph_log: list[tuple[str, str]] = []
         self._lock = threading.Lock()

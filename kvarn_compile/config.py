@@ -75,12 +75,13 @@ class KVarNConfig:
             "float32" keeps fp32 models' sink and tail in fp32.
         check_finite: raise a ValueError naming the layer and token when a NaN/inf reaches
             the quantizer, instead of storing the token as NaN (see README "Limits").
-        key_frame: "rotated" (reference: every K tile through the method's rotation) or
-            "auto": a K tile whose largest |k| is >= 16x the median channel range is
-            stored plain (per-channel RTN, as KIVI), every other tile rotated; one
-            flag byte per tile and head. Protects keys with a few huge channels (a k_proj
-            bias after RoPE) that rotation would spread over every channel. Values are
-            always rotated.
+        key_frame: "auto" (default): a K tile whose largest |k| is >= 16x the median
+            channel range is stored plain (per-channel RTN, as KIVI), every other tile
+            rotated; one flag byte per tile and head. Protects keys with a few huge
+            channels (a k_proj bias after RoPE) that rotation would spread over every
+            channel; on tiles without such channels it is the reference tile bit for bit.
+            "rotated": the reference rule, every K tile through the method's rotation (no
+            flag bytes). Values are always rotated.
         clip: "none" (reference: each row's RTN range is its min-max) or "mse": 2-bit key
             rows (one channel over a tile's tokens) take the clipped range (min-max shrunk
             around its centre by a factor in 1.0 .. 0.5) with the smallest rounding error.
@@ -97,7 +98,7 @@ class KVarNConfig:
     method: str = "kvarn"
     check_finite: bool = False
     exact_dtype: str = "auto"
-    key_frame: str = "rotated"
+    key_frame: str = "auto"
     clip: str = "none"
 
     def __post_init__(self) -> None:
@@ -177,8 +178,8 @@ class KVarNConfig:
             extra += f"-r{self.recent_window}"
         if self.method == "kvarn" and self.sinkhorn_iters != 8:
             extra += f"-t{self.sinkhorn_iters}"
-        if self.key_frame == "auto" and self.method != "kivi":
-            extra += "-kauto"
+        if self.key_frame == "rotated" and self.method != "kivi":
+            extra += "-krot"
         if self.clip != "none":
             extra += f"-clip{self.clip}"
         return f"{self.method}-k{self.key_bits}v{self.value_bits}-g{self.group_size}{extra}"

@@ -231,11 +231,21 @@ def use_kvarn_attention(model) -> None:
 
 
 def kv_geometry(model) -> tuple[int, int]:
-    """(KV heads, head dim) of a transformers model's attention layers, from its config."""
+    """(KV heads, head dim) of a transformers model's attention layers, from its config;
+    for a tensor-parallel model (``tp_plan``) the KV heads of this rank."""
     config = model.config
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    tp = getattr(model, "_tp_size", None) or 1
+    if tp > 1:
+        from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+        local = get_kv_heads_per_rank(model.tp_plan, heads, tp)
+        if local is None:
+            raise ValueError(f"Expected the {heads} KV heads to divide by the tensor-parallel "
+                             f"size, but got {tp} (see kvarn_compile.distributed).")
+        heads = local
     return heads, head_dim
 
 

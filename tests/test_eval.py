@@ -269,7 +269,7 @@ def test_default_methods_follow_the_model_and_can_be_overridden():
 
     assert EvalSettings().methods == DEFAULT_METHODS == ("none", "kivi", "hadamard", "kvarn", "kvarn+clip")
     assert EvalSettings(key_outliers=True).methods == OUTLIER_METHODS
-    assert {"hadamard+kauto", "kvarn+kauto"} <= set(OUTLIER_METHODS)
+    assert {"hadamard+krot", "kvarn+krot"} <= set(OUTLIER_METHODS)
     assert EvalSettings(methods=("none", "kvarn")).methods == ("none", "kvarn")
 
 
@@ -402,7 +402,7 @@ def test_plots_fold_methods_with_identical_results_into_one_curve():
     a, b = {"by_length": {"512": 1}}, {"by_length": {"512": 2}}
     got = _curves({"none": a, "kvarn": a, "kivi": b, "kvarn+clip": a})
     assert [(label, method) for label, _, method in got] == [("kvarn = kvarn+clip", "kvarn"), ("kivi", "kivi")]
-    assert len({_color(m) for m in ("kivi", "hadamard", "kvarn", "kvarn+clip", "kvarn+kauto")}) == 5
+    assert len({_color(m) for m in ("kivi", "hadamard", "kvarn", "kvarn+clip", "kvarn+krot")}) == 5
 
 
 def test_auto_threads_follow_what_other_processes_use_now(monkeypatch):
@@ -419,5 +419,5 @@ def test_auto_threads_follow_what_other_processes_use_now(monkeypatch):
     samples = iter([(100.0, 1000.0), (100.0 + 20.0, 1000.0 + 200.0)])      # 0.2 cores busy
     assert cli._threads("auto") is None
     assert cli._threads("3") == 3
-    with pytest.raises(SystemExit, match="expected --threads >= 1"):
+    with pytest.raises(ValueError, match="Expected --threads >= 1"):
         cli._threads("0")

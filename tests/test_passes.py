@@ -267,38 +267,38 @@ class TestGraphRewrites(TestCase):
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = kvarn.positions_start(in1, 1)
-v1 = kvarn.append_from_([<16 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa', in0, in3, True)
-v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
+v1 = kvarn.append_from_([<17 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa', in0, in3, True)
+v2 = kvarn.attention(in5, [<17 state buffers>], in8, 0.25, True, 0)
 return (v2,)""")
 
     def test_setitem_positions_sdpa(self):
         self.assertExpectedInline(self._rewrite_matching_eager(setitem_positions_sdpa), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
-v1 = kvarn.append_from_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa', in0, in3, True)
-v2 = kvarn.attention(in5, [<16 state buffers>], in8, 0.25, True, 0)
+v1 = kvarn.append_from_([<17 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa', in0, in3, True)
+v2 = kvarn.attention(in5, [<17 state buffers>], in8, 0.25, True, 0)
 return (v2,)""")
 
     def test_narrow_copy_enable_gqa_float_mask(self):
         self.assertExpectedInline(self._rewrite_matching_eager(narrow_copy_gqa, positions_kind="int"), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = full((1,), in2, dtype=int64, device='cpu')
-v1 = kvarn.append_from_([<16 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'narrow_copy_gqa', in0, in3, True)
+v1 = kvarn.append_from_([<17 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'narrow_copy_gqa', in0, in3, True)
 v2 = zeros_like(in8, dtype=float32)
 v3 = operator.invert(in8)
 v4 = .masked_fill(v2, v3, -inf)
-v5 = kvarn.attention(in5, [<16 state buffers>], v4, 0.25, True, 0)
+v5 = kvarn.attention(in5, [<17 state buffers>], v4, 0.25, True, 0)
 return (v5,)""")
 
     def test_setitem_slice_eager_chain(self):
         self.assertExpectedInline(self._rewrite_matching_eager(setitem_slice_eager, positions_kind="int"), """\
 # 9 inputs + 16 kvarn state buffers
 v0 = full((1,), in1, dtype=int64, device='cpu')
-v1 = kvarn.append_from_([<16 state buffers>], in0, in3, v0, 'kvarn', 8, 0, 0, False, 'setitem_slice_eager', in2, in4, True)
+v1 = kvarn.append_from_([<17 state buffers>], in0, in3, v0, 'kvarn', 8, 0, 0, False, 'setitem_slice_eager', in2, in4, True)
 v2 = zeros_like(in8, dtype=float32)
 v3 = operator.invert(in8)
 v4 = .masked_fill(v2, v3, -inf)
-v5 = kvarn.attention(in5, [<16 state buffers>], v4, 0.25, True, 0)
+v5 = kvarn.attention(in5, [<17 state buffers>], v4, 0.25, True, 0)
 return (v5,)""")
 
     def test_cat_cache_returns_zero_storage_handles(self):
@@ -321,7 +321,7 @@ return (v5,)""")
 v0 = .numel(in1)
 v1 = operator.floordiv(v0, 32)
 v2 = full((1,), v1, dtype=int64, device='cpu')
-v3 = kvarn.append_([<16 state buffers>], in2, in5, v2, 'kvarn', 8, 0, 0, False, 'cat_sdpa')
+v3 = kvarn.append_([<17 state buffers>], in2, in5, v2, 'kvarn', 8, 0, 0, False, 'cat_sdpa')
 v4 = arange(1, dtype=float32, device='cpu')
 v5 = .view(v4, 1, 1, 1, 1)
 v6 = .numel(in1)
@@ -336,7 +336,7 @@ v14 = operator.floordiv(v13, 32)
 v15 = .size(in5, 2)
 v16 = operator.add(v14, v15)
 v17 = .expand(v12, 1, 2, v16, 16)
-v18 = kvarn.attention(in6, [<16 state buffers>], None, 0.25, False, 0)
+v18 = kvarn.attention(in6, [<17 state buffers>], None, 0.25, False, 0)
 return (v18, v10, v17)""")
 
 

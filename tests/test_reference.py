@@ -444,7 +444,8 @@ def test_key_frame_is_validated():
         get_config("k4v2", key_frame="sometimes")
     with pytest.raises(ValueError, match="key_frame"):
         quantize_kv(torch.randn(1, 128, 64), "k", key_frame="plain")
-    assert get_config("k4v2", key_frame="auto").short().endswith("-kauto")
+    assert get_config("k4v2", key_frame="rotated").short().endswith("-krot")
+    assert get_config("k4v2").key_frame == "auto" and get_config("k4v2").short() == "kvarn-k4v2-g128"
 
 
 # ------------------------------------------------------------------------- clip="mse"

@@ -49,19 +49,22 @@ __all__ = [
 
 #: Methods the harness compares. "none" is the unquantized model run through the same code.
 #: A name may carry variant suffixes after the base method (see ``VARIANTS``), e.g.
-#: "kvarn+kauto" is kvarn with ``key_frame="auto"``.
+#: "kvarn+krot" is kvarn with ``key_frame="rotated"`` (the reference rule: every K tile
+#: rotated); plain "kvarn" and "hadamard" take the config default, ``key_frame="auto"``.
 BASE_METHODS: tuple[str, ...] = ("none", "kivi", "hadamard", "kvarn")
 #: Config overrides a method-name suffix stands for.
 VARIANTS: dict[str, dict[str, object]] = {
+    "krot": {"key_frame": "rotated"},
     "kauto": {"key_frame": "auto"},
     "clip": {"clip": "mse"},
 }
-ALL_METHODS: tuple[str, ...] = BASE_METHODS + ("hadamard+kauto", "kvarn+kauto", "kvarn+clip")
+ALL_METHODS: tuple[str, ...] = BASE_METHODS + ("hadamard+krot", "kvarn+krot", "kvarn+clip")
 #: What ``kvarn-compile eval`` compares unless told otherwise: the paper's methods and the
-#: clipped variant (``k2v2_clip``). The key-frame variants only differ from their base
-#: method on models with bias-like key outliers; they join the default with ``key_outliers``.
+#: clipped variant (``k2v2_clip``). The rotated-only variants (the reference key frame) only
+#: differ from their base method on models with bias-like key outliers; they join the
+#: default with ``key_outliers``.
 DEFAULT_METHODS: tuple[str, ...] = BASE_METHODS + ("kvarn+clip",)
-OUTLIER_METHODS: tuple[str, ...] = DEFAULT_METHODS + ("hadamard+kauto", "kvarn+kauto")
+OUTLIER_METHODS: tuple[str, ...] = DEFAULT_METHODS + ("hadamard+krot", "kvarn+krot")
 #: When the pseudo-decode cache freezes complete tiles (see the module docstring).
 RULES: tuple[str, ...] = ("after_block", "on_append")
 

@@ -1,135 +1,364 @@
-"""The main job: compile the real default model with ``kvarn_backend`` and generate.
+"""The main job, ``kvarn-compile run``: what KVarN does for a real model at a long context.
 
-1. Load SmolLM2-135M-Instruct and take a window of real news text as the prompt.
-2. Uncompressed reference: greedy decoding with transformers' default cache; the logits
-   of every generated position are kept.
-3. KVarN: a copy of the model compiled with ``kvarn_backend(preset)``, with a transformers
-   ``StaticCache`` (early-initialized, so the pass can take over and release its buffers).
-   Free-running greedy decoding gives tokens/s and the first divergence; a second,
-   teacher-forced pass over the reference tokens gives top-1 agreement and KL(fp ‖ KVarN)
-   on every generated position.
-4. Bytes: an fp16 K/V cache of the same tokens vs the packed KVarN states (live tensors),
-   and the bytes of the model's own fp buffers that the backend released.
+1. **load**: the default model (SmolLM2-135M-Instruct, fp32) twice, and a prompt of
+   ``prompt_tokens`` tokens of real text (the Lee news corpus unless told otherwise).
+2. **prefill**: by default the prompt runs once through the uncompiled model in full
+   precision, in chunks, into a transformers ``StaticCache`` of prompt + new tokens, and
+   every model starts from a copy of it (``prefill_mode="compiled"``: each compiled model
+   prefills itself, see :func:`.speed.prefill`).
+3. **compile and generate**: one copy of the model is compiled with ``kvarn_backend(preset)``
+   (as a user writes it; its first step takes the prompt's K/V over into packed states and
+   releases the fp buffers, which is what transformers' ``generate(...,
+   compile_config=...)`` does too); the other is the uncompressed baseline, compiled with
+   plain ``torch.compile`` (Inductor) and also run eager. ``new_tokens`` greedy tokens of
+   the Inductor model; the KVarN and eager models are fed the same tokens in the same loop,
+   which times every step of all three, interleaved, after two warm-up steps that compile
+   the decode graphs.
+4. **quality**: on every decoded position, KL(uncompressed ‖ KVarN) and top-1 agreement
+   (teacher-forced: both saw the same tokens), and the first position where KVarN's greedy
+   choice differs, which is where free-running greedy streams part. The eager model
+   against the Inductor model gives the floor of these numbers (rounding only).
+5. **memory**: the full-precision cache's bytes against the packed states' bytes in use
+   (tokens held) and allocated (capacity), bits per element.
+
+Settings are arguments of :func:`run_main_job` (and flags of ``kvarn-compile run``):
+context length, chunk, new tokens, preset, corpus, compiler.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-import time
 from typing import Any
 
 import torch
 
-from kvarn_compile.config import get_config
+__all__ = ["DEFAULTS", "run_main_job", "print_main_job", "add_run_arguments", "validate_run_args",
+           "run_from_args"]
 
-__all__ = ["run_main_job", "print_main_job"]
+#: Defaults of ``kvarn-compile run``: a context where a KV cache dominates decode cost (on 2 CPU
+#: cores KVarN decode only ties with Inductor fp32 at 2k tokens), short enough for about three
+#: minutes on 2 idle cores.
+DEFAULTS = {"prompt_tokens": 8192, "new_tokens": 32, "chunk": 512, "preset": "k4v2",
+            "corpus": "lee", "warmup": 2, "prefill": "eager"}
 
 
 @torch.no_grad()
-def run_main_job(model_name: str | None = None, *, preset: str = "k4v2", prompt_tokens: int = 1536,
-                 new_tokens: int = 128, corpus: str = "lee", compiler: str = "inductor",
-                 progress: bool = True) -> dict[str, Any]:
-    from tqdm import tqdm
-    from transformers import DynamicCache
+def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["preset"],
+                 prompt_tokens: int = DEFAULTS["prompt_tokens"], new_tokens: int = DEFAULTS["new_tokens"],
+                 chunk: int = DEFAULTS["chunk"], corpus: str = DEFAULTS["corpus"],
+                 compiler: str = "inductor", eager: bool = True, warmup: int = DEFAULTS["warmup"],
+                 prefill_mode: str = DEFAULTS["prefill"], progress: bool = True) -> dict[str, Any]:
+    """Run the main job (see the module docstring); return every number as a JSON-ready dict."""
+    from kvarn_compile.config import get_config
+    from kvarn_compile.eval.harness import kl_top1
+    from kvarn_compile.eval.models import CORPORA, DEFAULT_MODEL, load_model, text_windows
+    from kvarn_compile.hf import kv_geometry
 
-    from kvarn_compile.backend import kvarn_backend
-    from kvarn_compile.hf import kv_geometry, static_cache_for
-    from kvarn_compile.eval.models import load_model, text_windows
-    from kvarn_compile.state import fp16_cache_bytes
+    from .progress import Phases
+    from .speed import (cache_bytes, decode_interleaved, eager_runner, make_runners, packed_bytes,
+                        prefill, spread)
 
+    _check(prompt_tokens=prompt_tokens, new_tokens=new_tokens, chunk=chunk, warmup=warmup)
+    chunk = min(chunk, prompt_tokens)
     cfg = get_config(preset)
-    model, tok = load_model(model_name)
-    ids = text_windows(tok, 1, prompt_tokens, corpus)
-    text = model.config.get_text_config(decoder=True)
-    kv_heads, head_dim = kv_geometry(model)
+    phases = Phases(enabled=progress)
+    with phases("load model and text"):
+        kv_model, tok = load_model(model_name)
+        fp_model, _ = load_model(model_name)
+        ids = text_windows(tok, 1, prompt_tokens, corpus)
     max_len = prompt_tokens + new_tokens
+    with phases("set up kvarn_backend and torch.compile"):
+        runners = make_runners(kv_model, fp_model, preset=cfg, max_len=max_len, compiler=compiler,
+                               eager=eager)
+    by = {r.name: r for r in runners}
+    kv, ind = by["kvarn"], by["inductor"]
+    fp_cache_allocated = cache_bytes(ind.cache)          # before anything can be released
+    source = by.get("eager") or eager_runner(fp_model, max_len)
+    last = prefill(runners, ids, chunk, phases, mode=prefill_mode, source=source)
+    if prefill_mode == "compiled":   # the prompt's last logits differ only then
+        for r in (kv, ind):
+            r.logits.append(last[r.name])
+    tokens = decode_interleaved(runners, int(last["inductor"].argmax()), prompt_tokens,
+                                new_tokens - 1, phases, warmup=warmup)
 
-    def decode(m, cache, forced: torch.Tensor | None, desc: str):
-        """Prefill, then greedy (or teacher-forced) steps; logits of each new position."""
-        t0 = time.perf_counter()
-        out = m(input_ids=ids, past_key_values=cache, use_cache=True)
-        prefill_s = time.perf_counter() - t0
-        logits, tokens, step_s = [out.logits[:, -1].float()], [], []
-        for i in tqdm(range(new_tokens), desc=desc, disable=not progress, file=sys.stderr):
-            nxt = logits[-1].argmax(-1, keepdim=True) if forced is None else forced[:, i:i + 1]
-            tokens.append(nxt)
-            if i + 1 < new_tokens:
-                t0 = time.perf_counter()
-                out = m(input_ids=nxt, past_key_values=cache, use_cache=True)
-                step_s.append(time.perf_counter() - t0)
-                logits.append(out.logits[:, -1].float())
-        steady = step_s[2:] or step_s                      # the first steps include compiling
-        return torch.stack(logits, 1), torch.cat(tokens, 1), prefill_s, len(steady) / sum(steady)
+    with phases("quality and memory"):
+        fp_logits, kv_logits = torch.stack(ind.logits), torch.stack(kv.logits)
+        kl, agree = kl_top1(fp_logits, kv_logits)
+        # kv_logits[j] predicts generated token off + j; with an eager prefill the first token
+        # comes from the shared full-precision prefill, so it is the same by construction
+        off = new_tokens - len(kv.logits)
+        kv_choice = kv_logits.argmax(-1)
+        differs = (kv_choice != tokens[off:new_tokens]).nonzero()
+        first_div = off + int(differs[0]) if len(differs) else new_tokens
+        floor = None
+        if eager:
+            e_logits = torch.stack(by["eager"].logits)
+            e_kl, e_agree = kl_top1(fp_logits[len(fp_logits) - len(e_logits):], e_logits)
+            floor = {"kl_mean": float(e_kl.mean()), "kl_max": float(e_kl.max()),
+                     "top1": float(e_agree.mean()), "positions": int(e_kl.numel())}
+        kv_heads, head_dim = kv_geometry(kv_model)
+        n_layers = kv_model.config.get_text_config(decoder=True).num_hidden_layers
+        held = max_len - 1                        # the last token is predicted, never fed
+        per_token = 2 * kv_heads * head_dim * n_layers   # K and V elements per token
+        dtype = next(fp_model.parameters()).dtype
+        fp_used = per_token * held * dtype.itemsize
+        packed = packed_bytes(kv.backend)
+        report = kv.backend.report
+        released = report.released_bytes
+        bpe_tiles = _tile_bpe(kv.backend, cfg, head_dim)
 
-    fp_logits, fp_tokens, fp_prefill, fp_tps = decode(model, DynamicCache(config=model.config), None,
-                                                      "uncompressed")
-
-    kv_model, _ = load_model(model_name)
-    backend = kvarn_backend(cfg, max_cache_len=max_len, compiler=compiler)
-    kv_model.compile(backend=backend)
-
-    t0 = time.perf_counter()
-    _, kv_tokens, kv_prefill, kv_tps = decode(kv_model, static_cache_for(kv_model, max_len), None,
-                                              f"KVarN {preset}")
-    first_run_s = time.perf_counter() - t0
-    kv_logits, _, _, _ = decode(kv_model, static_cache_for(kv_model, max_len), fp_tokens,
-                                f"KVarN {preset} (teacher-forced)")
-
-    logp_fp, logp_kv = torch.log_softmax(fp_logits, -1), torch.log_softmax(kv_logits, -1)
-    kl = (logp_fp.exp() * (logp_fp - logp_kv)).sum(-1)
-    agree = (fp_logits.argmax(-1) == kv_logits.argmax(-1)).float()
-    same = (kv_tokens == fp_tokens)[0]
-    first_div = int((~same).nonzero()[0]) if bool((~same).any()) else new_tokens
-
-    tokens_held = max_len - 1
-    fp16 = fp16_cache_bytes(batch=1, kv_heads=kv_heads, head_dim=head_dim,
-                            tokens=tokens_held) * text.num_hidden_layers
-    used = {}
-    for state in backend.states.values():
-        for region, n in state.used_bytes().items():
-            used[region] = used.get(region, 0) + n
-    tiles = sum(int(s.n_tiles.max()) for s in backend.states.values())
-    any_state = next(iter(backend.states.values()))
-    per_tile = sum(t[0, 0, 0].numel() * t.element_size() for t in any_state.buffers[2:10])
+    speed = {r.name: {"label": r.label, "ms_per_step": spread(r.step_ms),
+                      "tokens_per_s": 1e3 / spread(r.step_ms)["median"] if r.step_ms else None,
+                      "steps_ms": r.step_ms, "warmup_steps_s": r.warmup_s,
+                      "prefill_chunk_s": spread(r.prefill_s) if r.prefill_s else None,
+                      "first_prefill_chunk_s": r.first_call_s.get("prefill"),
+                      "first_decode_step_s": r.first_call_s.get("decode"),
+                      "compiled": r.name != "eager"}
+             for r in runners}
+    ratios = {}
+    for other in ("inductor", "eager"):
+        if other in by and kv.step_ms and by[other].step_ms:
+            paired = [o / k for o, k in zip(by[other].step_ms, kv.step_ms)]
+            ratios[other] = {"median_ratio": spread(by[other].step_ms)["median"] / spread(kv.step_ms)["median"],
+                             "paired": spread(paired)}
+    text = tok.decode(tokens[:new_tokens])
     return {
-        "model": model_name or "smollm2-135m-instruct", "preset": preset, "config": cfg.short(),
-        "corpus": corpus, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-        "compiler": compiler, "report": str(backend.report),
-        "sites_rewritten": len(backend.report.rewritten), "sites_total": len(backend.report.sites),
-        "graphs_compiled": backend.report.graphs,
-        "kv_bytes": {"fp16": fp16, "kvarn_allocated": backend.nbytes, "kvarn_used": sum(used.values()),
-                     "kvarn_by_region": used,
-                     "model_fp_buffers_released": sum(s.released_bytes for s in backend.report.sites)},
-        "compression_vs_fp16": fp16 / sum(used.values()),
-        "bpe_overall": 8 * sum(used.values()) / (fp16 / 2),
-        "bpe_tiles": 8 * per_tile / (2 * cfg.group_size * head_dim) if tiles else None,
-        "tokens_per_s": {"uncompressed_eager": fp_tps, "kvarn_compiled": kv_tps},
-        "prefill_s": {"uncompressed_eager": fp_prefill, "kvarn_compiled_first_call": kv_prefill},
-        "kvarn_first_run_s_incl_compile": first_run_s,
-        "agreement": {"teacher_forced_top1": agree.mean().item(), "kl_mean": kl.mean().item(),
-                      "kl_max": kl.max().item(), "greedy_first_divergence": first_div,
-                      "greedy_token_match": same.float().mean().item()},
-        "sample": {"uncompressed": tok.decode(fp_tokens[0, :40]), "kvarn": tok.decode(kv_tokens[0, :40])},
+        "model": model_name or DEFAULT_MODEL, "preset": preset, "config": cfg.short(),
+        "dtype": str(dtype).replace("torch.", ""), "layers": n_layers, "kv_heads": kv_heads,
+        "head_dim": head_dim, "corpus": corpus, "corpus_description": CORPORA[corpus].description,
+        "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chunk": chunk, "compiler": compiler,
+        "warmup_steps": warmup, "prefill_mode": prefill_mode,
+        "rewrite": {"sites_rewritten": len(report.rewritten), "sites_total": len(report.sites),
+                    "graphs_compiled": report.graphs, "report": str(report)},
+        "kv_bytes": {
+            "tokens_held": held, "capacity_tokens": max_len,
+            "full_precision_used": fp_used, "full_precision_dtype": str(dtype).replace("torch.", ""),
+            "full_precision_allocated": fp_cache_allocated,
+            "fp16_used": per_token * held * 2,
+            "kvarn_used": packed["used"], "kvarn_allocated": packed["allocated"],
+            "kvarn_used_by_region": packed["used_by_region"],
+            "model_fp_buffers_released": released,
+            "caches_released": released / fp_cache_allocated if fp_cache_allocated else None},
+        "compression": {"vs_full_precision": fp_used / packed["used"], "vs_fp16": per_token * held * 2 / packed["used"]},
+        "bpe_overall": 8 * packed["used"] / (per_token * held), "bpe_tiles": bpe_tiles,
+        "speed": {"context_tokens": [prompt_tokens + warmup, max_len - 1], "runners": speed,
+                  "kvarn_speedup": ratios},
+        "quality": {"positions": int(kl.numel()), "first_position": off,
+                    "teacher_forced_top1": float(agree.mean()),
+                    "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                    "kl_per_position": [float(x) for x in kl],
+                    "greedy_first_divergence": first_div, "noise_floor_eager_vs_inductor": floor},
+        "text": {"prompt_tail": tok.decode(ids[0, -24:]), "uncompressed": text,
+                 "kvarn_same_prefix": tok.decode(tokens[:first_div]),
+                 "kvarn_diverging_token": tok.decode(kv_choice[first_div - off:first_div - off + 1])
+                 if first_div < new_tokens else None,
+                 "uncompressed_token_there": tok.decode(tokens[first_div:first_div + 1])
+                 if first_div < new_tokens else None},
+        "phases_s": dict(phases.durations), "total_s": phases.elapsed(),
+        "threads": torch.get_num_threads(),
     }
 
 
-def print_main_job(res: dict[str, Any]) -> None:
-    kb, a, tps = res["kv_bytes"], res["agreement"], res["tokens_per_s"]
-    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-    print(f"\nkvarn_backend({res['preset']!r}) on {res['model']}: {res['prompt_tokens']}-token prompt of "
-          f"'{res['corpus']}' + {res['new_tokens']} generated tokens ({res['compiler']})")
-    print(f"  rewrite    {res['sites_rewritten']}/{res['sites_total']} attention sites rewritten in "
-          f"{res['graphs_compiled']} graph(s); {mib(kb['model_fp_buffers_released'])} of the model's "
-          "fp K/V buffers released")
-    print(f"  KV cache   fp16 {mib(kb['fp16'])} | KVarN {mib(kb['kvarn_used'])} in use "
-          f"({res['compression_vs_fp16']:.2f}x smaller), {mib(kb['kvarn_allocated'])} allocated")
-    bpe_tiles = res["bpe_tiles"] if res["bpe_tiles"] is not None else float("nan")
-    print(f"  bits/elem  {res['bpe_overall']:.3f} overall (sink + tiles + tail), {bpe_tiles:.3f} in the packed tiles")
-    print(f"  speed      uncompressed (eager) {tps['uncompressed_eager']:.1f} tok/s | KVarN compiled "
-          f"{tps['kvarn_compiled']:.1f} tok/s (steady state; first run incl. compile "
-          f"{res['kvarn_first_run_s_incl_compile']:.0f} s)")
-    print(f"  quality    teacher-forced top-1 agreement {a['teacher_forced_top1']:.3f}, KL "
-          f"{a['kl_mean']:.4f} nats/token (max {a['kl_max']:.3f}); greedy streams agree for the first "
-          f"{a['greedy_first_divergence']} tokens ({a['greedy_token_match']:.2f} of positions)")
-    print(f"  fp16 : {res['sample']['uncompressed']!r}")
-    print(f"  KVarN: {res['sample']['kvarn']!r}")
+def _tile_bpe(backend, cfg, head_dim: int) -> float | None:
+    """Bits per element inside one packed K+V tile, from the live tensors."""
+    state = next(iter(backend.states.values()), None)
+    if state is None or not int(state.n_tiles.max()):
+        return None
+    per_tile = sum(t[0, 0, 0].numel() * t.element_size() for t in state.buffers[2:10])
+    return 8 * per_tile / (2 * cfg.group_size * head_dim)
+
+
+def _check(*, prompt_tokens: int, new_tokens: int, chunk: int, warmup: int) -> None:
+    """The settings' own rules (the CLI reports them as usage errors, naming the flag)."""
+    problems = validate_settings(prompt_tokens=prompt_tokens, new_tokens=new_tokens, chunk=chunk,
+                                 warmup=warmup)
+    if problems:
+        raise ValueError("; ".join(msg for _, msg in problems))
+
+
+def validate_settings(*, prompt_tokens: int, new_tokens: int, chunk: int,
+                      warmup: int = DEFAULTS["warmup"]) -> list[tuple[str, str]]:
+    """[(flag, message)] of every rule the settings break."""
+    out = []
+    if prompt_tokens < 1:
+        out.append(("--prompt-tokens", f"expected --prompt-tokens >= 1, but got {prompt_tokens}"))
+    if chunk < 1:
+        out.append(("--chunk", f"expected --chunk >= 1, but got {chunk}"))
+    elif prompt_tokens > chunk and prompt_tokens % chunk:
+        lo = prompt_tokens // chunk * chunk
+        out.append(("--prompt-tokens", f"expected --prompt-tokens to be a multiple of --chunk ({chunk}): "
+                                       f"every prefill chunk has the same length, so one prefill graph "
+                                       f"compiles; but got {prompt_tokens} (try {lo or chunk} or {lo + chunk})"))
+    if new_tokens < warmup + 2:
+        out.append(("--new-tokens", f"expected --new-tokens >= {warmup + 2} (the first {warmup} decode "
+                                    f"steps compile and are not timed), but got {new_tokens}"))
+    return out
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    from kvarn_compile.config import PRESETS
+
+    from kvarn_compile.cli import int_at_least
+
+    from .cli import add_threads_argument
+    from .speed import PREFILL_MODES
+
+    d = DEFAULTS
+    p.add_argument("--preset", default=d["preset"], choices=sorted(PRESETS),
+                   help=f"KVarN format (default {d['preset']}: 4-bit keys, 2-bit values)")
+    p.add_argument("--prompt-tokens", type=int_at_least(1), default=d["prompt_tokens"], metavar="N",
+                   help=f"context: tokens of real text prefilled before generating (default "
+                        f"{d['prompt_tokens']}; a multiple of --chunk)")
+    p.add_argument("--new-tokens", type=int_at_least(d["warmup"] + 2, "two warm-up steps compile"),
+                   default=d["new_tokens"], metavar="N",
+                   help=f"greedy tokens generated and compared; all but the first {d['warmup'] + 1} "
+                        f"are timed steps (default {d['new_tokens']})")
+    p.add_argument("--chunk", type=int_at_least(1), default=d["chunk"], metavar="N",
+                   help=f"prefill chunk length in tokens (default {d['chunk']})")
+    p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
+                   help="what runs kvarn_backend's rewritten graphs (default inductor; eager: no "
+                        "Inductor compile of the KVarN model)")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default=d["prefill"],
+                   help="eager (default): the prompt runs once through the uncompiled model in full "
+                        "precision and every model starts from a copy of that cache; the KVarN "
+                        "model's first compiled step packs it (as transformers' generate with a "
+                        "compile_config); compiled: each compiled model prefills itself (compiles a "
+                        "prefill graph; KVarN chunks attend the packed earlier chunks; slower)")
+    p.add_argument("--no-eager", action="store_true",
+                   help="leave the eager model out of the speed comparison")
+    p.add_argument("--kv-report", action="store_true",
+                   help="first print the quantizer report of 'kvarn-compile kv-report' (one window)")
+    p.add_argument("--skip-kv-report", action="store_true", help=argparse.SUPPRESS)  # the old default
+    add_threads_argument(p)
+
+
+def validate_run_args(args: argparse.Namespace) -> None:
+    from kvarn_compile.cli import UsageError
+
+    problems = validate_settings(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                                 chunk=args.chunk)
+    if problems:
+        flag, msg = problems[0]
+        raise UsageError(f"argument {flag}: {msg}")
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_grad_enabled(False)
+    results: dict[str, Any] = {}
+    if args.kv_report:
+        from kvarn_compile.cli import kv_report, print_kv_report
+
+        rep = kv_report(args.model, tokens=1024, windows=1, corpus=args.corpus,
+                        progress=not args.no_progress)
+        print_kv_report(rep)
+        results["kv_report"] = rep
+    res = run_main_job(args.model, preset=args.preset, prompt_tokens=args.prompt_tokens,
+                       new_tokens=args.new_tokens, chunk=args.chunk, corpus=args.corpus,
+                       compiler=args.compiler, eager=not args.no_eager, prefill_mode=args.prefill,
+                       progress=not args.no_progress)
+    print_main_job(res)
+    results["main"] = res
+    return results
+
+
+# ------------------------------------------------------------------------------ output
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
+
+
+def print_main_job(res: dict[str, Any], file=None) -> None:
+    from .speed import format_spread
+
+    out = file or sys.stdout
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    kb, q, sp, rw = res["kv_bytes"], res["quality"], res["speed"], res["rewrite"]
+    fp_dt = kb["full_precision_dtype"].replace("float", "fp")
+    p(f"\nkvarn_backend({res['preset']!r}) on {res['model']} ({res['dtype']}, {res['layers']} layers, "
+      f"{res['kv_heads']} KV heads x {res['head_dim']}): a prompt of {res['prompt_tokens']} tokens from the "
+      f"{res['corpus_description']} (--corpus {res['corpus']}), then {res['new_tokens']} greedy tokens")
+    caches = kb["caches_released"]
+    graphs = rw["graphs_compiled"]
+    per_graph = (f" ({res['layers']} layers x 2 graphs: prefill, decode)"
+                 if graphs == 2 and rw["sites_total"] == 2 * res["layers"] else
+                 f" ({res['layers']} layers, one decode graph)"
+                 if graphs == 1 and rw["sites_total"] == res["layers"] else f" in {graphs} graphs")
+    p(f"  rewrite    {rw['sites_rewritten']}/{rw['sites_total']} attention sites rewritten{per_graph}; "
+      f"released the KVarN model's {fp_dt} StaticCache buffers "
+      f"({_mib(kb['model_fp_buffers_released'])}"
+      + (f" = {caches:g} cache of {kb['capacity_tokens']} tokens" if caches and abs(caches - round(caches)) < 1e-9
+         else "") + ")")
+    p(f"  KV cache   {kb['tokens_held']} tokens held: {fp_dt} {_mib(kb['full_precision_used'])}"
+      + (f" ({_mib(kb['fp16_used'])} in fp16)" if fp_dt != "fp16" else "")
+      + f" | KVarN {_mib(kb['kvarn_used'])} in use ({res['compression']['vs_full_precision']:.1f}x smaller"
+      + (f" than {fp_dt}, {res['compression']['vs_fp16']:.1f}x than fp16)" if fp_dt != "fp16" else ")")
+      + f", {_mib(kb['kvarn_allocated'])} allocated for {kb['capacity_tokens']} tokens")
+    tiles = f", {res['bpe_tiles']:.3f} in the packed tiles" if res["bpe_tiles"] else ""
+    p(f"  bits/elem  {res['bpe_overall']:.2f} overall (sink + packed tiles + tail){tiles}; "
+      f"{fp_dt} is {8 * (2 if fp_dt == 'fp16' else 4 if fp_dt == 'fp32' else 2)}")
+    runners = sp["runners"]
+    n = runners["kvarn"]["ms_per_step"]["n"]
+    lo, hi = sp["context_tokens"]
+    p(f"  speed      decode at {lo}-{hi} tokens of context, {n} timed steps per model in one interleaved "
+      "loop; ms/step median [IQR] min-max:")
+    for name, r in runners.items():
+        tps = f"{r['tokens_per_s']:6.1f} tok/s" if r["tokens_per_s"] else "   n/a"
+        what = {"kvarn": "compiled with kvarn_backend", "inductor": "torch.compile, full-precision static cache",
+                "eager": "not compiled, full-precision static cache"}.get(name, "")
+        p(f"             {r['label']:14} {format_spread(r['ms_per_step']):>34}  {tps}  ({what})")
+    for other, rt in sp["kvarn_speedup"].items():
+        pr = rt["paired"]
+        x = pr["median"]
+        how = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+        p(f"             KVarN is {how} than {runners[other]['label']} (median of the per-step ratios "
+          f"{runners[other]['label']} / KVarN, IQR {pr['p25']:.2f}-{pr['p75']:.2f}; ratio of the "
+          f"medians {rt['median_ratio']:.2f})")
+    comp = []
+    for r in runners.values():
+        if not r["compiled"]:
+            continue
+        parts = [f"{what} {r[key]:.0f} s" for what, key in (("prefill", "first_prefill_chunk_s"),
+                                                              ("decode", "first_decode_step_s"))
+                 if r.get(key) is not None]
+        comp.append(f"{r['label']} " + " + ".join(parts))
+    eager_prefill = res["prefill_mode"] == "eager"
+    p(f"  compile    {'; '.join(comp)} (first chunk / first step, incl. compiling"
+      + ("; KVarN's first step also packs the prompt)" if eager_prefill else ")"))
+    chunks = [f"{r['label']} {r['prefill_chunk_s']['median']:.2f} s" for r in runners.values()
+              if r.get("prefill_chunk_s")]
+    how = ("once, eager in full precision; every model starts from a copy of that cache"
+           if eager_prefill else "through each compiled model")
+    p(f"  prefill    {res['prompt_tokens']} tokens {how}; per {res['chunk']}-token chunk (median): "
+      f"{', '.join(chunks) if chunks else 'n/a'}")
+    floor = q["noise_floor_eager_vs_inductor"]
+    div = q["greedy_first_divergence"]
+    first = (" (the first token comes from the shared full-precision prefill)"
+             if q.get("first_position") else "")
+    p(f"  quality    {q['positions']} decoded positions{first}, teacher-forced on the uncompressed "
+      f"model's greedy tokens: top-1 agreement {q['teacher_forced_top1']:.3f}, KL(fp ‖ KVarN) "
+      f"{q['kl_mean']:.4f} nats/token (max {q['kl_max']:.3f})")
+    p("             free-running greedy decoding: "
+      + ("KVarN's first token already differs" if div == 0 else
+         f"KVarN picks the same first {div} tokens, then differs" if div < res["new_tokens"]
+         else f"KVarN picks the same {div} tokens"))
+    if floor:
+        p(f"             noise floor (eager vs Inductor {fp_dt}, rounding only): KL {floor['kl_mean']:.1e}, "
+          f"top-1 {floor['top1']:.3f}")
+    t = res["text"]
+    p(f"  text       prompt ends  ...{t['prompt_tail']!r}")
+    p(f"             uncompressed {t['uncompressed']!r}")
+    if t["kvarn_diverging_token"] is not None:
+        same = f"same first {div} tokens, then " if div else ""
+        p(f"             KVarN        {same}{t['kvarn_diverging_token']!r} where the uncompressed "
+          f"model has {t['uncompressed_token_there']!r}")
+    else:
+        p("             KVarN        the same tokens")
+    groups: dict[str, float] = {}
+    for name, secs in res["phases_s"].items():
+        key = next((k for k in ("compile", "prefill", "decode") if name.startswith(k)),
+                   "decode" if name.startswith("warm-up") else "load and set-up")
+        groups[key] = groups.get(key, 0.0) + secs
+    threads = f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}"
+    p(f"  time       {res['total_s']:.0f} s in all ({threads}): "
+      + ", ".join(f"{k} {v:.0f} s" for k, v in groups.items()))

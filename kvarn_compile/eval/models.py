@@ -14,7 +14,8 @@ Typical use::
 
 Corpora:
 
-* ``"lee"`` (default): the Lee background corpus, 300 short ABC news articles (~75k tokens).
+* ``"lee"`` (default): the Lee background corpus (gensim's ``lee_background.cor``, after
+  Lee, Pincombe and Welsh 2005), 300 short ABC news articles (~75k tokens).
 * ``"enwiki"``: 100+ English Wikipedia articles (encyclopedic prose, a different style),
   converted from wikitext to plain paragraphs; use it for held-out evaluation.
 """
@@ -59,6 +60,7 @@ __all__ = [
     "capture_kv",
     "corpus_token_ids",
     "default_gguf_path",
+    "default_model_available",
     "has_default_assets",
     "load_corpus",
     "load_gguf_model",
@@ -201,13 +203,32 @@ def load_gguf_model(
     return _freeze(model), tokenizer
 
 
-def _default_model_dir() -> pathlib.Path:
-    """Return the folder of the plain (safetensors) copy of the default model, creating it once."""
+def _default_copy_dir() -> pathlib.Path:
+    """The folder the plain copy of the default model goes to (it may not exist yet)."""
     try:
         version = importlib.metadata.version(_MODEL_DIST)  # a new release gets a new copy
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    final = cache_dir() / "models" / f"{DEFAULT_MODEL}-{version}"
+    return cache_dir() / "models" / f"{DEFAULT_MODEL}-{version}"
+
+
+def default_model_available() -> pathlib.Path:
+    """Check, without loading anything, that :func:`load_model` can open the default model.
+
+    Returns the converted copy's folder, or the GGUF file it will be converted from.
+
+    Raises:
+        AssetMissingError: neither exists; the message names the ``pip`` command.
+    """
+    final = _default_copy_dir()
+    if (final / "config.json").is_file():
+        return final
+    return default_gguf_path()
+
+
+def _default_model_dir() -> pathlib.Path:
+    """Return the folder of the plain (safetensors) copy of the default model, creating it once."""
+    final = _default_copy_dir()
     if (final / "config.json").is_file():
         return final
     gguf = default_gguf_path()  # raises AssetMissingError before any work is done
@@ -424,12 +445,12 @@ class _CorpusSpec:
 #: Corpora known to :func:`load_corpus`, by name.
 CORPORA: dict[str, _CorpusSpec] = {
     "lee": _CorpusSpec(
-        "lee_background.cor", _parse_lines, "Lee background corpus: 300 ABC news articles"
+        "lee_background.cor", _parse_lines, "Lee background corpus of 300 ABC news articles"
     ),
     "enwiki": _CorpusSpec(
         "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
         _parse_mediawiki_dump,
-        "English Wikipedia articles (2016 dump excerpt), plain prose paragraphs",
+        "English Wikipedia articles (2016 dump) as plain prose",
     ),
 }
 

@@ -17,7 +17,7 @@ __all__ = ["to_jsonable", "write_json", "markdown_summary", "write_outputs", "pl
            "plot_block_curves", "plot_error_quantiles", "plot_layer_errors"]
 
 _COLORS = {"none": "tab:gray", "kivi": "tab:red", "hadamard": "tab:orange", "kvarn": "tab:blue",
-           "kvarn+clip": "tab:green", "kvarn+kauto": "tab:purple", "hadamard+kauto": "tab:brown"}
+           "kvarn+clip": "tab:green", "kvarn+krot": "tab:purple", "hadamard+krot": "tab:brown"}
 
 
 def _color(method: str) -> str:
@@ -104,11 +104,13 @@ def markdown_summary(result: dict[str, Any]) -> str:
         lines += ["", f"**Faithfulness** (method none vs plain model): static KL max {_fmt(f['static_kl_max'], '.2e')}, "
                       f"pseudo-decode KL max {_fmt(f['pseudo_kl_max'], '.2e')} (threshold {f['threshold']:.0e}): "
                       f"{'PASS' if f['passed'] else 'FAIL'}."]
-    lines += ["", "## Paper findings", ""]
+    lines += ["", "## Paper findings", "",
+              "The KVarN paper's claims, checked on this run (yes/no per context length L; the "
+              "numbers are in eval.json under `findings`)."]
     for source, by_p in result.get("findings", {}).items():
         for preset, fnd in by_p.items():
-            for name, val in fnd.items():
-                lines.append(f"- {source} {preset}: `{name}` = {json.dumps(to_jsonable(val))}")
+            lines += ["", f"**{source.split('@')[0]} text (from token {source.split('@')[-1]}), {preset}**", ""]
+            lines += [f"- {line}" for line in finding_lines(fnd)]
     d = result.get("diagnostics")
     if d:
         lines += ["", f"## Diagnostics (static, L = {d['length']}, {d['windows']} window(s))", "",
@@ -167,20 +169,69 @@ def markdown_summary(result: dict[str, Any]) -> str:
     ret = result.get("retrieval")
     if ret:
         rs = ret["settings"]
-        lines += ["", f"## Line retrieval under pseudo-decode ({rs['n_prompts']} record(s) x {rs['n_questions']} "
-                      "questions per length; agreement with the fp model's answer)", "",
+        lines += ["", f"## Key-value retrieval under pseudo-decode ({rs['n_prompts']} record(s) x "
+                      f"{rs['n_questions']} questions per length; agreement with the fp model's answer)", "",
+                  "Each line of a record gives one key (a common noun) a random 4-digit code; the model "
+                  "is asked for one key's code. *fp accuracy*: the full-precision model's share of "
+                  "right answers; agreement only means something where it solves the task.", "",
                   "| lines | prompt tokens | fp accuracy | preset | method | exact answer | token agreement | "
                   "same number | accuracy |", "|---|---|---|---|---|---|---|---|---|"]
+        unsolved = [n for n, e in ret["by_lines"].items() if not e.get("fp_solves", True)]
         for n, e in ret["by_lines"].items():
             for preset, by_m in e["presets"].items():
                 for method, r in by_m.items():
                     lines.append(f"| {n} | {e['prompt_tokens']} | {_fmt(e['fp_accuracy'], '.2f')} | {preset} | "
                                  f"{method} | {_fmt(r['exact'], '.2f')} | {_fmt(r['token_agreement'], '.2f')} | "
                                  f"{_fmt(r['value_agreement'], '.2f')} | {_fmt(r['accuracy'], '.2f')} |")
+        if unsolved:
+            lines += ["", f"**Note**: at {', '.join(unsolved)} lines the full-precision model answers "
+                          "fewer than half of the questions right, so agreement there mostly compares two "
+                          "wrong answers and says little about the quantizer."]
     t = result.get("timings_s")
     if t:
         lines += ["", "## Timings (s)", "", ", ".join(f"{k} {v:.1f}" for k, v in t.items())]
     return "\n".join(lines) + "\n"
+
+
+def _yes(x: Any) -> str:
+    return "yes" if x else "no"
+
+
+def _per_length(d: dict[str, Any]) -> str:
+    return ", ".join(f"L={L}: {_yes(v)}" for L, v in d.items())
+
+
+def finding_lines(fnd: dict[str, Any]) -> list[str]:
+    """One readable sentence per finding of :func:`~.suite._findings` (unknown ones as JSON)."""
+    out = []
+    for name, val in fnd.items():
+        if name == "kivi_pseudo_gt_static_last_block":
+            out.append(f"KIVI's pseudo-decode KL on the last block is above its static KL "
+                       f"(error accumulates): {_per_length(val)}")
+        elif name == "kivi_pseudo_kl_grows_with_context":
+            out.append(f"KIVI's pseudo-decode KL grows with the context length: {_yes(val)}")
+        elif name == "kivi_pseudo_last_block_kl_grows_with_context":
+            out.append(f"KIVI's last-block pseudo-decode KL grows with the context length: {_yes(val)}")
+        elif name == "kvarn_over_kivi_pseudo_kl_at_max_length":
+            out.append(f"KVarN's pseudo-decode KL is at most half of KIVI's at L={val['length']}: "
+                       f"{_yes(val['at_most_half'])} (ratio {val['ratio']:.2f})")
+        elif name == "ordering_kvarn_le_hadamard_le_kivi":
+            by_setting: dict[str, list[str]] = {}
+            for key, ok in val.items():
+                setting, L = key.split("@")
+                by_setting.setdefault(setting, []).append(f"L={L}: {_yes(ok)}")
+            out.append("KL order KVarN <= Hadamard-only <= KIVI: "
+                       + "; ".join(f"{k} {', '.join(v)}" for k, v in by_setting.items()))
+        elif name == "kvarn_vs_hadamard_pseudo_per_window":
+            parts = []
+            for L, r in val.items():
+                se = f" ± {r['se']:.4f} (SE)" if r.get("se") is not None else " (one window: no SE)"
+                parts.append(f"L={L}: lower in {r['lower_in']}/{r['windows']} windows, mean "
+                             f"difference {r['mean_diff']:+.4f}{se}")
+            out.append("KVarN vs Hadamard-only, pseudo-decode KL per window: " + "; ".join(parts))
+        else:
+            out.append(f"`{name}` = {json.dumps(to_jsonable(val))}")
+    return out
 
 
 # ------------------------------------------------------------------------------ plots
@@ -191,37 +242,87 @@ def _plt():
     return plt
 
 
+def _figure(plt, rows: int, cols: int, width: float, height: float):
+    """A figure with constrained layout: titles and the legend row below stay inside it."""
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False,
+                             layout="constrained")
+    return fig, axes
+
+
 def _save(plt, fig, path: str | pathlib.Path) -> pathlib.Path:
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return pathlib.Path(path)
 
 
+def _legend_below(fig, handles, labels, ncol: int | None = None) -> None:
+    """One legend for the whole figure, under the plots (never on top of a curve)."""
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", fontsize=8, frameon=False,
+                   ncol=ncol or min(len(labels), 4))
+
+
+def _wrap(text: str, width_in: float) -> str:
+    """Wrap a title to the figure width (about 11 characters per inch at 10 pt)."""
+    import textwrap
+    return "\n".join(textwrap.wrap(text, max(int(width_in * 11), 20)))
+
+
+def _context_axis(ax, lengths) -> None:
+    """Log-2 context axis with a labelled tick at every evaluated length."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([str(L) for L in lengths])
+    ax.minorticks_off()
+    ax.set_xlim(min(lengths) / 2 ** 0.3, max(lengths) * 2 ** 0.3)
+
+
 def plot_kl_vs_context(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
-    """KL vs context length: one subplot per preset (row per text source), static dashed, pseudo solid."""
+    """KL vs context length: one subplot per preset (row per text source); color = method,
+    solid line + filled circles = pseudo-decode, dotted line + open squares = static."""
+    from matplotlib.lines import Line2D
+
     plt = _plt()
     grids = result["datasets"]
     presets = list(grids[0]["results"])
-    fig, axes = plt.subplots(len(grids), len(presets), figsize=(4.2 * len(presets), 3.6 * len(grids)),
-                             squeeze=False)
+    fig, axes = _figure(plt, len(grids), len(presets), 4.4, 3.5)
+    handles: dict[str, Any] = {}
+    folded: dict[str, list[str]] = {}
+    styles = {"pseudo": dict(linestyle="-", marker="o", markersize=5),
+              "static": dict(linestyle=":", marker="s", markersize=5, markerfacecolor="white")}
     for r, g in enumerate(grids):
         for c, preset in enumerate(presets):
             ax = axes[r][c]
-            for label, res, method in _curves(g["results"][preset]):
+            all_L: set[int] = set()
+            for label, res, method in _curves(g["results"].get(preset, {})):
                 Ls = sorted(int(L) for L in res["by_length"])
-                for setting, style in (("static", "--"), ("pseudo", "-")):
+                all_L.update(Ls)
+                for setting in ("pseudo", "static"):
                     ys = [res["by_length"][str(L)][setting]["kl"] for L in Ls]
-                    ax.plot(Ls, ys, style, marker="o", color=_color(method), label=f"{label} {setting}")
-            ax.set_xscale("log", base=2)
+                    ax.plot(Ls, ys, color=_color(method), **styles[setting])
+                handles.setdefault(method, Line2D([], [], color=_color(method), linewidth=3))
+                if label != method and preset not in folded.setdefault(label, []):
+                    folded[label].append(preset)
+            if all_L:
+                _context_axis(ax, sorted(all_L))
             ax.set_yscale("log")
             ax.set_xlabel("context length L (tokens)")
-            ax.set_ylabel("KL(fp ‖ quant), nats/token")
-            ax.set_title(f"{preset} — {g['corpus']}")
+            if c == 0:
+                ax.set_ylabel("KL(fp ‖ quant), nats/token")
+            ax.set_title(f"{preset}, {g['corpus']} text", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
-            if r == 0 and c == 0:
-                ax.legend(fontsize=7)
-    fig.suptitle("static (dashed, last block) vs pseudo-decode (solid, all positions after the sink)")
+    setting_handles = {"pseudo-decode": Line2D([], [], color="black", **styles["pseudo"]),
+                       "static": Line2D([], [], color="black", **styles["static"])}
+    labels = list(handles) + list(setting_handles)
+    _legend_below(fig, list(handles.values()) + list(setting_handles.values()), labels,
+                  ncol=len(labels) if len(labels) <= 7 else (len(labels) + 1) // 2)
+    title = ("KL vs context. Solid, filled circles: pseudo-decode (quantized as the tokens are "
+             "produced, all positions after the sink); dotted, open squares: static (last block "
+             "over a clean prefix quantized once).")
+    if folded:
+        title += " " + "; ".join(f"{label.replace(' = ', ' and ')}: identical at {', '.join(ps)} (one curve)"
+                                 for label, ps in folded.items()) + "."
+    fig.suptitle(_wrap(title, 4.4 * len(presets)), fontsize=9)
     return _save(plt, fig, path)
 
 
@@ -230,8 +331,10 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
     plt = _plt()
     g = result["datasets"][0]
     presets = list(g["results"])
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.4), squeeze=False)
+    fig, axes = _figure(plt, 1, len(presets), 4.4, 3.4)
     sink = g["sink_tokens"]
+    handles: dict[str, Any] = {}
+    folded: dict[str, list[str]] = {}
     for c, preset in enumerate(presets):
         ax = axes[0][c]
         for label, res, method in _curves(g["results"][preset]):
@@ -240,13 +343,22 @@ def plot_block_curves(result: dict[str, Any], path: str | pathlib.Path) -> pathl
             # after it) have KL ~1e-11; they are left out of the log plot
             pts = [(x, y) for x, y in zip(cur["block_start"], cur["kl"]) if x >= sink and y > 1e-9]
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, "-", marker=".", color=_color(method), label=label)
+            (line,) = ax.plot(xs, ys, "-", marker=".", color=_color(method))
+            handles.setdefault(method, line)
+            if label != method and preset not in folded.setdefault(label, []):
+                folded[label].append(preset)
         ax.set_yscale("log")
-        ax.set_xlabel("block start position")
-        ax.set_ylabel("pseudo-decode KL of the block")
-        ax.set_title(f"{preset} — {g['corpus']}")
+        ax.set_xlabel("block start position (tokens)")
+        if c == 0:
+            ax.set_ylabel("pseudo-decode KL of the block")
+        ax.set_title(f"{preset}, {g['corpus']} text", fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    _legend_below(fig, list(handles.values()), list(handles), ncol=len(handles))
+    title = "Pseudo-decode KL of each block of the window against its position"
+    if folded:
+        title += " (" + "; ".join(f"{label.replace(' = ', ' and ')}: identical at {', '.join(ps)}, one curve"
+                                  for label, ps in folded.items()) + ")"
+    fig.suptitle(_wrap(title, 4.4 * len(presets)), fontsize=9)
     return _save(plt, fig, path)
 
 
@@ -257,58 +369,87 @@ def plot_error_quantiles(result: dict[str, Any], path: str | pathlib.Path) -> pa
     magnitude part (solid) and the direction part (hatched) of that bucket's error, and the
     label above it is the bucket's share of all the error.
     """
+    from matplotlib.patches import Patch
+
     plt = _plt()
     d = result["diagnostics"]["by_config"]
     presets = list(d)
     buckets = ("top 1%", "top 1-5%", "rest 95%")
-    fig, axes = plt.subplots(2, len(presets), figsize=(4.6 * len(presets), 6.8), squeeze=False)
+    n_methods = max(len(d[p]) for p in presets)
+    fig, axes = _figure(plt, 2, len(presets), max(4.6, 1.5 * n_methods), 3.5)
     for c, preset in enumerate(presets):
         for r, kind in enumerate(("k", "v")):
             ax = axes[r][c]
-            x, ticks, labels = 0.0, [], []
+            x, ticks, labels, centers = 0.0, [], [], []
             for method, res in d[preset].items():
                 bk = {b["bucket"]: b for b in res["error_split"][kind]["buckets"]}
+                first = x
                 for name in buckets:
                     b = bk[name]
                     mag, dirn = b["magnitude_share"], b["direction_share"]
-                    ax.bar(x, mag, color=_color(method), edgecolor="black",
-                           label="magnitude" if not ticks else None)
+                    ax.bar(x, mag, color=_color(method), edgecolor="black")
                     ax.bar(x, dirn, bottom=mag, color=_color(method), alpha=0.35, hatch="//",
-                           edgecolor="black", label="direction" if not ticks else None)
+                           edgecolor="black")
                     ax.text(x, 1.01, f"{b['error_share']:.0%}", ha="center", va="bottom", fontsize=6)
                     ticks.append(x)
-                    labels.append(f"{method}\n{name}")
+                    labels.append(name.replace("top ", "top\n").replace("rest ", "rest\n"))
                     x += 1
-                x += 0.5
+                centers.append(((first + x - 1) / 2, method))
+                x += 0.6
             ax.set_xticks(ticks)
-            ax.set_xticklabels(labels, fontsize=6, rotation=90)
+            ax.set_xticklabels(labels, fontsize=6)
+            for cx, method in centers:
+                ax.text(cx, -0.17, method, ha="center", va="top", fontsize=7,
+                        transform=ax.get_xaxis_transform())
             ax.set_ylim(0, 1.12)
-            ax.set_ylabel("share of the bucket's squared error")
-            ax.set_title(f"{'keys' if kind == 'k' else 'values'} — {preset}")
-            ax.legend(fontsize=7, loc="center right")
-    fig.suptitle("per-token error by rank bucket: magnitude (solid) vs direction (hatched); "
-                 "label = bucket's share of all error")
+            if c == 0:
+                ax.set_ylabel("share of the bucket's\nsquared error", fontsize=8)
+            ax.set_title(f"{'keys' if kind == 'k' else 'values'}, {preset}", fontsize=10)
+    handles = [Patch(facecolor="lightgray", edgecolor="black", label="magnitude part"),
+               Patch(facecolor="white", edgecolor="black", hatch="//", label="direction part")]
+    _legend_below(fig, handles, [h.get_label() for h in handles])
+    fig.suptitle(_wrap("Per-token error by rank bucket (worst tokens first): magnitude vs direction "
+                       "part; the label above a bar is that bucket's share of all the error",
+                       max(4.6, 1.5 * n_methods) * len(presets)), fontsize=10)
     return _save(plt, fig, path)
 
 
 def plot_layer_errors(result: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
     """Per-layer relative error of K, V and the attention output, one subplot per preset."""
+    from matplotlib.lines import Line2D
+
     plt = _plt()
     d = result["diagnostics"]["by_config"]
     presets = list(d)
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.4), squeeze=False)
+    fig, axes = _figure(plt, 1, len(presets), 4.6, 3.4)
+    styles = {"K": ":", "V": "--", "attention output": "-"}
+    from matplotlib.ticker import MaxNLocator
+
+    methods: dict[str, None] = {}
+    folded: dict[str, list[str]] = {}
     for c, preset in enumerate(presets):
         ax = axes[0][c]
-        for method, res in d[preset].items():
+        for label, res, method in _curves(d[preset]):
             lay = res["layers"]
-            ax.plot(lay["k_rel"], ":", color=_color(method), label=f"{method} K")
-            ax.plot(lay["v_rel"], "--", color=_color(method), label=f"{method} V")
-            ax.plot(lay["attn_out_rel"], "-", color=_color(method), label=f"{method} attn out")
+            methods[method] = None
+            if label != method:
+                folded.setdefault(label, []).append(preset)
+            for style, ys in zip(styles.values(), (lay["k_rel"], lay["v_rel"], lay["attn_out_rel"])):
+                ax.plot(ys, style, color=_color(method), marker="." if len(ys) <= 8 else None)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
-        ax.set_ylabel("relative error")
-        ax.set_title(preset)
+        if c == 0:
+            ax.set_ylabel("relative error ‖x̂ - x‖ / ‖x‖")
+        ax.set_title(preset, fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+    handles = [Line2D([], [], color=_color(m), linewidth=3) for m in methods]
+    handles += [Line2D([], [], color="black", linestyle=st) for st in styles.values()]
+    _legend_below(fig, handles, list(methods) + list(styles), ncol=len(handles))
+    title = f"Per-layer relative error at L = {result['diagnostics']['length']} (static setting)"
+    if folded:
+        title += " (" + "; ".join(f"{label.replace(' = ', ' and ')}: identical at {', '.join(ps)}, one curve"
+                                  for label, ps in folded.items()) + ")"
+    fig.suptitle(_wrap(title, 4.6 * len(presets)), fontsize=9)
     return _save(plt, fig, path)
 
 

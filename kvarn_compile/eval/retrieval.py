@@ -1,14 +1,22 @@
-"""Line retrieval under pseudo-decode: does the quantized model still read back a long list?
+"""Key-value retrieval under pseudo-decode: does the quantized model still read back a list?
 
-A prompt is a record of numbered lines with random 4-digit values
-(``line 17: REGISTER_CONTENT is <4821>``) followed by a question for one line; the answer is
-primed with ``The REGISTER_CONTENT in line 17 is <`` so the greedy tokens are the digits. The record is
-pseudo-decoded in blocks of ``b`` tokens (:class:`~.harness.PseudoQuantCache`), then the
-question is one more block and the answer is decoded greedily, token by token, through the
-same cache. Small models are weak at this task even in full precision, so the score is the
-*agreement* of the quantized model's answer with the full-precision model's answer (both
-run through the same block-wise code; method "none" is the full-precision model), not the
-absolute accuracy, which is reported for information only.
+A prompt is a record of lines, each giving one key a random 4-digit code
+(``The secret code of lantern is 4821.``; every key is a different common noun), followed by
+a question for one key; the answer is primed with ``The secret code of lantern is `` so the
+greedy tokens are the digits. The record is pseudo-decoded in blocks of ``b`` tokens
+(:class:`~.harness.PseudoQuantCache`), then the question is one more block and the answer is
+decoded greedily, token by token, through the same cache. The score is the *agreement* of
+the quantized model's answer with the full-precision model's answer (both run through the
+same block-wise code; method "none" is the full-precision model), and the accuracy against
+the true code.
+
+The format was chosen for the small default model: with numbered lines
+(``line 17: REGISTER_CONTENT is <4821>``) SmolLM2-135M answers almost nothing even in full
+precision (0 to 1 of 6 at 10 to 40 lines, with several question formats), so agreement
+there measured nothing; with word keys it answers 5 of 6 at 20 and at 40 lines (about 300
+and 570 tokens), 3 of 6 at 60 lines and 1 of 6 at 100 (seed 0). Each length's result says whether the
+full-precision model solves it (``fp_solves``: accuracy >= :data:`FP_SOLVES`); where it does
+not, agreement mostly compares two wrong answers, and the summary says so.
 
 The record is shared by the questions of one prompt: it is pseudo-decoded once per method
 and the cache state is snapshotted and restored for every question.
@@ -27,12 +35,30 @@ from kvarn_compile.config import KVarNConfig
 
 from .harness import PseudoQuantCache, method_config, run_blocks
 
-__all__ = ["RetrievalPrompt", "build_prompts", "greedy_answer", "retrieval_eval"]
+__all__ = ["RetrievalPrompt", "build_prompts", "greedy_answer", "retrieval_eval", "KEYS", "FP_SOLVES"]
+
+#: The full-precision model "solves" a record length when it answers at least this share.
+FP_SOLVES = 0.5
 
 _MARK = "\u241fQUESTION\u241f"
-_INTRO = ("Here is a list of numbered lines. Every line holds one REGISTER_CONTENT value, a "
-          "number in angle brackets. Read the whole list carefully; afterwards you will be asked "
-          "for the REGISTER_CONTENT of one line.\n\n")
+_INTRO = "Here is a list of secret codes, one per line.\n\n"
+_LINE = "The secret code of {key} is {value}."
+_QUESTION = "What is the secret code of {key}?"
+_PRIME = "The secret code of {key} is "
+
+#: Distinct keys of the record lines (common nouns); a record has at most this many lines.
+KEYS: tuple[str, ...] = tuple("""
+apple river candle forest hammer violin planet rabbit silver window garden pencil mirror
+rocket basket castle dragon feather island jacket kettle ladder magnet needle orange pepper
+quartz saddle tunnel umbrella velvet walnut yogurt zipper anchor bottle cactus dolphin engine
+falcon glacier harbor igloo jungle koala lantern meadow nectar oyster parrot quiver radish
+sprout tiger bucket carpet desert helmet lemon marble napkin ocean pillow rainbow spider
+teapot valley wallet acorn blanket cherry donkey elbow fountain giraffe hockey insect jigsaw
+kitten lobster muffin noodle octopus pumpkin quilt robot salmon tomato unicorn vulture
+whistle banana camera diamond eagle finger goose honey iron jelly kiwi lizard monkey nickel
+onion panda raven sailor turtle violet wizard badger cobra dinner easel fiddle gravel hippo
+ivory jasmine kayak lentil mango nutmeg orchid peanut rhino sofa tulip vessel walrus
+""".split())
 
 
 @dataclasses.dataclass
@@ -54,25 +80,28 @@ def _render(tokenizer, content: str) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
-    return content + "\nAnswer:"
+    return content + "\nAnswer: "
 
 
 def build_prompts(tokenizer, n_lines: int, *, n_prompts: int = 1, n_questions: int = 4,
                   seed: int = 0) -> list[RetrievalPrompt]:
     """Random records of ``n_lines`` lines (seeded) with ``n_questions`` distinct questions each."""
+    if not 1 <= n_lines <= len(KEYS):
+        raise ValueError(f"Expected 1 <= n_lines <= {len(KEYS)} (one distinct key per line), but "
+                         f"got {n_lines}.")
     prompts = []
     for p in range(n_prompts):
         s = seed * 1_000_003 + n_lines * 1_009 + p
         rng = random.Random(s)
+        keys = rng.sample(KEYS, n_lines)
         values = [rng.randint(1000, 9999) for _ in range(n_lines)]
-        record = "\n".join(f"line {i + 1}: REGISTER_CONTENT is <{v}>" for i, v in enumerate(values))
+        record = "\n".join(_LINE.format(key=k, value=v) for k, v in zip(keys, values))
         rendered = _render(tokenizer, _INTRO + record + "\n\n" + _MARK)
         before, after = rendered.split(_MARK)
         asked = rng.sample(range(1, n_lines + 1), min(n_questions, n_lines))
         # the answer is primed up to the number, so the greedy tokens are the retrieved digits
-        questions = [(line, _encode(tokenizer, f"What is the REGISTER_CONTENT in line {line}? "
-                                               f"Answer with the number only." + after
-                                    + f"The REGISTER_CONTENT in line {line} is <"))
+        questions = [(line, _encode(tokenizer, _QUESTION.format(key=keys[line - 1]) + after
+                                    + _PRIME.format(key=keys[line - 1])))
                      for line in asked]
         prompts.append(RetrievalPrompt(n_lines=n_lines, seed=s, values=values,
                                        prefix_ids=_encode(tokenizer, before), questions=questions))
@@ -148,9 +177,10 @@ def retrieval_eval(model, tokenizer, *, line_counts: Sequence[int] = (100, 300),
         truth = [prompt.values[line - 1] for prompt in prompts for line, _ in prompt.questions]
         fp = answers[("fp", "none")]
         fp_text = [tokenizer.decode(a, skip_special_tokens=True) for a in fp]
+        fp_accuracy = sum(_number(t) == v for t, v in zip(fp_text, truth)) / len(fp)
         entry = {"prompt_tokens": [int(p.prefix_ids.shape[-1]) for p in prompts],
-                 "questions": len(fp),
-                 "fp_accuracy": sum(_number(t) == v for t, v in zip(fp_text, truth)) / len(fp),
+                 "questions": len(fp), "fp_accuracy": fp_accuracy,
+                 "fp_solves": fp_accuracy >= FP_SOLVES,
                  "fp_answers": fp_text[:8], "truth": truth[:8], "presets": {}}
         for (preset_name, method), got in answers.items():
             if method == "none":

@@ -37,6 +37,11 @@ __all__ = ["EvalSettings", "quick_settings", "run_eval", "FaithfulnessError", "F
 #: Method "none" must reproduce the plain model within this mean KL (nats per token).
 FAITHFUL_KL = 1e-6
 
+#: Record lengths (lines) of the retrieval check: full run and ``--quick``. The model is tiny;
+#: these are lengths where the full-precision model still answers (see retrieval.py).
+RETRIEVAL_LINES: tuple[int, ...] = (20, 40, 60)
+QUICK_RETRIEVAL_LINES: tuple[int, ...] = (40,)
+
 
 class FaithfulnessError(AssertionError):
     """Method "none" did not reproduce the plain model: the harness itself is wrong."""
@@ -77,7 +82,7 @@ class EvalSettings:
     generate_prompt: int = 1024
     generate_methods: tuple[str, ...] = ("kvarn",)
     retrieval: bool = True
-    retrieval_lines: tuple[int, ...] = (100, 300)
+    retrieval_lines: tuple[int, ...] = RETRIEVAL_LINES
     retrieval_prompts: int = 1
     retrieval_questions: int = 6
     retrieval_presets: tuple[str, ...] = ("k2v2",)
@@ -121,7 +126,7 @@ def quick_settings(**overrides: Any) -> EvalSettings:
     """The smoke run (~2 minutes on 2 cores): one window, short contexts, one preset."""
     lengths = tuple(overrides.get("lengths", (384, 768)))
     base = dict(lengths=lengths, windows=1, presets=("k2v2",), diag_windows=1, diag_length=min(lengths),
-                product_length=min(lengths), retrieval_lines=(40,), retrieval_questions=2, quick=True)
+                product_length=min(lengths), retrieval_lines=QUICK_RETRIEVAL_LINES, retrieval_questions=4, quick=True)
     base.update(overrides)
     return EvalSettings(**base)
 

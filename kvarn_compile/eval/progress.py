@@ -1,0 +1,108 @@
+"""Phase lines with elapsed time on stderr, for the long-running commands (run, bench).
+
+    phases = Phases(enabled=True)
+    with phases("compile prefill (KVarN)"):
+        model(...)                       # a ticker shows the seconds while it runs
+    for i in phases.bar(range(n), "prefill"):
+        ...
+    phases.durations                     # {"compile prefill (KVarN)": 41.2, ...}
+
+On a terminal the running phase's line is redrawn every second (``[0:12] compile prefill
+(KVarN) ... 7 s``) and finished with its duration; elsewhere (a log file, a pipe) each phase
+prints one line when it starts and one when it ends. With ``enabled=False`` nothing is
+printed, but the durations are still recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TextIO
+
+__all__ = ["Phases", "clock"]
+
+
+def clock(seconds: float) -> str:
+    """``m:ss`` (or ``h:mm:ss``) of a duration."""
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class Phases:
+    """Named, timed phases of a job (see the module docstring)."""
+
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None, tick_s: float = 1.0):
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.tick_s = tick_s
+        self.t0 = time.perf_counter()
+        self.durations: dict[str, float] = {}
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._prefix = ""
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    @contextlib.contextmanager
+    def group(self, name: str) -> Iterator[None]:
+        """Prefix the phases inside the block with ``name: `` (e.g. one context length)."""
+        old, self._prefix = self._prefix, f"{self._prefix}{name}: "
+        try:
+            yield
+        finally:
+            self._prefix = old
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, note: str = "") -> Iterator[None]:
+        """Time the block as phase ``name``; ``note`` is shown after the name."""
+        name = self._prefix + name
+        head = f"[{clock(self.elapsed())}] {name}" + (f" ({note})" if note else "")
+        stop = threading.Event()
+        ticker = None
+        start = time.perf_counter()
+        if self.enabled:
+            if self._tty:
+                self._write(f"\r{head} ...")
+
+                def tick() -> None:
+                    while not stop.wait(self.tick_s):
+                        self._write(f"\r{head} ... {time.perf_counter() - start:.0f} s")
+
+                ticker = threading.Thread(target=tick, daemon=True)
+                ticker.start()
+            else:
+                self._write(f"{head} ...\n")
+        try:
+            yield
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+            took = time.perf_counter() - start
+            self.durations[name] = self.durations.get(name, 0.0) + took
+            if self.enabled:
+                self._write(f"\r{head}: {took:.1f} s\x1b[K\n" if self._tty else f"{head}: done in {took:.1f} s\n")
+
+    def bar(self, iterable: Iterable[Any], name: str, total: int | None = None,
+            unit: str = "it") -> Iterator[Any]:
+        """Iterate with a tqdm bar labelled like a phase (timed as phase ``name``)."""
+        from tqdm import tqdm
+
+        name = self._prefix + name
+        start = time.perf_counter()
+        desc = f"[{clock(self.elapsed())}] {name}"
+        bar = tqdm(iterable, desc=desc, total=total, unit=unit, file=self.stream,
+                   disable=not self.enabled, dynamic_ncols=True, leave=True,
+                   mininterval=0.5 if self._tty else 30.0)
+        try:
+            yield from bar
+        finally:
+            bar.close()
+            self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
