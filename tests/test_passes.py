@@ -265,7 +265,7 @@ class TestGraphRewrites(TestCase):
         for step, (out, q, mask) in enumerate(outs):
             check_numerics(be.config, out, history[:step + 1], q, mask, 0.25)
         self.assertExpectedInline(self._after(be), """\
-# 9 inputs + 16 kvarn state buffers
+# 9 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in1, 1)
 v1 = kvarn.append_from_([<17 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'index_copy_sdpa', in0, in3, True)
 v2 = kvarn.attention(in5, [<17 state buffers>], in8, 0.25, True, 0)
@@ -273,7 +273,7 @@ return (v2,)""")
 
     def test_setitem_positions_sdpa(self):
         self.assertExpectedInline(self._rewrite_matching_eager(setitem_positions_sdpa), """\
-# 9 inputs + 16 kvarn state buffers
+# 9 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
 v1 = kvarn.append_from_([<17 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'setitem_positions_sdpa', in0, in3, True)
 v2 = kvarn.attention(in5, [<17 state buffers>], in8, 0.25, True, 0)
@@ -281,7 +281,7 @@ return (v2,)""")
 
     def test_narrow_copy_enable_gqa_float_mask(self):
         self.assertExpectedInline(self._rewrite_matching_eager(narrow_copy_gqa, positions_kind="int"), """\
-# 9 inputs + 16 kvarn state buffers
+# 9 inputs + 17 kvarn state buffers
 v0 = full((1,), in2, dtype=int64, device='cpu')
 v1 = kvarn.append_from_([<17 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'narrow_copy_gqa', in0, in3, True)
 v2 = zeros_like(in8, dtype=float32)
@@ -292,7 +292,7 @@ return (v5,)""")
 
     def test_setitem_slice_eager_chain(self):
         self.assertExpectedInline(self._rewrite_matching_eager(setitem_slice_eager, positions_kind="int"), """\
-# 9 inputs + 16 kvarn state buffers
+# 9 inputs + 17 kvarn state buffers
 v0 = full((1,), in1, dtype=int64, device='cpu')
 v1 = kvarn.append_from_([<17 state buffers>], in0, in3, v0, 'kvarn', 8, 0, 0, False, 'setitem_slice_eager', in2, in4, True)
 v2 = zeros_like(in8, dtype=float32)
@@ -317,7 +317,7 @@ return (v5,)""")
         self.assertEqual([s.cache for s in be.report.rewritten],
                          ["torch.cat([past, new], dim=-2)"] * len(be.report.sites))
         self.assertExpectedInline(self._after(be), """\
-# 7 inputs + 16 kvarn state buffers
+# 7 inputs + 17 kvarn state buffers
 v0 = .numel(in1)
 v1 = operator.floordiv(v0, 32)
 v2 = full((1,), v1, dtype=int64, device='cpu')

@@ -319,7 +319,7 @@ class TestSpellings(TestCase):
 
     def test_llama_reference(self):
         self.assertExpectedInline(self._check_rewritten("LlamaReference"), """\
-# 6 inputs + 16 kvarn state buffers
+# 6 inputs + 17 kvarn state buffers
 v0 = full((1,), in3, dtype=int64, device='cpu')
 v1 = .transpose(in4, 1, 2)
 v2 = .transpose(in5, 1, 2)
@@ -335,7 +335,7 @@ return (v10, in2, in1)""")
 
     def test_litgpt(self):
         self.assertExpectedInline(self._check_rewritten("LitGPT"), """\
-# 8 inputs + 16 kvarn state buffers
+# 8 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
 v1 = operator.getitem(in1, (:1, :, :, :))
 v2 = operator.getitem(in3, (:1, :, :, :))
@@ -347,7 +347,7 @@ return (v6,)""")
 
     def test_torchchat(self):
         self.assertExpectedInline(self._check_rewritten("TorchChat"), """\
-# 7 inputs + 16 kvarn state buffers
+# 7 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
 v1 = kvarn.append_from_([<17 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'forward', in0, in3, True)
 v2 = kvarn.attention(in5, [<17 state buffers>], in6, 0.25, True, 0)
@@ -355,7 +355,7 @@ return (v2,)""")
 
     def test_seq_major_sdpa(self):
         self.assertExpectedInline(self._check_rewritten("SeqMajorSdpa"), """\
-# 7 inputs + 16 kvarn state buffers
+# 7 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
 v1 = .transpose(in1, 1, 2)
 v2 = .transpose(in4, 1, 2)
@@ -369,7 +369,7 @@ return (v8,)""")
 
     def test_einsum_masked_fill(self):
         self.assertExpectedInline(self._check_rewritten("EinsumMaskedFill"), """\
-# 7 inputs + 16 kvarn state buffers
+# 7 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in2, 1)
 v1 = kvarn.append_from_([<17 state buffers>], in1, in4, v0, 'kvarn', 8, 0, 0, False, 'forward', in0, in3, True)
 v2 = operator.eq(in6, 0)
@@ -379,7 +379,7 @@ return (v4,)""")
 
     def test_where_mt_bf16(self):
         self.assertExpectedInline(self._check_rewritten("WhereMT"), """\
-# 7 inputs + 16 kvarn state buffers
+# 7 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in1, 1)
 v1 = kvarn.append_from_([<17 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'forward', in0, in3, True)
 v2 = kvarn.attention(in5, [<17 state buffers>], in6, 0.25, True, 0)
@@ -387,7 +387,7 @@ return (v2,)""")
 
     def test_cat_seq_major(self):
         self.assertExpectedInline(self._check_rewritten("CatSeqMajor"), """\
-# 7 inputs + 16 kvarn state buffers
+# 7 inputs + 17 kvarn state buffers
 v0 = .numel(in1)
 v1 = operator.floordiv(v0, 32)
 v2 = full((1,), v1, dtype=int64, device='cpu')
