@@ -291,6 +291,7 @@ def triton_cpu_mode():
     import torch._inductor.config as config
     import torch.utils._triton as triton_utils
 
+    _interpreted_libdevice()
     with _TRITON_CPU.lock:
         _TRITON_CPU.active += 1
         saved_hash = triton_utils.triton_hash_with_backend
@@ -306,6 +307,27 @@ def triton_cpu_mode():
             _TRITON_CPU.active -= 1
             if not _TRITON_CPU.active:
                 triton_utils.triton_hash_with_backend = saved_hash
+
+
+#: libdevice functions Inductor's own kernels call (RMSNorm's rsqrt, ...) that the Triton
+#: interpreter leaves as empty stubs; under the interpreter they forward to tl.math.
+_LIBDEVICE_VIA_TL_MATH = ("rsqrt", "sqrt", "exp", "exp2", "log", "log2", "cos", "sin", "erf",
+                          "floor", "ceil", "abs")
+
+
+def _interpreted_libdevice() -> None:
+    """Point the interpreter's empty libdevice stubs at ``tl.math`` (once per process; only
+    reached with ``TRITON_INTERPRET=1``, where no compiled kernel uses libdevice)."""
+    from triton.language import math as tl_math
+    from triton.language.extra import libdevice
+
+    if getattr(libdevice, "_kvarn_interpreted", False):
+        return
+    for name in _LIBDEVICE_VIA_TL_MATH:
+        if hasattr(libdevice, name) and hasattr(tl_math, name):
+            # resolved at call time: the interpreter patches tl.math while a kernel runs
+            setattr(libdevice, name, lambda *a, _n=name: getattr(tl_math, _n)(*a))
+    libdevice._kvarn_interpreted = True
 
 
 def device_identity(device: torch.device | str) -> tuple[str, str]:

@@ -509,10 +509,13 @@ def test_second_static_cache_is_released():
     assert backend.report.released_bytes == one_cache
     second = _static_cache(model, 1)
     out = _generate(model, _prompt(2), cache=second, new=NEW_SHORT)
+    # whole pages only: the second cache's count depends on where its buffers start
+    two = sum(freeable_bytes(t) for layer in second.layers for t in (layer.keys, layer.values))
+    assert abs(two - one_cache) <= 8 * 4096
     assert backend.report.graphs == 2
     assert all(is_freed(t) for layer in second.layers for t in (layer.keys, layer.values))
-    assert backend.report.released_bytes == 2 * one_cache
-    assert f"released {2 * one_cache} bytes" in str(backend.report)
+    assert backend.report.released_bytes == one_cache + two
+    assert f"released {one_cache + two} bytes" in str(backend.report)
     _assert_same(out, oracle(_prompt(2), new=NEW_SHORT), EAGER_RTOL, "second cache")
 
 

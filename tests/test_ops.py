@@ -71,8 +71,8 @@ def kv(batch, tokens, *, heads=H, head_dim=D, dtype=torch.float32, bias_outlier=
 class Seq:
     """A layer state plus the exact tokens every row is supposed to hold."""
 
-    def __init__(self, cfg=PRESETS["k4v2"], *, batch=2, **alloc):
-        self.cfg = cfg
+    def __init__(self, cfg=PRESETS["k4v2"], *, batch=2, outliers=False, **alloc):
+        self.cfg, self.outliers = cfg, outliers      # outliers: keys with a huge bias channel
         self.state = new_state(cfg, batch=batch, **alloc)
         self.k = [torch.zeros(H, 0, D) for _ in range(batch)]
         self.v = [torch.zeros(H, 0, D) for _ in range(batch)]
@@ -85,7 +85,7 @@ class Seq:
         """Append ``tokens`` new random tokens per row at ``start`` (default: each row's end)."""
         b = len(self.k)
         start = self.state.lengths.tolist() if start is None else list(start)
-        k, v = kv(b, tokens, bias_outlier=self.cfg.key_frame == "auto")
+        k, v = kv(b, tokens, bias_outlier=self.outliers)
         c = self.cfg
         R.append_(self.buffers, k, v, torch.tensor(start), method=c.op_method, iters=c.sinkhorn_iters,
                   recent=c.recent_window, hold=hold)
@@ -160,7 +160,7 @@ def assert_tiles_equal_reference(buffers, row, k, v, cfg):
 @pytest.mark.parametrize("tq", [1, 9])
 def test_attention_matches_dequantized_cache(preset, grp, tq):
     """Rows of different lengths (row 0 restarted), tiles, tails, boundary crossings, GQA/MHA."""
-    seq = Seq(PRESETS[preset])
+    seq = Seq(PRESETS[preset], outliers=preset.endswith("kauto"))
     seq.write(75)                       # both rows: sink + 1 tile + 11 tail tokens
     seq.write(58, start=[0, 75])        # row 0 starts over (58: no tile), row 1 -> 133 (3 tiles)
     assert seq.lengths() == [58, 133]
@@ -308,7 +308,7 @@ def _assert_states_identical(a, b):
 def test_single_token_appends_equal_one_prefill_and_quantize_cache(preset, dtype):
     cfg = get_config("k4v2", group_size=G, recent_window=G) if preset == "recent" else PRESETS[preset]
     n = G + 4 * G + 7                                 # sink + 4 tiles + 7 (fewer with recent)
-    k, v = kv(2, n, dtype=dtype, bias_outlier=cfg.key_frame == "auto")
+    k, v = kv(2, n, dtype=dtype, bias_outlier=preset.endswith("kauto"))
     one_go, stepwise, chunked = (new_state(cfg, dtype=dtype) for _ in range(3))
     R.append_(one_go.buffers, k, v, torch.zeros(2, dtype=torch.long), recent=cfg.recent_window)
     for t in range(n):
@@ -380,7 +380,8 @@ def test_state_is_far_smaller_than_fp16_for_long_sequences():
     R.append_(st.buffers, k, v, torch.zeros(1, dtype=torch.long))
     used = st.used_bytes()
     assert st.n_tiles.tolist() == [31]
-    assert used["tiles"] == 31 * tile and used["sink"] == used["tail"] == 2 * 128 * 128 * 2
+    assert used["tiles"] == 31 * (tile + 1)               # + one key-frame flag byte per tile
+    assert used["sink"] == used["tail"] == 2 * 128 * 128 * 2
 
 
 # ------------------------------------------------------------------------------ rollback
@@ -709,7 +710,7 @@ def test_compiled_chunks_of_varying_length_compile_once_dynamic():
 def test_key_frame_auto_stores_outlier_heads_plain_and_attends_exactly():
     """key_frame="auto": head 0 (a huge turning channel) is stored plain, head 1 rotated;
     the fused attention still equals attention over the dequantized cache."""
-    seq = Seq(PRESETS["k4v2-kauto"])
+    seq = Seq(PRESETS["k4v2-kauto"], outliers=True)
     seq.write(75)
     seq.write(58, start=[0, 75])
     frames = seq.state.k_plain

@@ -359,6 +359,7 @@ def test_check_mode_raises_and_names_the_position():
 ])
 def test_bits_per_element_from_live_tensors(preset, d, k_bpe, v_bpe):
     cfg = get_config(preset)
+    k_bpe += 8 / (d * cfg.group_size)      # key_frame="auto": one flag byte per K tile and head
     k, v = kv_like(1, 2, tokens=4 * 128, d=d), kv_like(1, 2, tokens=4 * 128, d=d)
     cache = quantize_cache(k.half(), v.half(), cfg)
     assert cache.quantized_bpe() == pytest.approx({"k": k_bpe, "v": v_bpe})
@@ -373,7 +374,8 @@ def test_fp8_scales_cost_fewer_bits():
     fp16 = quantize_cache(k, k, get_config("k2v2")).quantized_bpe()
     fp8 = quantize_cache(k, k, get_config("k2v2", scale_dtype="float8_e4m3fn")).quantized_bpe()
     assert fp8["k"] < fp16["k"] and fp8["v"] < fp16["v"]
-    assert fp8["k"] == pytest.approx(2 + ((2 * 128 + 128) * 8 + 128 * 8 + 2 * 16) / (128 * 128))
+    # codes, fp8 row scale/zero and column scale, two fp16 factors, the key-frame flag byte
+    assert fp8["k"] == pytest.approx(2 + ((2 * 128 + 128) * 8 + 128 * 8 + 2 * 16 + 8) / (128 * 128))
 
 
 @pytest.mark.parametrize("tokens", [1, 127, 128, 129, 255, 256, 300, 1000])

@@ -27,6 +27,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import copy
 import textwrap
 
 import pytest
@@ -35,6 +36,7 @@ from torch._inductor.utils import run_and_get_code
 
 from kvarn_compile import _torch_compat, autotune, lowering
 from kvarn_compile.config import get_config
+from kvarn_compile.lowering.heuristics import query_bucket
 from kvarn_compile.ops import reference
 from kvarn_compile.state import allocate_layer
 
@@ -45,7 +47,7 @@ CASES = {
     "decode-k2v2-d128-mha-fp16": ("decode", "k2v2", 128, (2, 2), torch.float16, 1, {}),
     "decode-k4v4-d64-mha-fp32-mask": ("decode", "k4v4", 64, (2, 2), torch.float32, 1, {"mask": True}),
     "prefill-k4v2-d128-gqa-fp32": ("prefill", "k4v2", 128, (4, 2), torch.float32, 40, {}),
-    "prefill-k4v4-d64-mha-fp16-frames": ("prefill", "k4v4", 64, (2, 2), torch.float16, 40, {"frames": True}),
+    "prefill-k4v4-d64-mha-fp16-frames": ("prefill", "k4v4", 64, (2, 2), torch.float16, 72, {"frames": True}),
     "prefill-k2v2-d64-gqa-fp32-mask": ("prefill", "k2v2", 64, (4, 2), torch.float32, 40, {"mask": True}),
 }
 
@@ -103,6 +105,7 @@ def _compile_and_run(st, q, mask):
 def _case_inputs(name: str):
     template, preset, d, (hq, h), dtype, tq, extra = CASES[name]
     lengths = [150, 97] if tq == 1 else [150, 100]       # rows of different lengths
+    assert (query_bucket(hq, h, tq) == "decode") == (template == "decode"), name
     st = packed(preset, d, h, lengths, tq, frames=extra.get("frames", False))
     q = torch.randn(2, hq, tq, d).to(dtype)
     mask = None
@@ -188,7 +191,7 @@ def test_kvarn_backend_runs_both_templates_in_a_tiny_model(fresh_inductor, monke
     ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(1))
     preset = dict(preset="k4v2", group_size=G)
 
-    eager = tf.LlamaForCausalLM(cfg).eval()
+    eager = tf.LlamaForCausalLM(copy.deepcopy(cfg)).eval()    # its own config: kvarn attention
     eager.load_state_dict(model.state_dict())
     use_kvarn_attention(eager)
     with torch.no_grad():

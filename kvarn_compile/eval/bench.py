@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import platform
-import sys
 from typing import Any
 
 import torch
@@ -235,7 +234,7 @@ def plot_bench(res: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
 
 # ------------------------------------------------------------------------------ CLI
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from kvarn_compile.cli import int_at_least, output_file
+    from kvarn_compile.cli_args import int_at_least, output_file
     from kvarn_compile.config import PRESETS
 
     from .cli import add_threads_argument
@@ -266,7 +265,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate_bench_args(args: argparse.Namespace) -> None:
-    from kvarn_compile.cli import UsageError
+    from kvarn_compile.cli_args import UsageError
 
     bad = [L for L in args.lengths if L > args.chunk and L % args.chunk]
     if bad:
@@ -284,8 +283,3 @@ def bench_from_args(args: argparse.Namespace) -> dict[str, Any]:
     print(f"plot: {path}")
     res["plot"] = str(path)
     return res
-
-
-if __name__ == "__main__":  # python -m kvarn_compile.eval.bench == kvarn-compile bench
-    from kvarn_compile.cli import main
-    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -276,8 +276,8 @@ def _cat(n: fx.Node) -> CacheWrite | None:
         return None
     past, new = tensors
     val = example(n)
-    if val is None or val.dim() != 4 or dim % 4 == 0:
-        return None
+    if val is None or val.dim() != 4 or dim % 4 not in (1, 2):
+        return None         # batch or head-dim concatenation (rotate_half's cat), not a cache
     return CacheWrite(f"torch.cat([past, new], dim={dim})", n, new, [n], axis=dim % 4,
                       start_kind="past_len", start=past)
 

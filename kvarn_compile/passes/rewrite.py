@@ -171,6 +171,7 @@ def _trace(operand: Any, labels: list[str], which: str,
     try:
         read = trace_kv(operand, labels)
     except ChainBroken as err:
+        refuse_sliding_window(err.node)     # keys a window cache keeps the newest W of
         write = _cache_upstream(err.node, writes)
         if write is None:
             raise Unsupported(_NO_CACHE) from None
@@ -178,6 +179,7 @@ def _trace(operand: Any, labels: list[str], which: str,
                           f"reach the attention through {describe(err.node)}, which {err.why}; "
                           "the pass does not follow that step") from None
     src = read.source
+    refuse_sliding_window(src)              # a window cache (slice of the newest W, or roll)
     found = writes.get(src)
     if found:
         if len(found) > 1:
