@@ -256,10 +256,14 @@ def _save(plt, fig, path: str | pathlib.Path) -> pathlib.Path:
 
 
 def _legend_below(fig, handles, labels, ncol: int | None = None) -> None:
-    """One legend for the whole figure, under the plots (never on top of a curve)."""
+    """One legend for the whole figure, under the plots (never on top of a curve), in as many
+    even rows as the figure's width needs (about 1.6 inches per entry; ``ncol`` at most)."""
     if handles:
+        fit = max(2, int(fig.get_figwidth() / 1.6))
+        want = min(ncol or min(len(labels), 4), fit)
+        rows = -(-len(labels) // want)
         fig.legend(handles, labels, loc="outside lower center", fontsize=8, frameon=False,
-                   ncol=ncol or min(len(labels), 4))
+                   ncol=-(-len(labels) // rows))
 
 
 def _wrap(text: str, width_in: float) -> str:
