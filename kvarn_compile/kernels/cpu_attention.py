@@ -979,29 +979,42 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def build():
-    """Build (or load the cached build of) the extension; raises :class:`KernelBuildError`
-    with the compiler's message when it cannot be built."""
+def build_extension(module_fn, what: str):
+    """``module_fn()`` (build, or load the cached build of, a C++ extension); a failure
+    raises :class:`KernelBuildError` naming ``what`` with the compiler's first line."""
     try:
-        return _module()
+        return module_fn()
     except Exception as err:  # no compiler, no ninja, headers missing ...
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise KernelBuildError(
-            f"kvarn: the C++ CPU attention kernel could not be built ({first}). It needs a C++ "
+            f"kvarn: the C++ CPU {what} could not be built ({first}). It needs a C++ "
             "compiler, ninja and the Python headers; set KVARN_CPU_KERNEL=0 to use the "
             "pure-torch reference without trying.") from err
 
 
-@functools.lru_cache(maxsize=1)
-def _built() -> bool:
+def usable(build_fn, logger: logging.Logger = log) -> bool:
+    """True when ``build_fn()`` succeeds; a :class:`KernelBuildError` is raised again under
+    ``KVARN_CPU_KERNEL=require`` and otherwise logged on ``logger`` (the reference is used
+    instead)."""
     try:
-        build()
+        build_fn()
         return True
     except KernelBuildError as err:
         if _mode() == "require":
             raise
-        log.warning("%s Using the pure-torch reference instead.", err)
+        logger.warning("%s Using the pure-torch reference instead.", err)
         return False
+
+
+def build():
+    """Build (or load the cached build of) the extension; raises :class:`KernelBuildError`
+    with the compiler's message when it cannot be built."""
+    return build_extension(_module, "attention kernel")
+
+
+@functools.lru_cache(maxsize=1)
+def _built() -> bool:
+    return usable(build)
 
 
 def _mode() -> str:

@@ -39,7 +39,7 @@ import logging
 
 import torch
 
-from kvarn_compile.kernels.cpu_attention import KernelBuildError, _cpu_model, _mode
+from kvarn_compile.kernels.cpu_attention import KernelBuildError, _cpu_model, _mode, build_extension, usable
 
 __all__ = ["available", "build", "quantize_kv", "freeze", "SCALE_DTYPES", "KernelBuildError"]
 
@@ -517,26 +517,12 @@ def _module():
 def build():
     """Build (or load the cached build of) the extension; raises :class:`KernelBuildError`
     with the compiler's message when it cannot be built."""
-    try:
-        return _module()
-    except Exception as err:  # no compiler, no ninja, headers missing ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise KernelBuildError(
-            f"kvarn: the C++ CPU tile quantizer could not be built ({first}). It needs a C++ "
-            "compiler, ninja and the Python headers; set KVARN_CPU_KERNEL=0 to use the "
-            "pure-torch reference without trying.") from err
+    return build_extension(_module, "tile quantizer")
 
 
 @functools.lru_cache(maxsize=1)
 def _built() -> bool:
-    try:
-        build()
-        return True
-    except KernelBuildError as err:
-        if _mode() == "require":
-            raise
-        log.warning("%s Using the pure-torch reference instead.", err)
-        return False
+    return usable(build, log)
 
 
 def available() -> bool:
