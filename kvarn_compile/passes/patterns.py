@@ -808,6 +808,17 @@ def _softmax_dim_ok(w: fx.Node) -> bool:
     return isinstance(dim, int) and val is not None and val.dim() == 4 and dim % 4 == 3
 
 
+
+def _fill_mask(cond: fx.Node, value: float, scale_after: float, hide: str, fill: str) -> MaskSpec | None:
+    """The mask of ``masked_fill(cond, value)`` / ``where(cond, s, value)``: -inf hides the
+    positions (kind ``hide``); another constant is a ``fill`` mask, only where no scale
+    follows it (the fill value would be scaled too)."""
+    if value == -math.inf:
+        return MaskSpec(hide, cond)
+    if scale_after == 1.0:
+        return MaskSpec(fill, cond, value)
+    return None
+
 def _eager_chain(n: fx.Node) -> AttentionSite | None:
     # transformers eager_attention_forward / nanoGPT / llama reference code:
     #   w = matmul(q, k.transpose(2, 3)) * scale      [or / sqrt(d), scale * s, q @ k.mT,
@@ -882,12 +893,8 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
             cond, value = arg(s, 1, "mask"), arg(s, 2, "value")
             if not isinstance(cond, fx.Node) or _const(value) is None:
                 return None
-            value = _const(value)
-            if value == -math.inf:
-                mask = MaskSpec("not", cond)
-            elif scale_after == 1.0:
-                mask = MaskSpec("fill", cond, value)
-            else:
+            mask = _fill_mask(cond, _const(value), scale_after, "not", "fill")
+            if mask is None:
                 return None
             chain.append(s)
             s = s.args[0]
@@ -896,12 +903,8 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
             cond, x, value = s.args
             if not isinstance(x, fx.Node) or _const(value) is None:
                 return None
-            value = _const(value)
-            if value == -math.inf:
-                mask = MaskSpec("bool", cond)
-            elif scale_after == 1.0:
-                mask = MaskSpec("keep", cond, value)
-            else:
+            mask = _fill_mask(cond, _const(value), scale_after, "bool", "keep")
+            if mask is None:
                 return None
             chain.append(s)
             s = x
