@@ -165,7 +165,7 @@ class KVarNBackend:
 
     def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
                  release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
-                 mode: str | None = None, tune_knobs: Any = None):
+                 mode: str | None = None, tune_knobs: Any = None, context_parallel: Any = None):
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"Expected compiler 'inductor' or 'eager', but got {compiler!r}.")
         self.config = config
@@ -175,6 +175,15 @@ class KVarNBackend:
         self.compiler = compiler
         self.mode = mode
         self.states: dict[tuple[str, int], LayerState] = {}
+        #: the registered group of context-parallel decoding, or None
+        self.context_parallel = None
+        if context_parallel is not None:
+            if tune_knobs is not None:
+                raise ValueError("kvarn_backend: tune_knobs and context_parallel cannot be combined; "
+                                 "pass one of them.")
+            from kvarn_compile import context_parallel as cp
+
+            self.context_parallel = cp.register(context_parallel)
         #: id(parameter) -> (weak reference, model number): which model a graph belongs to
         self._param_models: dict[int, tuple[Any, int]] = {}
         self._n_models = 0
@@ -202,9 +211,14 @@ class KVarNBackend:
         state = self.states.get(key)
         if state is None or state.max_len != max_len or state.head_dim != head_dim \
                 or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device):
-            state = allocate_layer(self.config, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
-                                   max_len=max_len, dtype=dtype, device=device,
-                                   spec_tokens=self.spec_tokens, name=name)
+            kw = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
+                      dtype=dtype, device=device, spec_tokens=self.spec_tokens, name=name)
+            if self.context_parallel is not None:
+                from kvarn_compile import context_parallel as cp
+
+                state = cp.allocate(self.context_parallel, self.config, **kw)
+            else:
+                state = allocate_layer(self.config, **kw)
             self.states[key] = state
         return state
 
@@ -281,6 +295,10 @@ class KVarNBackend:
             extra, reports = rewrite_graph(new_gm, list(example_inputs), ctx, graph_id)
             for r in reports:
                 r.name = tag + r.name
+            if extra and self.context_parallel is not None:
+                from kvarn_compile.passes.context_parallel import use_context_parallel_ops
+
+                use_context_parallel_ops(new_gm, self.context_parallel.key)
             self._check_consistent(reports)
             self.report.sites.extend(reports)
             from kvarn_compile.passes.graph_text import normalize_graph
@@ -391,7 +409,7 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 8192,
                   release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
-                  mode: str | None = None, tune_knobs: Any = None,
+                  mode: str | None = None, tune_knobs: Any = None, context_parallel: Any = None,
                   **config_overrides: Any) -> KVarNBackend:
     """A torch.compile backend that stores every attention's KV cache KVarN-packed.
 
@@ -414,7 +432,12 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
         tune_knobs: ``True`` or a :class:`kvarn_compile.autotune.KnobTuning`: choose the
             Sinkhorn iteration count per layer at its first tile, under the quality rule of
             :func:`kvarn_compile.autotune.select_quant_knobs` (decisions in ``report.notes``).
+        context_parallel: a ``torch.distributed`` ProcessGroup, or ``True`` for the default
+            group: context-parallel decoding (every rank runs the model; each holds 1/ranks of
+            the packed tiles; one ``all_gather`` per attention; see
+            :mod:`kvarn_compile.context_parallel`).
     """
     return KVarNBackend(get_config(preset, **config_overrides), max_cache_len=max_cache_len,
                         release_buffers=release_buffers, spec_tokens=spec_tokens,
-                        compiler=compiler, mode=mode, tune_knobs=tune_knobs)
+                        compiler=compiler, mode=mode, tune_knobs=tune_knobs,
+                        context_parallel=context_parallel)

@@ -50,8 +50,11 @@ class KVarNLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, config: KVarNConfig, max_cache_len: int, *, spec_tokens: int = 0,
-                 name: str = "", fused: bool | None = None, model_config=None):
+                 name: str = "", fused: bool | None = None, model_config=None,
+                 context_parallel=None):
         super().__init__()
+        #: a registered ``kvarn_compile.context_parallel.ContextParallel``, or None
+        self.context_parallel = context_parallel
         self.config = config
         self.max_cache_len = max_cache_len
         self.spec_tokens = spec_tokens
@@ -78,10 +81,15 @@ class KVarNLayer(CacheLayerMixin):
         if value_states.shape[-1] != d:
             raise ValueError(f"KVarN needs equal key and value head dims, but got {d} and "
                              f"{value_states.shape[-1]}.")
-        self.state = allocate_layer(self.config, batch=b, kv_heads=h, head_dim=d,
-                                    max_len=self.max_cache_len, dtype=key_states.dtype,
-                                    device=key_states.device, spec_tokens=self.spec_tokens,
-                                    name=self.name)
+        kw = dict(batch=b, kv_heads=h, head_dim=d, max_len=self.max_cache_len,
+                  dtype=key_states.dtype, device=key_states.device, spec_tokens=self.spec_tokens,
+                  name=self.name)
+        if self.context_parallel is not None:
+            from kvarn_compile import context_parallel as cp
+
+            self.state = cp.allocate(self.context_parallel, self.config, **kw)
+        else:
+            self.state = allocate_layer(self.config, **kw)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -91,9 +99,17 @@ class KVarNLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         state = self.state
         start = state.lengths.clone()
-        ops.append_(state.buffers, key_states, value_states, start, self.config.op_method,
-                    self.config.sinkhorn_iters, self.config.recent_window, self.spec_tokens,
-                    self.config.check_finite, self.name)
+        args = (state.buffers, key_states, value_states, start, self.config.op_method,
+                self.config.sinkhorn_iters, self.config.recent_window, self.spec_tokens,
+                self.config.check_finite, self.name)
+        if self.context_parallel is not None:
+            if not self.fused:
+                raise RuntimeError(
+                    "KVarNCache(context_parallel=...) needs the kvarn attention (this rank holds "
+                    "only its share of the tiles): call kvarn_compile.hf.use_kvarn_attention(model).")
+            ops.cp_append_(*args, self.context_parallel.key)
+        else:
+            ops.append_(*args)
         if self.fused:
             return (_handle(key_states, self.max_cache_len, state),
                     _handle(value_states, self.max_cache_len, state))
@@ -159,11 +175,19 @@ class KVarNCache(Cache):
         preset: a KVarN preset name or a :class:`KVarNConfig`; ``**overrides`` change fields.
         spec_tokens: how many of the newest tokens of each write stay uncommitted (never
             quantized) until the next write, so that speculative decoding can crop them.
+        context_parallel: a ProcessGroup (or ``True``: the default group): this rank keeps
+            1/ranks of each layer's tiles (:mod:`kvarn_compile.context_parallel`); needs the
+            ``kvarn`` attention (:func:`use_kvarn_attention`).
     """
 
     def __init__(self, config, max_cache_len: int, preset: str | KVarNConfig = "k4v2", *,
-                 spec_tokens: int = 0, **overrides):
+                 spec_tokens: int = 0, context_parallel=None, **overrides):
         max_cache_len = checked_max_cache_len(max_cache_len)
+        cp = None
+        if context_parallel is not None:
+            from kvarn_compile import context_parallel as cp_module
+
+            cp = cp_module.register(context_parallel)
         self.kvarn_config = get_config(preset, **overrides)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n_layers = text.num_hidden_layers
@@ -180,7 +204,8 @@ class KVarNCache(Cache):
                 "dynamic cache instead.")
         check_method(self.kvarn_config.op_method)
         layers = [KVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
-                             name=f"layers.{i}", model_config=config) for i in range(n_layers)]
+                             name=f"layers.{i}", model_config=config, context_parallel=cp)
+                  for i in range(n_layers)]
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
 
@@ -215,8 +240,9 @@ def kvarn_attention_forward(module, query, key, value, attention_mask, scaling=N
     mask = attention_mask
     if mask is not None and mask.dim() == 2:  # [B, L] padding masks
         mask = mask[:, None, None, :].bool()
-    out = ops.attention(query, state.buffers, mask, float(scaling or query.shape[-1] ** -0.5),
-                        True, int(window))
+    args = (query, state.buffers, mask, float(scaling or query.shape[-1] ** -0.5), True, int(window))
+    out = ops.cp_attention(*args, state.context_parallel) if state.context_parallel \
+        else ops.attention(*args)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -215,6 +215,10 @@ class LayerState:
     buffers: list[torch.Tensor]
     max_len: int
     name: str = ""
+    #: context parallelism (``kvarn_compile.context_parallel``): the group's key, and the
+    #: sequence tile number of slot 0 (this rank holds tiles ``tile_offset ..``)
+    context_parallel: str = ""
+    tile_offset: int = 0
 
     @property
     def fields(self) -> StateFields[torch.Tensor]:
@@ -289,9 +293,15 @@ class LayerState:
         exact = lambda t: t[0].numel() * t.element_size()  # noqa: E731
         return {
             "sink": self.batch * (exact(self.sink_k) + exact(self.sink_v)),
-            "tiles": sum(self.n_tiles.tolist()) * self.tile_bytes(),
+            "tiles": self.tiles_held() * self.tile_bytes(),
             "tail": self.batch * (exact(self.tail_k) + exact(self.tail_v)),
         }
+
+    def tiles_held(self) -> int:
+        """Filled tile slots of all batch rows in this state (on a context-parallel rank: the
+        filled tiles of its own range)."""
+        n, off = self.max_tiles, self.tile_offset
+        return sum(max(0, min(t - off, n)) for t in self.n_tiles.tolist())
 
     def describe(self) -> str:
         c = self.config

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from kvarn_compile import context_parallel
 from kvarn_compile.ops import library, reference, regions
 from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, unpack
@@ -183,6 +184,13 @@ def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_fi
                       tile_kernel=freeze_tiles_triton)
 
 
+@library.cp_append_.register_kernel("cuda")
+def _cp_append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+                    group):
+    context_parallel.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite,
+                             name, group, tile_kernel=freeze_tiles_triton)
+
+
 @library.commit_.register_kernel("cuda")
 def _commit_cuda(buffers, upto, method, iters, recent, check_finite, name):
     reference.commit_(buffers, upto, method, iters, recent, check_finite, name,
@@ -237,6 +245,12 @@ def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_fin
         return
     reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                       tile_kernel=freeze_tiles_cpu)
+
+
+@library.cp_append_.register_kernel("cpu")
+def _cp_append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name, group):
+    context_parallel.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite,
+                             name, group, tile_kernel=freeze_tiles_cpu)
 
 
 @library.commit_.register_kernel("cpu")

@@ -40,6 +40,14 @@ compiler these ops are functional (the state is invisible to it)::
                            bool causal, int window) -> Tensor
     kvarn::reorder_keyed(Tensor k, Tensor rows, str key) -> Tensor
 
+Context-parallel forms (``kvarn_compile.context_parallel``: the state holds this rank's
+range of tiles; ``group`` is a registered process group's key; the attention runs one
+``all_gather``). The backend puts them in place of the plain ops when asked to::
+
+    kvarn::cp_append_(<the ten arguments of append_>, str group) -> ()
+    kvarn::cp_append_from_(<the thirteen arguments of append_from_>, str group) -> ()
+    kvarn::cp_attention(<the six arguments of attention>, str group) -> Tensor
+
 Helpers the rewrite and the lowering insert::
 
     kvarn::positions_start(Tensor positions, int batch) -> Tensor   # checked contiguous run
@@ -57,10 +65,11 @@ from __future__ import annotations
 
 import torch
 
+from kvarn_compile import context_parallel
 from kvarn_compile.ops import reference
 
 __all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
-           "attention_keyed", "reorder_", "reorder_keyed", "positions_start", "tile_partials_",
+           "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_",
            "tile_partials_triton_", "tune_observe_"]
 
 
@@ -174,6 +183,62 @@ def _append_from_fake(buffers, k, v, start_pos, method, iters, recent, hold, che
                       name, cache_k, cache_v, fresh):
     _check_devices("append", buffers, keys=k, values=v)
     return None
+
+
+# ------------------------------------------------------------------------------ context parallel
+@torch.library.custom_op("kvarn::cp_append_", mutates_args=("buffers",))
+def cp_append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+               start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
+               check_finite: bool, name: str, group: str) -> None:
+    """``append_`` of a context-parallel state: this rank stores the tiles it owns."""
+    context_parallel.append_(buffers, k, v, start_pos, method, iters, recent, hold,
+                             check_finite, name, group)
+
+
+@cp_append_.register_fake
+def _cp_append_fake(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+                    group):
+    _check_devices("append", buffers, keys=k, values=v)
+    return None
+
+
+def _cp_append_op(group: str):
+    def append(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+        torch.ops.kvarn.cp_append_.default(buffers, k, v, start_pos, method, iters, recent, hold,
+                                           check_finite, name, group)
+    return append
+
+
+@torch.library.custom_op("kvarn::cp_append_from_", mutates_args=("buffers",))
+def cp_append_from_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                    start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
+                    check_finite: bool, name: str, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                    fresh: bool, group: str) -> None:
+    """``append_from_`` of a context-parallel state (the adopted prompt is appended the same way)."""
+    append = _cp_append_op(group)
+    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+                     check_finite, name, fresh, append=append)
+    append(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
+
+
+@cp_append_from_.register_fake
+def _cp_append_from_fake(buffers, k, v, start_pos, method, iters, recent, hold, check_finite,
+                         name, cache_k, cache_v, fresh, group):
+    _check_devices("append", buffers, keys=k, values=v)
+    return None
+
+
+@torch.library.custom_op("kvarn::cp_attention", mutates_args=())
+def cp_attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
+                 scale: float, causal: bool, window: int, group: str) -> torch.Tensor:
+    """``attention`` of a context-parallel state: one ``all_gather`` of the tile partials."""
+    return context_parallel.attention(q, buffers, mask, scale, causal, window, group).contiguous()
+
+
+@cp_attention.register_fake
+def _cp_attention_fake(q, buffers, mask, scale, causal, window, group):
+    _check_devices("attention", buffers, queries=q)
+    return q.new_empty(q.shape)
 
 
 # ------------------------------------------------------------------------------ keyed forms

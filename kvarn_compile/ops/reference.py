@@ -231,8 +231,13 @@ def _tail_tokens(f: StateFields[torch.Tensor], row: int, start: int, end: int,
 
 def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: torch.Tensor,
            p0: int, recent: int, commit_to: int, method: str, iters: int, check: bool,
-           name: str, tile_kernel: TileKernel | None = None) -> None:
-    """Write one row's new tokens, update its counters and freeze complete tiles."""
+           name: str, tile_kernel: TileKernel | None = None,
+           freeze_fn: Callable[..., None] | None = None) -> None:
+    """Write one row's new tokens, update its counters and freeze complete tiles.
+
+    ``freeze_fn`` (default :func:`_freeze`, same arguments) stores the tiles that freeze: a
+    context-parallel rank stores only the tiles it owns (``kvarn_compile.context_parallel``).
+    """
     f = unpack(buffers)
     s, g, n_max, w = _geometry(buffers)
     lengths, committed, n_tiles = f.lengths, f.committed, f.n_tiles
@@ -258,8 +263,8 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
     done = min(max(int(committed[row]), commit_to), end)
     freeze = min(max(done - frozen_end - recent, 0) // g, n_max - tiles) if end > s else 0
     if freeze:   # first: it may raise (scale overflow) before anything of this row is written
-        _freeze(buffers, row, seg_k[:, :freeze * g], seg_v[:, :freeze * g], tiles, method,
-                iters, check, name, tile_kernel)
+        (freeze_fn or _freeze)(buffers, row, seg_k[:, :freeze * g], seg_v[:, :freeze * g], tiles,
+                               method, iters, check, name, tile_kernel)
     if p0 < s:   # sink part
         stop = min(end, s)
         f.sink_k[row, :, p0:stop] = k_new[:, :stop - p0]
@@ -278,11 +283,13 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
 def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             start_pos: torch.Tensor, method: str = "kvarn", iters: int = 8, recent: int = 0,
             hold: int = 0, check_finite: bool = False, name: str = "", *,
-            tile_kernel: TileKernel | None = None) -> None:
+            tile_kernel: TileKernel | None = None,
+            freeze_fn: Callable[..., None] | None = None) -> None:
     """Write new K/V [B, H, T, D] at start_pos [B]; freeze complete committed tiles.
 
     ``tile_kernel``: a device kernel that quantizes the tiles this append freezes (the
     CUDA registration passes the Triton quantizer); None: the reference quantizer.
+    ``freeze_fn``: what stores frozen tiles (see :func:`_place`).
     """
     check_method(method)
     check_append(buffers, k, v, start_pos, recent, hold, name)
@@ -300,7 +307,7 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
         for row, p0 in enumerate(start_pos.tolist()):
             commit_to = max(p0, p0 + k.shape[2] - max(hold, 0))
             _place(buffers, row, k[row], v[row], p0, recent, commit_to, method, iters,
-                   check_finite, name, tile_kernel)
+                   check_finite, name, tile_kernel, freeze_fn)
     except ValueError:
         # A tile of a later row could not be stored (its scales overflow): earlier rows are
         # rolled back by their counters (what they wrote lies past their lengths/tiles).
@@ -311,7 +318,8 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
 
 def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str = "kvarn",
             iters: int = 8, recent: int = 0, check_finite: bool = False, name: str = "", *,
-            tile_kernel: TileKernel | None = None) -> None:
+            tile_kernel: TileKernel | None = None,
+            freeze_fn: Callable[..., None] | None = None) -> None:
     """Commit tokens < upto[b] of every row (clamped to what is written) and freeze tiles."""
     check_method(method)
     f = unpack(buffers)
@@ -326,7 +334,7 @@ def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str = "kvar
             continue
         # re-place nothing new: a zero-token write at the row's end with a new commit point
         _place(buffers, row, empty, empty, length, recent, p, method, iters, check_finite, name,
-               tile_kernel)
+               tile_kernel, freeze_fn)
 
 
 def crop_(buffers: list[torch.Tensor], new_lengths: torch.Tensor) -> None:
@@ -461,10 +469,14 @@ def check_mask(f: StateFields[torch.Tensor], mask: torch.Tensor | None) -> None:
 
 
 def _tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
-                 scale: float, causal: bool, window: int, n_used: int
+                 scale: float, causal: bool, window: int, n_used: int, tile_offset: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the first ``n_used`` tile slots: (out fp32 [B,Hq,Tq,D] in the original
-    frame, lse [B,Hq,Tq]), with per-row fill, causality, window and mask applied."""
+    frame, lse [B,Hq,Tq]), with per-row fill, causality, window and mask applied.
+
+    ``tile_offset``: the sequence's tile number of slot 0 (a context-parallel rank holds
+    tiles ``tile_offset ..``; the counters of ``f`` count the whole sequence's tiles).
+    """
     geo = Geometry.of(f)
     bsz, heads, d, g = geo.batch, geo.kv_heads, geo.head_dim, geo.group
     hq, tq = q.shape[1], q.shape[2]
@@ -474,7 +486,7 @@ def _tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tens
     q_rot = qg @ rot
     chunks = [slice(a, min(a + TILE_CHUNK, n_used)) for a in range(0, n_used, TILE_CHUNK)]
     scores = torch.cat([_tile_scores(f, q_rot, sl, geo.key_bits, qg) for sl in chunks], -1) * scale
-    j = torch.arange(n_used * g, device=q.device)
+    j = tile_offset * g + torch.arange(n_used * g, device=q.device)      # sequence token index
     kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
     visible = (j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
     bias = regions.bias_at(mask, (geo.sink + j)[None, :].expand(bsz, -1), (bsz, hq, tq))
