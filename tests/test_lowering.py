@@ -329,3 +329,27 @@ def test_gpu_replayed_template_config_is_the_only_choice():
     _compile_and_run(_attend, q, *st.buffers)
     tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
     assert tiles and tiles[0].replayed and len(tiles[0].offered) == 1
+
+
+def test_cpu_auto_path_calls_the_cpp_kernel_extern_for_a_decode_step():
+    """Issue 16: where the C++ kernel is the op's CPU implementation (decode, Tq=1), the
+    auto path lowers to the extern call, with no decomposition inlined and nothing tuned."""
+    from kvarn_compile.kernels import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("the C++ decode kernel does not build here")
+    st = packed_cache(device="cpu")
+    q = torch.randn(2, 4, 1, 16)
+    first = len(lowering.DECISIONS)
+    with lowering.use_path("auto"):
+        out, code = _compile_and_run(_attend, q, *st.buffers)
+    torch.testing.assert_close(out, 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0),
+                               atol=2e-5, rtol=1e-5)
+    source = "\n".join(code)
+    decisions = lowering.DECISIONS[first:]
+    assert decisions[0].winner == "reference", decisions
+    assert "extern_kernels.kvarn_attention_reference(" in source
+    assert "torch.ops.kvarn.tile_partials_.default(" not in source
+    # one generated kernel at most (the 2x scale; its name appears at definition and call):
+    # no inlined decomposition (the dense path generates >= 3, see the test above)
+    assert source.count("cpp_fused") <= 2

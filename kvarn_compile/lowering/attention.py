@@ -172,6 +172,28 @@ def _decomposition_choice(label: str, fn, inputs: list, kwargs: dict, gen_fns: d
     return choice
 
 
+def cpu_kernel_covers(q, buffers) -> bool:
+    """True when, on CPU, the op's implementation for these static shapes is the C++ decode
+    kernel (``ops/dispatch.py``: ``Tq <= 16``, kernel built, head dim / dtypes / bits it
+    reads, no fp8 scales). Such a site lowers to the extern call: the kernel is what the op
+    runs, and inlining the decomposition per layer costs lowering and codegen time (issue 16).
+    """
+    from kvarn_compile._torch_compat import static_ints
+    from kvarn_compile.kernels import cpu_attention
+    from kvarn_compile.state import Geometry, unpack
+
+    if q.get_device().type != "cpu" or (static_ints(q.get_size()) or [0, 0, 99])[2] > 16:
+        return False
+    f = unpack(list(buffers))
+    if f.layout.fp8_factors:
+        return False
+    geo = Geometry.of(f, size=lambda n: static_ints(n.get_size()))
+    if (geo.key_bits, geo.value_bits) not in cpu_attention.SUPPORTED_BITS or not \
+            cpu_attention.supports(geo.head_dim, f.k.row_scale.get_dtype(), f.sink_k.get_dtype()):
+        return False
+    return cpu_attention.available()
+
+
 def lower_attention(q, buffers, mask, scale, causal, window):
     """User lowering of ``torch.ops.kvarn.attention.default``; None falls back to the op."""
     from kvarn_compile import autotune
@@ -203,6 +225,8 @@ def lower_attention(q, buffers, mask, scale, causal, window):
                    row_scale=buffers[at("k_row_scale")])
     if path == "auto" and triton_templates_available(device):
         path = "split"
+    elif path == "auto" and cpu_kernel_covers(q, buffers):
+        path = "reference"      # the C++ kernel: one extern call, nothing inlined or tuned
     replay = autotune.DB.lookup(key) if key is not None and path == "auto" else None
     wanted = {"auto": ("reference", "dense"), "reference": ("reference",), "dense": ("dense",),
               "split": ("split",)}[path]
