@@ -5,14 +5,17 @@
 
 Real Inductor compiles (about 10-40 s each on a 2-core CPU). The models and the eager oracle
 (``use_kvarn_attention`` + ``KVarNCache``) come from ``test_backend_models``. Asserted: the
-compiled tokens equal the eager KVarN tokens (logits within Inductor's float noise), the
-report lists every site rewritten, one Inductor compile per shape class (a second static
-cache or prompt adds none), and the model's own fp cache buffers are freed.
+compiled tokens equal the eager KVarN tokens (logits within Inductor's float noise, or within
+``FLIP_RTOL`` where a handful of packed codes differ from the oracle's: see
+``_flipped_codes``), the report lists every site rewritten, one Inductor compile per shape
+class (a second static cache or prompt adds none), and the model's own fp cache buffers are
+freed (released bytes are whole pages, so they are measured on each run's own buffers).
 """
 
 from __future__ import annotations
 
 import copy
+import mmap
 import warnings
 
 import pytest
@@ -24,9 +27,9 @@ from kvarn_compile.hf import kv_geometry
 from kvarn_compile.passes.inductor import KVarNInductorPass
 from kvarn_compile.registry import freeable_bytes, is_freed
 from test_backend_models import (
-    INDUCTOR_RTOL, MAX_LEN, NEW, NEW_SHORT, PRESET, PROMPT, Oracle, _assert_same, _build,
-    _buffers, _check_sites, _generate, _gpt_fast, _prompt, _static_cache,
-    fp_prefill_then_kvarn,
+    FLIP_RTOL, INDUCTOR_RTOL, MAX_LEN, NEW, NEW_SHORT, PRESET, PROMPT, Oracle, _assert_same,
+    _build, _buffers, _check_sites, _flipped_codes, _generate, _gpt_fast, _prompt,
+    _static_cache, fp_prefill_then_kvarn,
 )
 
 
@@ -51,6 +54,17 @@ def _freed(cache) -> bool:
     return all(is_freed(t) for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+def _assert_same_as_oracle(kv, out, oracle, ids, what: str, **kw) -> float:
+    """The compiled run against the eager KVarN run of the same prompt: the same tokens, and
+    logits within Inductor's float noise, or within FLIP_RTOL where the pass's packed states
+    (``kv.states``, the last sequence's) differ from the oracle cache's in a few isolated
+    codes (Inductor's fp32 summation order moved a K/V value on a rounding boundary to the
+    neighbouring code when a tile froze; more than a few such elements fail the test)."""
+    want = oracle(ids, **kw)
+    rtol = FLIP_RTOL if _flipped_codes(kv, oracle.last_cache) else INDUCTOR_RTOL
+    return _assert_same(out, want, rtol, what)
+
+
 def test_llama_static_cache():
     model = _build("llama", "sdpa")
     oracle = Oracle(model, "llama")
@@ -62,7 +76,7 @@ def test_llama_static_cache():
     cache = _static_cache(model, 1)
     fp_bytes = _fp_bytes(cache)
     out = _generate(model, ids, cache=cache)
-    _assert_same(out, oracle(ids), INDUCTOR_RTOL, "greedy")
+    _assert_same_as_oracle(kv, out, oracle, ids, "greedy")
     _check_sites(kv, set())
     assert len(kv.report.rewritten) == 4 and kv.report.graphs == 2, str(kv.report)   # prefill, decode
     assert _inductor_graphs() == 2
@@ -78,10 +92,11 @@ def test_llama_static_cache():
     # a second sequence on a new StaticCache: no recompile, its buffers freed too, no leak
     ids2 = _prompt(2)
     cache2 = _static_cache(model, 1)
+    fp_bytes2 = _fp_bytes(cache2)         # its own pages: may differ from fp_bytes by one
     out2 = _generate(model, ids2, cache=cache2, new=NEW_SHORT)
-    _assert_same(out2, oracle(ids2, new=NEW_SHORT), INDUCTOR_RTOL, "second sequence")
+    _assert_same_as_oracle(kv, out2, oracle, ids2, "second sequence", new=NEW_SHORT)
     assert kv.report.graphs == 2 and _inductor_graphs() == 2
-    assert _freed(cache2) and kv.report.released_bytes == 2 * fp_bytes
+    assert _freed(cache2) and kv.report.released_bytes == fp_bytes + fp_bytes2
 
 
 def test_gpt_fast_equals_kvarn_backend():
@@ -111,12 +126,16 @@ def test_gpt_fast_equals_kvarn_backend():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     m2 = copy.deepcopy(model)
+    # released bytes are the whole pages inside each buffer: m2's buffers sit at other
+    # addresses than m's, so they may span one page more or less (measured before freeing)
+    fp_bytes2 = sum(freeable_bytes(b) for b in _buffers(m2))
+    assert abs(fp_bytes2 - fp_bytes) <= mmap.PAGESIZE * len(_buffers(m2))
     again = gf.generate(m2, prompt, NEW, step=torch.compile(m2, options={"pre_grad_custom_pass": kv}))
     assert again.tolist() == want.tolist()
     hits = torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
     assert kv.report.graphs == 2 + (2 - hits), (hits, str(kv.report))
     assert all(is_freed(b) for b in _buffers(m2))
-    assert kv.report.released_bytes == 2 * fp_bytes
+    assert kv.report.released_bytes == fp_bytes + fp_bytes2
 
 
 def test_generate_with_compile_config():
@@ -154,7 +173,7 @@ def test_llama_dynamic_cache():
     model.compile(options={"pre_grad_custom_pass": kv})
     ids = _prompt(1)
     out = _generate(model, ids)
-    _assert_same(out, oracle(ids), INDUCTOR_RTOL, "greedy")
+    _assert_same_as_oracle(kv, out, oracle, ids, "greedy")
     _check_sites(kv, set())
     assert kv.report.graphs == 3, str(kv.report)
     assert {s.cache for s in kv.report.sites} == {"torch.cat([past, new], dim=-2)"}
