@@ -82,6 +82,7 @@ import copy
 import itertools
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -1062,11 +1063,45 @@ def test_state_registry_is_thread_safe():
     stores[0].close()
 
 
+def _inductor_code_flips(kv_pass, eager_cache) -> int:
+    """Packed code bytes where an Inductor-compiled run froze its tiles differently from the
+    eager run on ``eager_cache`` (a KVarNCache); asserts that nothing else differs beyond
+    float noise. Inductor reorders fp32 sums, so its K/V differ from eager by rounding: a
+    value on a rounding boundary can land on the neighbouring code (a legitimate one-step
+    difference that moves later logits by up to a few percent of the logit scale), and a
+    scale or zero can round to the neighbouring fp16 value. Asserted: the same tiles
+    frozen, every scale and zero within two fp16 steps of the eager one, and at most a
+    handful (8) of differing code bytes over all layers."""
+    from kvarn_compile.state import unpack
+
+    assert kv_pass.states, "the pass holds no packed state"
+    flips = 0
+    for (name, _batch), st in kv_pass.states.items():
+        layer = eager_cache.layers[int(re.search(r"layers\.(\d+)\.", name).group(1))]
+        got, want = unpack(st.buffers), unpack(layer.state.buffers)
+        assert torch.equal(got.n_tiles, want.n_tiles), f"{name}: different tiles frozen"
+        n = int(got.n_tiles.max())
+        for kind in "kv":
+            codes, *scales = got.tiles(kind).core
+            want_codes, *want_scales = want.tiles(kind).core
+            flips += int((codes[:, :, :n] != want_codes[:, :, :n]).sum())
+            for a, b in zip(scales, want_scales):           # row scale, row zero, col scale
+                a, b = a[:, :, :n].float(), b[:, :, :n].float()
+                torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3 * b.abs().max().item(),
+                                           msg=lambda m: f"{name} {kind} scales: {m}")
+    assert flips <= 8, f"{flips} packed code bytes differ from the eager KVarN cache"
+    return flips
+
+
 @pytest.mark.slow
 def test_two_models_inductor_pass_in_two_threads(fresh_dynamo):
     """kvarn_compile.inductor_pass: two models, a pass object each, compiled by Inductor and
-    generating in two threads at once; each equals its eager KVarN run."""
+    generating in two threads at once; each equals its eager KVarN run: the same tokens, and
+    logits within Inductor's float noise (1e-3 of the logit scale), or within FLIP_RTOL where
+    that pass's packed codes differ from its eager cache's in a handful of bytes (see
+    :func:`_inductor_code_flips`)."""
     import kvarn_compile
+    from test_backend_models import FLIP_RTOL, INDUCTOR_RTOL
 
     models = [_llama(seed=0), _llama(seed=1)]
     prompts = [_prompt(1), _prompt(2)]
@@ -1081,7 +1116,8 @@ def test_two_models_inductor_pass_in_two_threads(fresh_dynamo):
 
     _in_threads(work, 2)
     for got, want, kv_pass in zip(results, wants, passes):
-        _same(got, want, rtol=1e-3)
+        flips = _inductor_code_flips(kv_pass, want.past_key_values)   # _kvarn_eager's cache
+        _same(got, want, rtol=FLIP_RTOL if flips else INDUCTOR_RTOL)
         assert kv_pass.report.rewritten and not kv_pass.report.unchanged
         kv_pass.close()
 
