@@ -146,35 +146,72 @@ def custom_graph_pass_base() -> type:
 
 
 # ------------------------------------------------------------------------------ compile
-def fakify_static(tensors: list[Any]) -> list[Any]:
-    """Pre-register static-shape fakes of ``tensors`` in the current compile's fake mode.
+def fakify_static(tensors: list[Any], dynamic_dim2: list[Any] | None = None) -> list[Any]:
+    """Pre-register fakes of ``tensors`` in the current compile's fake mode: static shapes,
+    except dim 2 of the tensors in ``dynamic_dim2`` (the growing axis of growable states),
+    which gets a symbol of its own.
 
     Graph inputs a backend adds (the packed states) are unknown to Dynamo, so AOTAutograd
     would fakify them with fresh symbolic sizes; Inductor then sees symbolic shapes and the
-    kvarn lowerings fall back. The fake-tensor converter memoizes per tensor, so a static
-    fake made first is the one AOTAutograd picks up. The memo holds its fakes weakly: keep
-    the returned list alive until the compile is done. Outside a compile: [].
+    kvarn lowerings fall back. The fake-tensor converter memoizes per tensor, so a fake made
+    first is the one AOTAutograd picks up. The memo holds its fakes weakly: keep the
+    returned list alive until the compile is done. Outside a compile: [].
     """
     from torch._guards import detect_fake_mode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     fake_mode = detect_fake_mode()
     if fake_mode is None:
         return []
-    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors
-            if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor)]
+    grow = {id(t) for t in dynamic_dim2 or []}
+    if grow and fake_mode.shape_env is None:
+        raise RuntimeError("kvarn: a growable KV state needs a symbolic shape environment in "
+                           "the compile; none was found (unsupported torch.compile setup).")
+    out = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
+            continue
+        if id(t) in grow:
+            # DYNAMIC, not DUCK: never unified with another size that happens to be equal
+            sizes = [DimDynamic.STATIC] * t.dim()
+            sizes[2] = DimDynamic.DYNAMIC
+            context = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=[None] * t.dim())
+            out.append(fake_mode.from_tensor(t, symbolic_context=context))
+        else:
+            out.append(fake_mode.from_tensor(t, static_shapes=True))
+    return out
+
+
+def check_dynamic_dim2(fakes: list[Any]) -> None:
+    """Raise when the compile specialized the growing axis (dim 2) of a growable state (its
+    symbol was replaced by a constant): the compiled code would be wrong once it grows."""
+    for f in fakes:
+        size = f.shape[2] if f.dim() > 2 else None
+        if not isinstance(size, torch.SymInt):
+            continue
+        node = size.node
+        expr = node.shape_env.replace(node.expr)
+        if not expr.free_symbols:
+            raise RuntimeError(
+                f"kvarn: the compile specialized the growing axis of a KV state to {expr}; "
+                "compiled graphs would break when the cache grows. Please report this; "
+                "preallocate instead (a StaticCache, or kvarn_backend on a model whose cache "
+                "is preallocated).")
 
 
 def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str | None = None,
-                         static_inputs: list[Any] | None = None):
+                         static_inputs: list[Any] | None = None,
+                         dynamic_dim2_inputs: list[Any] | None = None):
     """Inductor's compile_fx with the kvarn uuid pass (and the options of ``mode``).
 
-    ``static_inputs``: backend-added inputs whose shapes never change (see fakify_static).
+    ``static_inputs``: backend-added inputs whose shapes never change (see fakify_static),
+    but for dim 2 of ``dynamic_dim2_inputs`` (the growing axis of growable states).
     """
     check_torch_version()
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    keep_alive = fakify_static(static_inputs or [])  # noqa: F841  (held during compile_fx)
+    fakes = fakify_static(static_inputs or [], dynamic_dim2_inputs)  # held during compile_fx
 
     patches: dict[str, Any] = {"post_grad_custom_post_pass": KVarNUUIDPass()}
     if mode:
@@ -182,8 +219,11 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
     on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in inputs)
     if triton_cpu_requested() and on_cpu:     # KVARN_TRITON_CPU=1: the templates on CPU (tests)
         with triton_cpu_mode():
-            return compile_fx(gm, inputs, config_patches=patches)
-    return compile_fx(gm, inputs, config_patches=patches)
+            compiled = compile_fx(gm, inputs, config_patches=patches)
+    else:
+        compiled = compile_fx(gm, inputs, config_patches=patches)
+    check_dynamic_dim2([f for f in fakes if dynamic_dim2_inputs])
+    return compiled
 
 
 # ------------------------------------------------------------------------------ inductor

@@ -30,7 +30,7 @@ from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
 from kvarn_compile.registry import claim, releasable, release_storage
-from kvarn_compile.state import LayerState, allocate_layer
+from kvarn_compile.state import LayerState, allocate_layer, can_grow, grow_axis_indices
 
 __all__ = ["kvarn_backend", "KVarNBackend", "Report"]
 
@@ -206,11 +206,19 @@ class KVarNBackend:
 
     # ------------------------------------------------------------------ states
     def _get_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
-                   dtype: torch.dtype, device: torch.device) -> LayerState:
+                   dtype: torch.dtype, device: torch.device, tokens: Any = None,
+                   fresh: bool = False) -> LayerState:
+        """The packed state of site ``name`` (shared by every graph of the model), allocated
+        when missing or of another geometry. ``tokens`` (cat caches only, see
+        ``RewriteContext``): the state grows with the sequence instead of holding
+        ``max_len`` up front (not under context parallelism, whose tile ranges are fixed)."""
         key = (name, batch)
+        growable = tokens is not None and self.context_parallel is None and can_grow(
+            self.config, max_len=max_len, spec_tokens=self.spec_tokens)
         state = self.states.get(key)
         if state is None or state.max_len != max_len or state.head_dim != head_dim \
-                or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device):
+                or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device) \
+                or state.growable != growable:
             kw = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
                       dtype=dtype, device=device, spec_tokens=self.spec_tokens, name=name)
             if self.context_parallel is not None:
@@ -218,7 +226,8 @@ class KVarNBackend:
 
                 state = cp.allocate(self.context_parallel, self.config, **kw)
             else:
-                state = allocate_layer(self.config, **kw)
+                grow_from = (tokens if isinstance(tokens, int) else 0) if growable else None
+                state = allocate_layer(self.config, **kw, grow_from=grow_from)
             self.states[key] = state
         return state
 
@@ -258,10 +267,11 @@ class KVarNBackend:
         return self
 
     def reset(self) -> None:
-        """Forget every sequence (the states stay allocated)."""
+        """Forget every sequence (the states stay allocated; growable ones shrink back)."""
         for state in self.states.values():
             for name in ("lengths", "committed", "n_tiles"):
                 getattr(state, name).zero_()
+            state.reserve(0, fresh=True)
 
     # ------------------------------------------------------------------ backend
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
@@ -281,10 +291,12 @@ class KVarNBackend:
             param_at = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
             tag = self._model_tag([example_inputs[i] for i in param_at])
             sites: list[tuple[str, dict[str, Any]]] = []
+            site_states: list[LayerState] = []
 
             def get_state(name: str, **kw: Any) -> LayerState:
                 sites.append((name, kw))
-                return self._get_state(tag + name, **kw)
+                site_states.append(self._get_state(tag + name, **kw))
+                return site_states[-1]
 
             ctx = RewriteContext(get_state=get_state, method=self.config.op_method,
                                  iters=self.config.sinkhorn_iters, recent=self.config.recent_window,
@@ -310,27 +322,41 @@ class KVarNBackend:
                 log.info("kvarn: %s", r.line().strip())
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched
             return self._compile(gm, list(example_inputs), mode)
+        # growable states (cat caches): sized before every call for the tokens the call's
+        # appends bring (an int, or evaluated from the call's arguments); their growing axis is
+        # dynamic in the compiled graph, so growing never recompiles
+        growth = [(i, sizer(kw["tokens"], gm), kw["fresh"]) for i, (_, kw) in enumerate(sites)
+                  if site_states[i].growable]
+        n_args = len(example_inputs)
+
+        def compile_with(g: fx.GraphModule, inputs: list[Any]):
+            # inputs[n_args:] are the states' current buffers (the knob tuner recompiles later)
+            return self._compile(g, inputs, mode, inputs[n_args:], _growable_tiles(site_states))
+
         if self.knob_tuner is not None:
-            compiled = self.knob_tuner.wrap(new_gm, list(example_inputs) + extra,
-                                            lambda g, i: self._compile(g, i, mode, extra),
+            compiled = self.knob_tuner.wrap(new_gm, list(example_inputs) + extra, compile_with,
                                             self.report.notes)
         else:
-            compiled = self._compile(new_gm, list(example_inputs) + extra, mode, extra)
+            compiled = compile_with(new_gm, list(example_inputs) + extra)
         released = tuple(ctx.released_inputs)
-        extras = {tag: extra}
+        models = {tag: _SiteStates(site_states)}
         first_param = weakref.ref(example_inputs[param_at[0]]) if param_at else None
 
         def states_for(args: tuple[Any, ...]) -> list[torch.Tensor]:
             # Dynamo does not guard on the module instance: a second model of the same
             # class runs this graph with its own parameters; it gets its own states.
             if first_param is None or args[param_at[0]] is first_param():
-                return extra
-            with self._lock:
-                model = self._model_tag([args[i] for i in param_at])
-                if model not in extras:
-                    extras[model] = [b for name, kw in sites
-                                     for b in self._get_state(model + name, **kw).buffers]
-                return extras[model]
+                states = models[tag]
+            else:
+                with self._lock:
+                    model = self._model_tag([args[i] for i in param_at])
+                    if model not in models:
+                        models[model] = _SiteStates([self._get_state(model + name, **kw)
+                                                     for name, kw in sites])
+                    states = models[model]
+            for i, tokens, fresh in growth:
+                states.states[i].reserve(tokens(args), fresh=fresh)
+            return states.buffers()
 
         def run(*args: Any) -> Any:
             for i, _ in released:
@@ -365,16 +391,72 @@ class KVarNBackend:
             self.report.notes.append(note)
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], mode: str | None,
-                 static: list[Any] | None = None):
+                 static: list[Any] | None = None, dynamic: list[Any] | None = None):
         if self.compiler == "eager":
             return gm.forward
         from kvarn_compile import lowering
         from kvarn_compile._torch_compat import compile_fx_with_pass
 
         first = len(lowering.DECISIONS)
-        compiled = compile_fx_with_pass(gm, inputs, mode, static_inputs=static)
+        compiled = compile_fx_with_pass(gm, inputs, mode, static_inputs=static,
+                                        dynamic_dim2_inputs=dynamic)
         self.report.notes.extend(d.line() for d in lowering.DECISIONS[first:])
         return compiled
+
+
+class _SiteStates:
+    """The states of one graph's sites for one model, and their flat buffer list (the extra
+    graph inputs), rebuilt only after a state reallocated its tile buffers."""
+
+    def __init__(self, states: list[LayerState]) -> None:
+        self.states = states
+        self._versions: tuple[int, ...] | None = None
+        self._flat: list[torch.Tensor] = []
+
+    def buffers(self) -> list[torch.Tensor]:
+        versions = tuple(st.version for st in self.states)
+        if versions != self._versions:
+            self._flat = [b for st in self.states for b in st.buffers]
+            self._versions = versions
+        return self._flat
+
+
+def _growable_tiles(states: list[LayerState]) -> list[torch.Tensor]:
+    """The buffers growable states grow (dynamic along dim 2 when compiled)."""
+    return [b for st in states if st.growable
+            for j, b in enumerate(st.buffers) if j in grow_axis_indices(st.buffers)]
+
+
+def sizer(tokens: Any, gm: fx.GraphModule) -> Callable[[tuple[Any, ...]], int]:
+    """``args -> int``: the value of ``tokens`` (an int, or a SymInt of ``gm``'s inputs) for
+    one call of ``gm`` with ``args``. A symbol is read from the graph input it was made for
+    (a SymInt input, or a dimension of a tensor input); an expression no input determines
+    gives the state's whole ``max_len`` (a huge value: ``reserve`` clamps it)."""
+    if isinstance(tokens, int):
+        return lambda args: tokens
+    expr = tokens.node.expr
+    where: dict[Any, tuple[int, int | None]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(placeholders):
+        val = ph.meta.get("example_value", ph.meta.get("val"))
+        if isinstance(val, torch.SymInt):
+            where.setdefault(val.node.expr, (i, None))
+        elif isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt):
+                    where.setdefault(size.node.expr, (i, d))
+    free = list(expr.free_symbols)
+    if any(sym not in where for sym in free):
+        return lambda args: 2 ** 62
+    if len(free) == 1 and expr == free[0]:
+        i, d = where[expr]
+        return (lambda args: int(args[i])) if d is None else (lambda args: args[i].shape[d])
+
+    def value(args: tuple[Any, ...]) -> int:
+        subs = {sym: (args[i] if d is None else args[i].shape[d])
+                for sym, (i, d) in ((sym, where[sym]) for sym in free)}
+        return int(expr.xreplace(subs))
+    return value
 
 
 def check_consistent(seen: set[str], reports: list[SiteReport]) -> None:

@@ -26,7 +26,7 @@ import uuid as _uuid
 import torch
 
 from kvarn_compile.config import KVarNConfig
-from kvarn_compile.state import LayerState, allocate_layer
+from kvarn_compile.state import LayerState, allocate_layer, can_grow
 
 __all__ = ["StateStore", "resolve", "releasable", "release_storage", "released", "claim",
            "managed", "unwritten_since_release", "freeable_bytes", "is_freed", "resident_bytes",
@@ -60,25 +60,30 @@ class StateStore:
         return f"{self.namespace}{SEP}{site}"
 
     # ------------------------------------------------------------------ states
-    def for_append(self, site: str, k: torch.Tensor, max_len: int) -> LayerState:
-        """The state new keys ``k`` [B, H, T, D] go to; allocated on first use."""
-        batch, heads, _, dim = k.shape
+    def for_append(self, site: str, k: torch.Tensor, max_len: int, *,
+                   growable: bool = False) -> LayerState:
+        """The state new keys ``k`` [B, H, T, D] go to; allocated on first use (``growable``:
+        with the tile slots these keys need, grown later by ``LayerState.reserve``)."""
+        batch, heads, tokens, dim = k.shape
+        growable = growable and can_grow(self.config, max_len=max_len, spec_tokens=self.spec_tokens)
         state = self.states.get((site, batch))
-        if state is not None and self._fits(state, k, max_len):
+        if state is not None and self._fits(state, k, max_len, growable):
             return state
         with self._lock:
             state = self.states.get((site, batch))
-            if state is None or not self._fits(state, k, max_len):
+            if state is None or not self._fits(state, k, max_len, growable):
                 state = allocate_layer(self.config, batch=batch, kv_heads=heads, head_dim=dim,
                                        max_len=max_len, dtype=k.dtype, device=k.device,
-                                       spec_tokens=self.spec_tokens, name=site)
+                                       spec_tokens=self.spec_tokens, name=site,
+                                       grow_from=tokens if growable else None)
                 self.states[(site, batch)] = state
         return state
 
     @staticmethod
-    def _fits(state: LayerState, k: torch.Tensor, max_len: int) -> bool:
+    def _fits(state: LayerState, k: torch.Tensor, max_len: int, growable: bool) -> bool:
         return (state.max_len == max_len and state.head_dim == k.shape[3]
-                and state.kv_heads == k.shape[1] and state.sink_k.device == k.device)
+                and state.kv_heads == k.shape[1] and state.sink_k.device == k.device
+                and state.growable == growable)
 
     def for_attention(self, site: str, batch: int) -> LayerState:
         state = self.states.get((site, batch))

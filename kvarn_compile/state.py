@@ -10,8 +10,15 @@ Token layout of batch row b (S sink tokens, G tokens per tile, n_tiles[b] frozen
 A tile is frozen (rotated, normalized, quantized, packed) as soon as its G tokens are
 committed and at least ``recent_window`` newer committed tokens exist; its tail slots are
 then free again. Nothing else holds these tokens: no full-precision copy of the quantized
-region exists. Every buffer is allocated once to the maximum length so compiled graphs
-and CUDA graphs see static shapes.
+region exists. By default every buffer is allocated once to the maximum length, so compiled
+graphs and CUDA graphs see static shapes. A *growable* state (``allocate_layer(...,
+grow_from=tokens)``: caches the model does not preallocate, such as transformers'
+DynamicCache) holds only what its tokens need and grows along dim 2 of its sequence members
+(:data:`GROW_AXIS_FIELDS`: sink, tiles, tail) up to ``max_len`` (:meth:`LayerState.reserve`):
+while a sequence is shorter than the sink, the sink holds just its tokens (S is read off the
+sink's shape, so every kernel sees a short sink that holds the whole sequence) and tail and
+tiles are minimal; past the sink, tail and sink are whole and the tiles grow in whole-tile
+steps. Compiled graphs treat that one dimension as dynamic and never recompile for it.
 
 The buffers travel to the custom ops as one flat list (a custom-op schema takes
 ``Tensor[]``). :class:`StateLayout` is the one place that knows the order of that list and
@@ -34,7 +41,8 @@ from kvarn_compile.config import KVarNConfig
 
 __all__ = ["StateLayout", "StateFields", "Tiles", "Geometry", "unpack", "LayerState",
            "allocate_layer", "fp16_cache_bytes", "BASE_FIELDS", "FP8_FACTOR_FIELDS",
-           "KEY_FRAME_FIELDS", "TILE_FIELDS", "BUF"]
+           "KEY_FRAME_FIELDS", "TILE_FIELDS", "GROW_AXIS_FIELDS", "BUF", "grow_axis_indices",
+           "can_grow", "grown_sizes"]
 
 T = TypeVar("T")
 
@@ -53,6 +61,16 @@ FP8_FACTOR_FIELDS = ("k_row_factor", "k_col_factor", "v_row_factor", "v_col_fact
 KEY_FRAME_FIELDS = ("k_plain",)
 #: The members of one side (K or V) of the packed tiles, without the ``k_``/``v_`` prefix.
 TILE_FIELDS = ("codes", "row_scale", "row_zero", "col_scale")
+#: Every member whose dim 2 is a sequence axis (sink slots, tile slots, tail slots): the
+#: axis a growable state grows along.
+GROW_AXIS_FIELDS = frozenset(
+    ["sink_k", "sink_v", "tail_k", "tail_v"] + [f"{kind}_{f}" for kind in "kv" for f in TILE_FIELDS]
+    + list(FP8_FACTOR_FIELDS) + list(KEY_FRAME_FIELDS))
+#: Slots a growable state holds at least along each grown axis: a size of 0 or 1 would be
+#: specialized to a constant by the compiler's shape analysis (0 and 1 are never symbolic).
+MIN_GROWN_SLOTS = 2
+#: A short sink, and a tail that has never wrapped around, grow in steps of this many slots.
+SLOT_STEP = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +118,12 @@ _BY_LENGTH = {len(_names(lay)): lay for lay in (StateLayout(f, k) for f in (Fals
 #: Positions of the members that sit at a fixed place in every layout that has them (the
 #: base members, then the fp8 factors). Prefer :func:`unpack`; this is for tests and tools.
 BUF = {name: i for i, name in enumerate(BASE_FIELDS + FP8_FACTOR_FIELDS)}
+
+
+def grow_axis_indices(buffers: Sequence[Any] | int) -> tuple[int, ...]:
+    """Positions in a buffer list of the members a growable state grows (along dim 2)."""
+    layout = StateLayout.of(buffers)
+    return tuple(i for i, name in enumerate(layout.names) if name in GROW_AXIS_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +243,13 @@ class LayerState:
     #: sequence tile number of slot 0 (this rank holds tiles ``tile_offset ..``)
     context_parallel: str = ""
     tile_offset: int = 0
+    #: the tile slots grow with the sequence (:meth:`reserve`) instead of being allocated
+    #: for ``max_len`` up front; ``version`` counts reallocations (callers holding the
+    #: buffer list compare it)
+    growable: bool = False
+    version: int = 0
+    #: uncommitted tokens the tail ring was sized for (``allocate_layer(spec_tokens=)``)
+    spec_tokens: int = 0
 
     @property
     def fields(self) -> StateFields[torch.Tensor]:
@@ -269,6 +300,70 @@ class LayerState:
     @property
     def tail_len(self) -> int:
         return self.tail_k.shape[2]
+
+    # ------------------------------------------------------------------ growth
+    def reserve(self, tokens: int, *, fresh: bool = False) -> bool:
+        """Make room for ``tokens`` tokens per batch row (at most ``max_len``); True when
+        buffers were reallocated (``buffers`` then holds new tensors, ``version`` counts up).
+
+        Growable states only (others hold ``max_len`` already: a no-op). Sizes follow
+        :func:`grown_sizes`; the tokens held so far are copied over, so call it between
+        appends, never with data in flight. Past 16 tiles the tiles grow by at least 1/16 of
+        their slots at once (long sequences copy their tiles O(log) times, not once per
+        tile). ``fresh``: this call starts a new sequence at position 0, nothing held must
+        survive, and the buffers shrink to what ``tokens`` needs when they hold more than
+        twice that.
+        """
+        if not self.growable:
+            return False
+        have = self.grown
+        want = grown_sizes(self.config, tokens=tokens, max_len=self.max_len,
+                           tail=_tail_slots(self.config, self.spec_tokens))
+        if all(w <= h for w, h in zip(want, have)):
+            if fresh and self.nbytes > 2 * self._bytes_at(want):
+                self._reallocate(want, keep=False)
+                return True
+            return False
+        sink, tail, tiles = (max(w, h) for w, h in zip(want, have))
+        if tiles > have[2]:
+            full = tiles_for(self.config, max_len=self.max_len)
+            tiles = min(full, max(tiles, have[2] + have[2] // 16))
+        self._reallocate((sink, tail, tiles), keep=True)
+        return True
+
+    @property
+    def grown(self) -> tuple[int, int, int]:
+        """(sink, tail, tile) slots per row now allocated."""
+        return self.sink_len, self.tail_len, self.max_tiles
+
+    def _bytes_at(self, sizes: tuple[int, int, int]) -> int:
+        slots = dict(zip(("sink", "tail", "tiles"), sizes))
+        total = 0
+        for i, name in enumerate(self.fields.layout.names):
+            t = self.buffers[i]
+            if name in GROW_AXIS_FIELDS:
+                region = "sink" if name.startswith("sink") else "tail" if name.startswith("tail") else "tiles"
+                total += t[:, :, :1].numel() * t.element_size() * slots[region]
+            else:
+                total += t.numel() * t.element_size()
+        return total
+
+    def _reallocate(self, sizes: tuple[int, int, int], *, keep: bool) -> None:
+        """New sequence-axis buffers of ``sizes`` (sink, tail, tile) slots; with ``keep`` the
+        slots held so far are copied (a position keeps its slot, see :func:`grown_sizes`)."""
+        slots = dict(zip(("sink", "tail", "tiles"), sizes))
+        for i, name in enumerate(self.fields.layout.names):
+            if name not in GROW_AXIS_FIELDS:
+                continue
+            region = "sink" if name.startswith("sink") else "tail" if name.startswith("tail") else "tiles"
+            old = self.buffers[i]
+            new = old.new_zeros((*old.shape[:2], slots[region], *old.shape[3:]))
+            if keep:
+                n = min(old.shape[2], slots[region])
+                new[:, :, :n].copy_(old[:, :, :n])
+            self.buffers[i] = new
+        self.capacity.fill_(capacity_for(self.config, sizes, max_len=self.max_len))
+        self.version += 1
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -326,13 +421,74 @@ def exact_dtype_for(config: KVarNConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.float32 else dtype
 
 
+def tiles_for(config: KVarNConfig, *, max_len: int | None = None, sink: int | None = None,
+              tokens: int | None = None) -> int:
+    """Tile slots per row: at ``max_len`` (whole tiles after the sink; the rest stays in the
+    tail), or the fewest that hold ``tokens`` tokens after a ``sink``-token sink."""
+    g = config.group_size
+    if max_len is not None:
+        return max(max_len - min(config.sink, max_len), 0) // g
+    return max(-(-(tokens - sink) // g), 0)
+
+
+def grown_sizes(config: KVarNConfig, *, tokens: int, max_len: int, tail: int) -> tuple[int, int, int]:
+    """(sink, tail, tile) slots of a growable state holding ``tokens`` tokens per row.
+
+    The kernels read the sink length S and the tail ring size W off the buffers' shapes, so
+    short buffers must leave every position where the whole-size state has it:
+
+    * up to S tokens: a sink of the tokens rounded up to :data:`SLOT_STEP` (a sequence that
+      lies wholly in its sink), minimal tail and tiles;
+    * up to S + W: the whole sink and a tail of the tokens past it, rounded up (position p
+      sits in slot ``p - S``, the same slot as in the whole ring, which has not wrapped
+      around yet), tiles for the tokens;
+    * beyond: the whole ``tail``-slot ring and the tiles ``tokens`` needs (at most those of
+      ``max_len``).
+
+    Every size is at least :data:`MIN_GROWN_SLOTS`.
+    """
+    sink = min(config.sink, max_len)
+    tokens = min(max(tokens, 0), max_len)
+    m = MIN_GROWN_SLOTS
+    step = lambda n: max(m, -(-n // SLOT_STEP) * SLOT_STEP)  # noqa: E731
+    if tokens <= sink:
+        return min(step(tokens), max(sink, m)), m, m
+    tiles = min(tiles_for(config, sink=sink, tokens=tokens), tiles_for(config, max_len=max_len))
+    return sink, min(step(tokens - sink), max(tail, m)), max(m, tiles)
+
+
+def can_grow(config: KVarNConfig, *, max_len: int, spec_tokens: int = 0) -> bool:
+    """Whether a state for ``max_len`` tokens can be growable: every grown axis of the whole
+    state has at least :data:`MIN_GROWN_SLOTS` slots (a smaller one, e.g. no sink or fewer
+    than two tiles, stays whole; such a state is small anyway)."""
+    sizes = (min(config.sink, max_len), _tail_slots(config, spec_tokens),
+             tiles_for(config, max_len=max_len))
+    return min(sizes) >= MIN_GROWN_SLOTS
+
+
+def capacity_for(config: KVarNConfig, sizes: tuple[int, int, int], *, max_len: int) -> int:
+    """Tokens per row a state with (sink, tail, tile) slots ``sizes`` may hold: ``max_len``
+    when its sink and tiles are whole, the sink's tokens while the sink is short, else the
+    sink and the tiles."""
+    sink, _, tiles = sizes
+    full_sink = min(config.sink, max_len)
+    if sink < full_sink:
+        return sink
+    if tiles >= tiles_for(config, max_len=max_len):
+        return max_len
+    return sink + tiles * config.group_size
+
+
 def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: int,
                    max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                   spec_tokens: int = 0, name: str = "") -> LayerState:
-    """Preallocate one layer's packed cache for ``max_len`` tokens per batch row.
+                   spec_tokens: int = 0, name: str = "", grow_from: int | None = None) -> LayerState:
+    """Allocate one layer's packed cache for ``max_len`` tokens per batch row.
 
     ``spec_tokens`` is how many uncommitted (speculative) tokens beyond a full tail tile
-    may exist at once; with the default auto-commit 0 suffices.
+    may exist at once; with the default auto-commit 0 suffices. ``grow_from``: a growable
+    state with tile slots for that many tokens (at least :data:`MIN_GROWN_TILES`), grown by
+    :meth:`LayerState.reserve` up to ``max_len`` (where :func:`can_grow`; else whole); None
+    preallocates every slot.
     """
     if head_dim % 16 or head_dim < 16:
         raise ValueError(f"Expected head_dim to be a multiple of 16, but got {head_dim}.")
@@ -344,8 +500,12 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
     g = config.group_size
     exact = exact_dtype_for(config, dtype)
     sink = min(config.sink, max_len)
-    tiles = max(max_len - sink, 0) // g
+    tiles = tiles_for(config, max_len=max_len)
     tail = _tail_slots(config, spec_tokens)
+    if grow_from is not None and not can_grow(config, max_len=max_len, spec_tokens=spec_tokens):
+        grow_from = None
+    if grow_from is not None:
+        sink, tail, tiles = grown_sizes(config, tokens=grow_from, max_len=max_len, tail=tail)
     kb, vb = config.key_bits, config.value_bits
     if (g * kb) % 8 or (head_dim * vb) % 8:
         raise ValueError(f"{kb}/{vb}-bit codes do not pack whole bytes for G={g}, D={head_dim}.")
@@ -373,9 +533,11 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
         v=Tiles(new(tiles, g, head_dim * vb // 8, dt=torch.uint8), new(tiles, g, dt=sdt),
                 new(tiles, g, dt=zdt), new(tiles, head_dim, dt=sdt), **factors()),
         tail_k=new(tail, head_dim, dt=exact), tail_v=new(tail, head_dim, dt=exact),
-        lengths=counter(), committed=counter(), n_tiles=counter(), capacity=counter(max_len),
+        lengths=counter(), committed=counter(), n_tiles=counter(),
+        capacity=counter(capacity_for(config, (sink, tail, tiles), max_len=max_len)),
         k_plain=new(tiles, dt=torch.uint8) if layout.key_frames else None)
-    return LayerState(config=config, buffers=fields.pack(), max_len=max_len, name=name)
+    return LayerState(config=config, buffers=fields.pack(), max_len=max_len, name=name,
+                      growable=grow_from is not None, spec_tokens=spec_tokens)
 
 
 def fp16_cache_bytes(*, batch: int, kv_heads: int, head_dim: int, tokens: int) -> int:

@@ -248,7 +248,9 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
                  max_len: int, method: str, iters: int, recent: int, hold: int,
                  check_finite: bool, release: bool) -> torch.Tensor:
     """``append_`` into the registry state ``key`` (allocated on first use for ``max_len``
-    tokens); returns an empty token for the site's ``attention_keyed``.
+    tokens; for a ``cat`` cache, where ``cache_k``/``cache_v`` are None, a growable state
+    whose tile slots grow with the sequence up to ``max_len``); returns an empty token for
+    the site's ``attention_keyed``.
 
     ``cache_k``/``cache_v``: the model's own cache tensors, which the graph no longer
     reads. A prompt a non-compiled forward wrote there is adopted first (see
@@ -258,7 +260,12 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
     from kvarn_compile import registry
 
     store, site = registry.resolve(key)
-    state = store.for_append(site, k, max_len)
+    # a cat cache (no model-owned tensors) grows with the sequence: room for this append
+    growable = cache_k is None and cache_v is None
+    state = store.for_append(site, k, max_len, growable=growable)
+    if growable and start_pos.numel():
+        last = int(start_pos.max())       # every row starting over at 0: a new sequence
+        state.reserve(last + k.shape[2], fresh=last == 0)
     if cache_k is not None and cache_v is not None:
         reference.adopt_(state.buffers, cache_k, cache_v, start_pos, method, iters, recent,
                          hold, check_finite, site, release, append=_append_op)

@@ -486,7 +486,14 @@ def _check_readers(site: AttentionSite, w: CacheWrite, read: KVRead) -> None:
 # ------------------------------------------------------------------------------ rewrite
 @dataclasses.dataclass
 class RewriteContext:
-    """What the pass needs from the backend: states, options, the graph's inputs."""
+    """What the pass needs from the backend: states, options, the graph's inputs.
+
+    ``get_state(name, *, batch, kv_heads, head_dim, max_len, dtype, device[, tokens, fresh])``
+    returns a site's state; ``tokens``/``fresh`` come only for caches the model does not
+    preallocate (``cat``): the tokens the site holds after this graph's append (an int, or a
+    SymInt of the graph's inputs) and whether the graph starts a new sequence, so that a
+    growable state can be sized before each call.
+    """
 
     get_state: Callable[..., LayerState]
     method: str
@@ -506,6 +513,13 @@ class RewriteContext:
     #: filled by rewrite_graph (inputs mode): (graph input index, site report) of every
     #: model-owned cache tensor the caller must free after each call (see _hand_over)
     released_inputs: list[tuple[int, SiteReport]] = dataclasses.field(default_factory=list)
+
+
+def _statically_zero(size: Any) -> bool:
+    """``size`` (an int or a SymInt) is 0 whatever the graph's inputs (no guard added)."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr == 0
+    return size == 0
 
 
 def _start_node(graph: fx.Graph, w: CacheWrite, batch: int, row: int,
@@ -675,12 +689,19 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         name = site_name(m.site.out)
         raw = example(m.wk.new)
         batch, heads, _, dim = (raw.shape[a] for a in m.perm)
+        growth = {}
         if m.wk.cache is not None:
             max_len = int(example(m.wk.cache).shape[m.perm[2]])
         else:
             max_len = ctx.max_cache_len
+            # a cat cache: the packed state may grow with the sequence; it must hold the
+            # cat's length (past + new, an int or a SymInt of the graph's inputs) after this
+            # graph's append, and a past that is statically empty starts a new sequence
+            tokens = example(m.wk.full).shape[m.wk.axis]
+            past = tokens - example(m.wk.new).shape[m.wk.axis]
+            growth = dict(tokens=tokens, fresh=_statically_zero(past))
         state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim, max_len=max_len,
-                              dtype=raw.dtype, device=raw.device)
+                              dtype=raw.dtype, device=raw.device, **growth)
         # 1. the state's buffers become graph inputs (keyed mode: a constant key instead)
         bufs: list[fx.Node] = []
         if not keyed:

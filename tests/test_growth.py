@@ -1,0 +1,239 @@
+"""Packed states that grow with the sequence (caches the model does not preallocate).
+
+A ``cat`` cache (transformers' DynamicCache) gets a *growable* state: it holds only what its
+tokens need (a short sink, a tail that has not wrapped, the tiles so far) and
+``LayerState.reserve`` grows it before each call, in whole tiles past the sink. Asserted:
+
+* the sizes follow the tokens, and a growing state is the preallocated state of the same
+  tokens: the same packed tiles bit for bit and the same attention output, however the
+  tokens arrive (the kernels read S and W off the shapes, so short buffers must keep every
+  position in place);
+* through ``kvarn_backend`` (rewritten graphs as they are, and Inductor) and
+  ``inductor_pass``: the tokens of the eager KVarN model, bytes that grow with the sequence
+  and stay below the preallocated state (and below fp16 once past the high-precision sink
+  and tail), no graph compiled for growth, a new sequence shrinks the states again;
+* a compile that specialized the growing axis is refused instead of miscompiled.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+
+import kvarn_compile
+import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
+from kvarn_compile import get_config, kvarn_backend
+from kvarn_compile.hf import KVarNCache, kv_geometry, use_kvarn_attention
+from kvarn_compile.state import (
+    GROW_AXIS_FIELDS, MIN_GROWN_SLOTS, allocate_layer, fp16_cache_bytes, tiles_for, unpack,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+G, D, H = 32, 32, 2
+CFG = get_config("k4v2", group_size=G)
+
+
+@pytest.fixture()
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _kv(batch, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(D, generator=g) * 3 + 0.1
+    return [torch.randn(batch, H, tokens, D, generator=g) * scale for _ in range(2)]
+
+
+# ------------------------------------------------------------------------------ the state
+def test_sizes_follow_the_tokens_and_the_capacity_says_what_fits():
+    st = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=400, dtype=torch.float32,
+                        grow_from=5)
+    assert st.growable and st.grown == (16, MIN_GROWN_SLOTS, MIN_GROWN_SLOTS)
+    assert int(st.capacity[0]) == 16                          # the short sink holds it all
+    expected = {                   # tokens -> (sink, tail, tiles) slots; S = W = G = 32
+        17: (32, 2, 2), 32: (32, 2, 2), 33: (32, 16, 2), 64: (32, 32, 2), 65: (32, 32, 2),
+        200: (32, 32, 6), 399: (32, 32, 11), 10_000: (32, 32, 11),   # 11 = (400 - 32) // 32
+    }
+    for tokens, sizes in expected.items():
+        st.reserve(tokens)
+        assert st.grown == sizes, tokens
+        assert int(st.capacity[0]) >= min(tokens, 400)
+    assert int(st.capacity[0]) == 400 == st.max_len           # whole again: max_len
+    full = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=400, dtype=torch.float32)
+    assert st.nbytes == full.nbytes and not full.growable and not full.reserve(10)
+    # a new sequence shrinks a state that holds more than twice what it needs
+    version = st.version
+    assert st.reserve(20, fresh=True) and st.grown == (32, 2, 2) and st.version == version + 1
+    assert not st.reserve(20, fresh=True)                    # nothing more to give back
+    # too small to grow (fewer than two tile slots at max_len): allocated whole
+    tiny = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=G + G + 5,
+                          dtype=torch.float32, grow_from=1)
+    assert not tiny.growable and tiny.grown == (32, 32, 1) and int(tiny.capacity[0]) == G + G + 5
+
+
+def test_tiles_grow_in_steps_of_a_sixteenth_past_sixteen_tiles():
+    st = allocate_layer(CFG, batch=1, kv_heads=1, head_dim=D, max_len=G * 200, dtype=torch.float32,
+                        grow_from=0)
+    copies, last = 0, st.max_tiles
+    for tokens in range(1, G * 200, 7):
+        st.reserve(tokens)
+        if st.max_tiles > last:
+            copies += 1
+            assert st.max_tiles - last >= max(1, last // 16) or \
+                st.max_tiles == tiles_for(CFG, max_len=st.max_len)
+            last = st.max_tiles
+    assert last == 199 and copies <= 16 + 48   # 16 + log_{17/16}(199 / 16) copies, not 199
+
+
+@pytest.mark.parametrize("chunks", [[3] * 40, [1] * 30 + [40, 7, 64, 1, 1, 33], [150, 1, 1, 2]],
+                         ids=["short-chunks", "mixed", "long-prompt"])
+@pytest.mark.parametrize("ops", ["reference", "kernels"])
+def test_a_growing_state_is_the_preallocated_state(chunks, ops):
+    """Same tiles bit for bit, same attention at every step (the reference ops, and the ops
+    as dispatched on this device: the C++ kernels on CPU)."""
+    if ops == "reference":
+        from kvarn_compile.ops import reference as R
+        append, attention = R.append_, R.attention
+    else:
+        def append(buffers, k, v, start):
+            torch.ops.kvarn.append_(buffers, k, v, start, "kvarn", 8, 0, 0, False, "")
+        attention = torch.ops.kvarn.attention
+    total = sum(chunks)
+    grow = allocate_layer(CFG, batch=2, kv_heads=H, head_dim=D, max_len=total, dtype=torch.float32,
+                          grow_from=chunks[0])
+    full = allocate_layer(CFG, batch=2, kv_heads=H, head_dim=D, max_len=total, dtype=torch.float32)
+    pos = 0
+    sizes = set()
+    for i, n in enumerate(chunks):
+        k, v = _kv(2, n, seed=i)
+        grow.reserve(pos + n, fresh=pos == 0)
+        sizes.add(grow.grown)
+        start = torch.tensor([pos, pos])
+        append(grow.buffers, k, v, start)
+        append(full.buffers, k, v, start)
+        pos += n
+        q = torch.randn(2, 2 * H, 1, D, generator=torch.Generator().manual_seed(100 + i))
+        a = attention(q, grow.buffers, None, D ** -0.5, True, 0)
+        b = attention(q, full.buffers, None, D ** -0.5, True, 0)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    fg, ff = unpack(grow.buffers), unpack(full.buffers)
+    assert torch.equal(fg.n_tiles, ff.n_tiles) and torch.equal(fg.lengths, ff.lengths)
+    n = int(ff.n_tiles.max())
+    for kind in "kv":
+        for a, b in zip(fg.tiles(kind).core, ff.tiles(kind).core):
+            assert torch.equal(a[:, :, :n], b[:, :, :n])
+    if len(chunks) > 4:
+        assert len(sizes) > 3              # it did grow along the way
+
+
+# ------------------------------------------------------------------------------ compiled
+def _llama():
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_backend_models import _build
+
+    return _build("llama", "sdpa")
+
+
+def _eager_tokens(model, ids, new, max_len):
+    eager = copy.deepcopy(model)
+    use_kvarn_attention(eager)
+    cache = KVarNCache(eager.config, max_cache_len=max_len, preset="k4v2", group_size=G)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return eager.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache,
+                              output_logits=True, return_dict_in_generate=True)
+
+
+def _decode(model, ids, new):
+    """Greedy steps over a DynamicCache; (tokens, logits, bytes after every call)."""
+    cache = tf.DynamicCache(config=model.config)
+    out, logits, sizes = [], [], []
+    x = ids
+    with torch.no_grad():
+        for _ in range(new):
+            step = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits.append(step)
+            x = step.argmax(-1, keepdim=True)
+            out.append(int(x))
+            sizes.append(model._kvarn_bytes())
+    return out, logits, sizes
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_kvarn_backend_cat_cache_grows_with_the_sequence(compiler, fresh_dynamo):
+    model = _llama()
+    max_len, prompt, new = 512, 5, 110
+    ids = torch.randint(2, 128, (1, prompt), generator=torch.Generator().manual_seed(3))
+    want = _eager_tokens(model, ids, new, max_len)
+    backend = kvarn_backend("k4v2", group_size=G, max_cache_len=max_len, compiler=compiler)
+    model.compile(backend=backend)
+    model._kvarn_bytes = lambda: backend.nbytes
+    tokens, logits, sizes = _decode(model, ids, new)
+    assert tokens == want.sequences[0, prompt:].tolist()
+    for a, b in zip(logits, want.logits):
+        assert (a - b).abs().max() <= 5e-3 * b.abs().max()
+    # bytes grow with the sequence, below the state preallocated for max_len, and below an
+    # fp16 cache of the same tokens once past the high-precision sink and tail (S + W = 64)
+    heads, dim = kv_geometry(model)
+    layers = model.config.num_hidden_layers
+    prealloc = layers * allocate_layer(CFG, batch=1, kv_heads=heads, head_dim=dim, max_len=max_len,
+                                       dtype=torch.float32, device="meta").nbytes
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] < prealloc / 2
+    for length, held in zip(range(prompt + 1, prompt + new + 1), sizes):
+        fp16 = layers * fp16_cache_bytes(batch=1, kv_heads=heads, head_dim=dim, tokens=length)
+        if length >= 2 * G + 3 * G:
+            assert held <= fp16, (length, held, fp16)
+    assert all(st.growable and st.version > 2 for st in backend.states.values())
+    assert backend.report.graphs == 3            # prefill, first decode, dynamic decode
+    assert "packed KV states" in str(backend.report)
+    # a new, short sequence on the same compiled model: the states shrink again
+    big = backend.nbytes
+    tokens2, _, sizes2 = _decode(model, ids[:, :3], 4)
+    assert sizes2[-1] < big / 2 and backend.report.graphs <= 5
+
+
+def test_inductor_pass_cat_cache_grows_with_the_sequence(fresh_dynamo):
+    model = _llama()
+    max_len, prompt, new = 512, 40, 60
+    ids = torch.randint(2, 128, (1, prompt), generator=torch.Generator().manual_seed(4))
+    want = _eager_tokens(model, ids, new, max_len)
+    kv = kvarn_compile.inductor_pass("k4v2", group_size=G, max_cache_len=max_len)
+    model.compile(options={"pre_grad_custom_pass": kv})
+    model._kvarn_bytes = lambda: kv.nbytes
+    tokens, _, sizes = _decode(model, ids, new)
+    assert tokens == want.sequences[0, prompt:].tolist()
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    assert all(st.growable and st.version > 0 for st in kv.states.values())
+    full = allocate_layer(CFG, batch=1, kv_heads=2, head_dim=D, max_len=max_len,
+                          dtype=torch.float32, device="meta").nbytes
+    assert all(st.nbytes < full / 2 for st in kv.states.values())
+    kv.close()
+
+
+def test_a_specialized_growing_axis_is_refused():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kvarn_compile._torch_compat import check_dynamic_dim2, fakify_static
+
+    st = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=400, dtype=torch.float32,
+                        grow_from=100)
+    grown = [b for b, name in zip(st.buffers, st.fields.layout.names) if name in GROW_AXIS_FIELDS]
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        fakes = fakify_static(st.buffers, grown)
+    dims = [f.shape[2] for f in fakes if f.dim() > 2]
+    assert sum(isinstance(d, torch.SymInt) for d in dims) == len(grown)
+    assert all(isinstance(f.shape[0], int) for f in fakes if f.dim() > 2)
+    check_dynamic_dim2(fakes)                   # still symbolic: fine
+    tile = next(f for f, name in zip(fakes, st.fields.layout.names) if name == "k_codes")
+    assert bool(tile.shape[2] == st.max_tiles)  # a guard that pins the axis to its size
+    with pytest.raises(RuntimeError, match="specialized the growing axis"):
+        check_dynamic_dim2(fakes)
