@@ -17,6 +17,7 @@ import pathlib
 import platform
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -224,6 +225,43 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
         compiled = compile_fx(gm, inputs, config_patches=patches)
     check_dynamic_dim2([f for f in fakes if dynamic_dim2_inputs])
     return compiled
+
+
+def compile_function(fn: Callable[..., Any], args: list[torch.Tensor]) -> Callable[..., Any]:
+    """``fn`` traced with make_fx (Inductor's decompositions) on ``args`` and compiled by
+    Inductor as a graph of its own (static shapes); returns ``compiled(*args) -> output``.
+
+    Runs in a worker thread: the caller may be inside another compile (a lowering that
+    benchmarks this choice), and a graph of its own must not see that compile's tracing
+    context, fake mode or virtualized handlers (all thread-local). Inductor's FX-graph
+    cache serves it in a warm process.
+    """
+    check_torch_version()
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            with torch.no_grad():
+                gm = make_fx(fn, decomposition_table=select_decomp_table())(*args)
+                result["fn"] = compile_fx(gm, list(args))
+        except BaseException as e:          # re-raised in the caller's thread
+            result["error"] = e
+
+    t = threading.Thread(target=work, name="kvarn-compile-function")
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]
+    compiled = result["fn"]
+
+    def call(*a: torch.Tensor) -> Any:
+        out = compiled(*a)
+        return out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
+    return call
 
 
 # ------------------------------------------------------------------------------ inductor

@@ -194,7 +194,7 @@ def _attend(q, *buffers):
 
 
 def test_export_import_round_trip_replays_the_winner_without_benchmarking(tmp_path, monkeypatch):
-    """The first compile benchmarks reference vs dense; after export, clear and import, a
+    """The first compile benchmarks reference vs shared; after export, clear and import, a
     second compile offers only the recorded winner and benchmarks nothing.
 
     The query has 24 rows (a chunk of a prompt, or speculative tokens being verified): on
@@ -224,9 +224,9 @@ def test_export_import_round_trip_replays_the_winner_without_benchmarking(tmp_pa
         (decision,) = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_attention"]
         return decision
 
-    first = compile_once()                       # auto: reference vs dense, benchmarked
+    first = compile_once()                       # auto: reference vs shared, benchmarked
     assert calls == ["kvarn_attention"] and len(first.offered) == 2 and not first.replayed
-    assert set(first.timings_ms) == {"reference", "dense"}
+    assert set(first.timings_ms) == {"reference", "shared"}
     path = tmp_path / "export.json"
     assert autotune.export(path) == 1
     data = json.loads(path.read_text())

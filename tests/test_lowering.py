@@ -126,7 +126,7 @@ def _compile_and_run(fn, *args):
         return run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), *args)
 
 
-@pytest.mark.parametrize("path", ["reference", "dense", "split"])
+@pytest.mark.parametrize("path", ["reference", "dense", "shared", "split"])
 def test_each_lowering_path_is_selected_and_matches_the_reference(path):
     st = packed_cache(device="cpu")
     q = torch.randn(2, 4, 1, 16)
@@ -144,16 +144,43 @@ def test_each_lowering_path_is_selected_and_matches_the_reference(path):
     decisions = lowering.DECISIONS[first:]
     assert decisions[0].op == "kvarn_attention" and decisions[0].winner == path, decisions
     calls_reference = "extern_kernels.kvarn_attention_reference(" in source
+    calls_shared = "extern_kernels.kvarn_attention_shared(" in source
     calls_tile_op = "torch.ops.kvarn.tile_partials_.default(" in source
     generated_cpp = source.count("cpp_fused")
-    if path == "reference":
-        assert calls_reference and not calls_tile_op
+    assert calls_shared == (path == "shared")
+    if path in ("reference", "shared"):
+        assert calls_reference == (path == "reference") and not calls_tile_op
     elif path == "dense":   # everything is Inductor-generated C++: no kvarn call left
         assert not calls_reference and not calls_tile_op and generated_cpp >= 3
         assert "torch.ops.kvarn.attention" not in source
     else:                   # rotation/sink/tail/merges generated, the tile region an op call
         assert calls_tile_op and not calls_reference and generated_cpp >= 2
         assert [d.winner for d in decisions if d.op == "kvarn_tile_partials"] == ["torch"]
+
+
+def _attend_twice(q, *buffers):
+    a = torch.ops.kvarn.attention(q, list(buffers), None, 0.3, True, 0)
+    return torch.ops.kvarn.attention(a, list(buffers), None, 0.3, True, 0)
+
+
+def test_the_shared_path_compiles_one_graph_for_every_site_of_a_geometry():
+    """Two sites (two layers) with the same shapes: one compiled decomposition, called by
+    both; a third with another query length gets its own."""
+    from kvarn_compile.lowering import attention as lowering_attention
+
+    st = packed_cache(device="cpu")
+    q = torch.randn(2, 4, 24, 16)
+    before = len(lowering_attention._SHARED)
+    with lowering.use_path("shared"):
+        out, code = _compile_and_run(_attend_twice, q, *st.buffers)
+    a = reference.attention(q, st.buffers, None, 0.3, True, 0)
+    torch.testing.assert_close(out, reference.attention(a, st.buffers, None, 0.3, True, 0),
+                               atol=2e-5, rtol=1e-5)
+    assert "\n".join(code).count("extern_kernels.kvarn_attention_shared(") == 2
+    assert len(lowering_attention._SHARED) == before + 1
+    with lowering.use_path("shared"):
+        _compile_and_run(_attend, q[:, :, :20], *st.buffers)
+    assert len(lowering_attention._SHARED) == before + 2
 
 
 def test_symbolic_shapes_fall_back_to_the_op_itself():

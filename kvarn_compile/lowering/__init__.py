@@ -14,13 +14,17 @@ Paths of ``kvarn::attention`` (``lowering/attention.py``):
 * ``reference``: the eager op as an extern kernel (``extern_kernels.kvarn_attention_reference``);
 * ``dense``: a static-shape torch decomposition (``lowering/decompose.py``) that Inductor
   compiles (C++ on CPU, Triton on CUDA) and inlines;
+* ``shared``: the same decomposition compiled once per input geometry as a graph of its
+  own and called as an extern (``extern_kernels.kvarn_attention_shared``) by every site
+  of that geometry, so a model's layers share one compile;
 * ``split``: the same decomposition with the packed-tile region behind
   ``kvarn::tile_partials_``, whose lowering (``lowering/tiles.py``) autotunes the
   Triton templates (``templates/kvarn_decode.py.jinja``, ``kvarn_prefill.py.jinja``)
   against the standalone Triton kernel and the torch implementation.
 
 ``auto`` (default): ``split`` where templates can run (CUDA, static shapes, supported
-format), else autotune ``reference`` against ``dense``. ``KVARN_LOWERING_PATH`` or
+format); on CPU ``reference`` (the C++ decode kernel) where that kernel covers the shape;
+else autotune ``reference`` against ``shared``. ``KVARN_LOWERING_PATH`` or
 :func:`use_path` forces one. Shapes with symbolic sizes fall back to the op itself.
 
 ``kvarn::append_`` is deliberately not lowered: its work is data-dependent (one call in G

@@ -10,6 +10,11 @@ head-dim rotation as a graph constant):
 * ``dense`` - ``decompose.attention_dense`` through Inductor's ``SubgraphTemplate``: traced
   with make_fx, benchmarked as a compiled subgraph, and inlined when it wins, so the
   output code holds Inductor-generated kernels (C++ on CPU) and no extern call.
+* ``shared`` - the same decomposition compiled by Inductor as a graph of its own, once per
+  input geometry, and called as an extern (``extern_kernels.kvarn_attention_shared``):
+  every layer of a model shares one compiled graph, so compile time does not grow with
+  the number of layers (what ``auto`` offers against ``reference`` where templates cannot
+  run).
 * ``split`` - ``decompose.attention_split``: like ``dense``, but the tile region is the
   ``kvarn::tile_partials_`` op, lowered by ``lowering/tiles.py`` (templates).
 
@@ -18,6 +23,9 @@ scales, lengths/committed/n_tiles consistent with each other and within capacity
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 
@@ -44,6 +52,33 @@ def _reference_flat(*args: torch.Tensor, n_buffers: int, has_mask: bool, scale: 
     return torch.ops.kvarn.attention.default(q, buffers, mask, scale, causal, window).contiguous()
 
 
+#: (input sizes, strides, dtypes, devices, options) -> the dense decomposition compiled once
+_SHARED: dict[tuple, object] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_flat(*args: torch.Tensor, n_buffers: int, has_mask: bool, scale: float,
+                 causal: bool, window: int) -> torch.Tensor:
+    """``decompose.attention_dense`` compiled by Inductor once per distinct input geometry
+    and options, then called by every site that has them (all layers of a model share one
+    compiled graph instead of inlining one copy each: the ``shared`` choice)."""
+    kwargs = dict(n_buffers=n_buffers, has_mask=has_mask, scale=scale, causal=causal,
+                  window=window)
+    key = (tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in args),
+           tuple(sorted(kwargs.items())))
+    fn = _SHARED.get(key)
+    if fn is None:
+        from kvarn_compile._torch_compat import compile_function
+
+        with _SHARED_LOCK:
+            fn = _SHARED.get(key)
+            if fn is None:
+                fn = compile_function(functools.partial(decompose.attention_dense, **kwargs),
+                                      [a.detach() for a in args])
+                _SHARED[key] = fn
+    return fn(*args).contiguous()
+
+
 _EXTERNS: dict[str, object] = {}
 
 
@@ -53,9 +88,10 @@ def externs() -> dict[str, object]:
         from kvarn_compile._torch_compat import inductor
 
         ind = inductor()
-        name = "kvarn_attention_reference"
-        _EXTERNS["reference"] = ind.ExternKernelChoice.lookup(name) or ind.ExternKernelChoice(
-            _reference_flat, name=name, has_out_variant=False)
+        for label, fn in (("reference", _reference_flat), ("shared", _shared_flat)):
+            name = f"kvarn_attention_{label}"
+            _EXTERNS[label] = ind.ExternKernelChoice.lookup(name) or ind.ExternKernelChoice(
+                fn, name=name, has_out_variant=False)
     return _EXTERNS
 
 
@@ -228,8 +264,11 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     elif path == "auto" and cpu_kernel_covers(q, buffers):
         path = "reference"      # the C++ kernel: one extern call, nothing inlined or tuned
     replay = autotune.DB.lookup(key) if key is not None and path == "auto" else None
-    wanted = {"auto": ("reference", "dense"), "reference": ("reference",), "dense": ("dense",),
-              "split": ("split",)}[path]
+    # auto: the op's own kernels against the decomposition compiled once and shared by
+    # every site of this geometry (inlining a copy per layer costs lowering and code
+    # generation time in every layer)
+    wanted = {"auto": ("reference", "shared"), "reference": ("reference",), "dense": ("dense",),
+              "shared": ("shared",), "split": ("split",)}[path]
     if replay is not None:
         wanted = tuple(c for c in wanted if c == replay.get("choice")) or wanted
         if wanted != (replay.get("choice"),):
@@ -245,12 +284,13 @@ def lower_attention(q, buffers, mask, scale, causal, window):
         split_max = split_max_for(device, bsz * heads, n_max)
         choices.append(_decomposition_choice("split", decompose.attention_split, inputs,
                                              dict(kwargs, split_max=split_max), gen_fns))
-    if "reference" in wanted:
-        layout = choices[0].layout if choices else ind.ir.FixedLayout(
-            device, q.get_dtype(), list(q.get_size()))
-        ref = externs()["reference"].bind(inputs, layout, **kwargs)
-        ref.kvarn_spec = {"choice": "reference"}
-        choices.append(ref)
+    for label in ("shared", "reference"):
+        if label in wanted:
+            layout = choices[0].layout if choices else ind.ir.FixedLayout(
+                device, q.get_dtype(), list(q.get_size()))
+            choice = externs()[label].bind(inputs, layout, **kwargs)
+            choice.kvarn_spec = {"choice": label}
+            choices.append(choice)
     layout = choices[0].layout
     decision = record_decision(ATTENTION_OP_NAME, key, choices, inputs, replayed=replay is not None)
     if len(choices) == 1:          # forced or replayed: no benchmark, no extra subgraph compile

@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["DECISIONS", "LoweringDecision", "PATHS", "use_path", "current_path", "cache_salt",
            "tune_key", "record_decision", "finish_decision", "feedback_saver", "spec_label"]
 
-PATHS = ("auto", "reference", "dense", "split")
+PATHS = ("auto", "reference", "dense", "shared", "split")
 _state = threading.local()
 _lock = threading.Lock()
 
