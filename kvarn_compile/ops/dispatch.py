@@ -31,14 +31,15 @@ import torch
 from kvarn_compile import context_parallel
 from kvarn_compile.ops import library, reference, regions
 from kvarn_compile.reference.rotation import rotation_matrix
-from kvarn_compile.state import Geometry, unpack
+from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["kernel_applies", "attention", "freeze_tiles_triton", "freeze_tiles_cpu"]
 
 
-def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None) -> bool:
+def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
+                   mask: torch.Tensor | None) -> bool:
     """True when the tile kernels compute exactly what the reference computes."""
-    f = unpack(buffers)
+    f = buffers if isinstance(buffers, StateFields) else unpack(buffers)
     if f.layout.fp8_factors:                   # fp8 scales: the kernels read fp16/bf16/fp32
         return False
     s, g = f.sink_k.shape[2], f.k.col_scale.shape[-1]
@@ -70,11 +71,11 @@ def _triton_tiles(q_rot, buffers, scale, kv_start, q_plain=None):
         q_plain=None if f.k_plain is None else q_plain, k_plain=f.k_plain)
 
 
-def _cpu_attention(q, buffers, mask, scale, causal, window):
-    """The whole step in one C++ call; None where the kernel cannot read this cache."""
+def _cpu_attention(q, f, mask, scale, causal, window):
+    """The whole step in one C++ call (``f``: the state's fields); None where the kernel
+    cannot read this cache."""
     from kvarn_compile.kernels import cpu_attention
 
-    f = unpack(buffers)
     geo = Geometry.of(f)
     if not cpu_attention.supports(geo.head_dim, f.k.row_scale.dtype, f.sink_k.dtype) \
             or (geo.key_bits, geo.value_bits) not in cpu_attention.SUPPORTED_BITS:
@@ -107,8 +108,8 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     reference.check_queries(q, f)
     reference.check_mask(f, mask)
     out = None
-    if kernel_applies(q, buffers, mask):
-        out = _cpu_attention(q, buffers, mask, scale, causal, window) if kernel == "cpu" else \
+    if kernel_applies(q, f, mask):
+        out = _cpu_attention(q, f, mask, scale, causal, window) if kernel == "cpu" else \
             _cuda_attention(q, buffers, mask, scale, causal, window)
     if out is None:
         return reference.attention(q, buffers, mask, scale, causal, window)
