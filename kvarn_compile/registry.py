@@ -134,7 +134,8 @@ class StateStore:
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 _RELEASED = "_kvarn_released"       # attributes on the UntypedStorage: bytes returned to the OS,
-_MANAGED = "_kvarn_managed"         # and "freed after every call" (see claim)
+_MANAGED = "_kvarn_managed"         # "freed after every call" (see claim),
+_VERSION = "_kvarn_version"         # and the tensor's version counter right after its release
 _madvise_fn = None
 
 
@@ -172,9 +173,21 @@ def releasable(tensor: torch.Tensor) -> bool:
     return not tensor.untyped_storage().is_shared() and not tensor.is_pinned()
 
 
+def _untouched(tensor: torch.Tensor) -> bool:
+    """Released, and no in-place op has run on ``tensor`` (or a view of its buffer) since:
+    its version counter is the one recorded right after the release. (A write that bypasses
+    the dispatcher, through a raw pointer, goes unseen here: such memory is freed again on
+    the next release that follows a counted write.)"""
+    storage = tensor.untyped_storage()
+    return getattr(storage, _RELEASED, None) is not None \
+        and getattr(storage, _VERSION, None) == tensor._version
+
+
 def claim(tensor: torch.Tensor) -> None:
     """Mark ``tensor``'s storage as freed after every call (the backend claims the buffers it
     releases before each call, so the adoption step also recognizes views of them)."""
+    if getattr(tensor.untyped_storage(), _MANAGED, False):
+        return                                   # claimed before (every call passes it again)
     if releasable(tensor):
         setattr(tensor.untyped_storage(), _MANAGED, True)
 
@@ -211,7 +224,10 @@ def release_storage(tensor: torch.Tensor) -> int:
     0 afterwards and stays legal to read and write. Returns the bytes newly returned to the
     operating system: the whole pages of the storage on its first release, 0 afterwards
     (a buffer written again is freed again, but counted once) and 0 when the buffer is not
-    :func:`releasable` (kept as it is)."""
+    :func:`releasable` (kept as it is). A buffer nothing wrote since its last release is
+    left as it is (no system call: it is called for every cache buffer on every step)."""
+    if _untouched(tensor):
+        return 0
     if not releasable(tensor):
         return 0
     storage = tensor.untyped_storage()
@@ -231,6 +247,7 @@ def release_storage(tensor: torch.Tensor) -> int:
     first = getattr(storage, _RELEASED, None) is None
     if first:
         setattr(storage, _RELEASED, freed)
+    setattr(storage, _VERSION, tensor._version)
     return freed if first else 0
 
 
@@ -245,7 +262,7 @@ def unwritten_since_release(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` (a cache [B, H, S, D], or a view in that order) holds no data a
     forward wrote since its release: released, and its first position still all zeros (a
     prompt always writes position 0). A zero-byte storage counts as released too."""
-    if not tensor.untyped_storage().nbytes():
+    if not tensor.untyped_storage().nbytes() or _untouched(tensor):
         return True
     if not released(tensor):
         return False
