@@ -74,9 +74,11 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define MAX_NR_4 1
 constexpr int MAX_NR = 4;   // query rows per register block (accumulators: NR * codes per byte)
 #else
+#define MAX_NR_4 0
 constexpr int MAX_NR = 2;
 #endif
 constexpr int EB = 32;      // exact-region tokens per block
@@ -333,6 +335,84 @@ void v_sums(const uint8_t* codes, int NB, int kper, int knb, const float* w, int
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 forms of the two tile loops above, on native 8-lane registers: GCC lowers the 16-lane
+// vector extensions to stack spills and lane inserts there (5x slower). Same results: each
+// score / weighted sum accumulates over the same terms in the same order.
+inline __m256 fmadd8(__m256 a, __m256 b, __m256 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+
+template <int BITS>
+inline void codes8(const uint8_t* p, __m256* x) {     // 8 bytes -> PER x 8 codes as floats
+  constexpr int PER = 8 / BITS;
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  if (BITS == 8) { x[0] = _mm256_cvtepi32_ps(w); return; }
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  x[0] = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
+  for (int k = 1; k < PER; ++k)
+    x[k] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, k * BITS), mask));
+}
+
+template <int KB, int NR>
+void k_scores8(const uint8_t* codes, int D, int NB, const float* qs, int qstride, float* s, int sstride) {
+  constexpr int PER = 8 / KB;
+  for (int jb = 0; jb < NB; jb += 8) {
+    __m256 acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = _mm256_setzero_ps();
+    const uint8_t* p = codes + jb;
+    for (int c = 0; c < D; ++c, p += NB) {
+      __m256 x[PER];
+      codes8<KB>(p, x);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(qs + r * qstride + c);
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) acc[r][k] = fmadd8(qv, x[k], acc[r][k]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) _mm256_storeu_ps(s + r * sstride + k * NB + jb, acc[r][k]);
+  }
+}
+
+template <int VB, int NR>
+void v_sums8(const uint8_t* codes, int NB, int kper, int knb, const float* w, int wstride, float* o, int ostride) {
+  constexpr int PER = 8 / VB;
+  for (int jb = 0; jb < NB; jb += 8) {
+    __m256 acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = _mm256_setzero_ps();
+    for (int kk = 0; kk < kper; ++kk) {
+      const float* wk = w + kk * knb;
+      const uint8_t* p = codes + (int64_t)kk * NB + jb;
+      for (int j = 0; j < knb; ++j, p += (int64_t)kper * NB) {
+        __m256 x[PER];
+        codes8<VB>(p, x);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+          const __m256 wv = _mm256_broadcast_ss(wk + r * wstride + j);
+#pragma GCC unroll 4
+          for (int k = 0; k < PER; ++k) acc[r][k] = fmadd8(wv, x[k], acc[r][k]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) _mm256_storeu_ps(o + r * ostride + k * NB + jb, acc[r][k]);
+  }
+}
+#define KVARN_K_SCORES k_scores8
+#define KVARN_V_SUMS v_sums8
+#else
+#define KVARN_K_SCORES k_scores
+#define KVARN_V_SUMS v_sums
+#endif
+
 // o[r][c] += sum_i w[r][i] * x[i][c] for NR rows over cnt exact rows x [cnt, D] (fp32)
 template <int NR>
 void exact_pv(const float* x, int cnt, int D, const float* w, int wstride, float* o, int ostride) {
@@ -352,7 +432,7 @@ PFn pick_pv(int nr) {
   switch (nr) {
     case 1: return exact_pv<1>;
     case 2: return exact_pv<2>;
-#if defined(__AVX512F__)
+#if MAX_NR_4
     case 3: return exact_pv<3>;
     case 4: return exact_pv<4>;
 #endif
@@ -366,11 +446,11 @@ typedef void (*VFn)(const uint8_t*, int, int, int, const float*, int, float*, in
 template <int B>
 KFn k_fn(int nr) {
   switch (nr) {
-    case 1: return k_scores<B, 1>;
-    case 2: return k_scores<B, 2>;
-#if defined(__AVX512F__)
-    case 3: return k_scores<B, 3>;
-    case 4: return k_scores<B, 4>;
+    case 1: return KVARN_K_SCORES<B, 1>;
+    case 2: return KVARN_K_SCORES<B, 2>;
+#if MAX_NR_4
+    case 3: return KVARN_K_SCORES<B, 3>;
+    case 4: return KVARN_K_SCORES<B, 4>;
 #endif
   }
   return nullptr;
@@ -378,11 +458,11 @@ KFn k_fn(int nr) {
 template <int B>
 VFn v_fn(int nr) {
   switch (nr) {
-    case 1: return v_sums<B, 1>;
-    case 2: return v_sums<B, 2>;
-#if defined(__AVX512F__)
-    case 3: return v_sums<B, 3>;
-    case 4: return v_sums<B, 4>;
+    case 1: return KVARN_V_SUMS<B, 1>;
+    case 2: return KVARN_V_SUMS<B, 2>;
+#if MAX_NR_4
+    case 3: return KVARN_V_SUMS<B, 3>;
+    case 4: return KVARN_V_SUMS<B, 4>;
 #endif
   }
   return nullptr;
