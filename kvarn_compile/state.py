@@ -343,7 +343,7 @@ class LayerState:
             t = self.buffers[i]
             if name in GROW_AXIS_FIELDS:
                 region = "sink" if name.startswith("sink") else "tail" if name.startswith("tail") else "tiles"
-                total += t[:, :, :1].numel() * t.element_size() * slots[region]
+                total += math.prod(t.shape[:2]) * math.prod(t.shape[3:]) * t.element_size() * slots[region]
             else:
                 total += t.numel() * t.element_size()
         return total
@@ -377,7 +377,9 @@ class LayerState:
         f = self.fields
         members = [t for tiles in (f.k, f.v) for t in (*tiles.core, tiles.row_factor, tiles.col_factor)]
         members.append(f.k_plain)
-        return sum(t[0, :, 0].numel() * t.element_size() for t in members if t is not None)
+        # per slot: every dim but batch and the tile axis (a state may have no slot at all)
+        return sum(t.shape[1] * math.prod(t.shape[3:]) * t.element_size()
+                   for t in members if t is not None)
 
     def used_bytes(self) -> dict[str, int]:
         """Bytes that hold the current tokens, by region (for bits-per-element reports).

@@ -77,6 +77,11 @@ def test_sizes_follow_the_tokens_and_the_capacity_says_what_fits():
     tiny = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=G + G + 5,
                           dtype=torch.float32, grow_from=1)
     assert not tiny.growable and tiny.grown == (32, 32, 1) and int(tiny.capacity[0]) == G + G + 5
+    # no tile slot at all (max_len shorter than sink + one tile): byte accounting still works
+    none = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=40, dtype=torch.float32,
+                          grow_from=8)
+    assert none.max_tiles == 0 and none.tile_bytes() == tiny.tile_bytes() > 0
+    assert none.used_bytes()["tiles"] == 0 and none.nbytes > 0
 
 
 def test_tiles_grow_in_steps_of_a_sixteenth_past_sixteen_tiles():
