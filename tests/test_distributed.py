@@ -28,12 +28,14 @@ Inductor; gpt-fast: ``kvarn_backend`` with split and with replicated KV heads; s
 5. a rank that raises, or hangs, ends the run with its error or a collective timeout,
    well before the test's timeout, never a hang.
 
-A tiny model's Inductor compile takes tens of seconds per rank, so one run holds the
-scenarios that use ``compiler="eager"`` and one Inductor scenario (``inductor_pass``), and
-a second run, marked ``slow``, holds ``kvarn_backend``'s own Inductor path on both models
-(``kvarn_backend(compiler="inductor")`` over a ``StaticCache``, and the gpt-fast model).
-The Inductor scenarios are compared with the one-process ``compiler="eager"`` run of the
-same model (``REFERENCE``).
+A tiny model's Inductor compile takes tens of seconds per rank, so the tests of
+``kvarn_backend``'s own Inductor path on both models (``kvarn_backend(compiler="inductor")``
+over a ``StaticCache``, and the gpt-fast model) are marked ``slow``; the other scenarios use
+``compiler="eager"``, but for one Inductor scenario (``inductor_pass``). One two-rank run
+holds every scenario of the selected tests (the slow ones only when a slow test is
+selected: ``-m "not slow"`` leaves them out), so the ranks start and warm up once. The
+Inductor scenarios are compared with the one-process ``compiler="eager"`` run of the same
+model (``REFERENCE``).
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ COLLECTIVE_OPS = ("to_local", "from_local", "redistribute", "all_reduce", "wait_
 #: One two-rank run (one torchrun) does these; one of them compiles with Inductor.
 SCENARIOS = ["hf_backend_dynamic", "hf_backend_static", "hf_kvarn_cache", "hf_inductor_pass",
              "gptfast_backend", "gptfast_replicated"]
-#: A second run, marked slow: kvarn_backend's own Inductor path (its lowerings, autotuning)
-#: on the tp_plan model and on the gpt-fast model.
+#: Marked slow (in the same run when a slow test is selected): kvarn_backend's own Inductor
+#: path (its lowerings, autotuning) on the tp_plan model and on the gpt-fast model.
 SLOW_SCENARIOS = ["hf_backend_static_inductor", "gptfast_inductor"]
 #: The one-process run an Inductor scenario is compared with: the same model, cache and
 #: preset compiled with ``compiler="eager"`` (Dynamo's graphs do not depend on the compiler,
@@ -355,9 +357,17 @@ def _two_ranks(base: pathlib.Path, model_dir: pathlib.Path, scenarios: list[str]
             for name in scenarios}
 
 
+def _slow_selected(session) -> bool:
+    """Whether a test of this module marked slow is selected (not deselected by -m / -k)."""
+    here = pathlib.Path(__file__).resolve()
+    return any(pathlib.Path(str(item.path)).resolve() == here and item.get_closest_marker("slow")
+               for item in session.items)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, model_dir):
-    """(two-rank results per scenario and rank, single-process results per scenario)."""
+def runs(request, tmp_path_factory, model_dir):
+    """(two-rank results per scenario and rank, single-process results per scenario); the
+    slow scenarios are in the same two-rank run when a slow test is selected."""
     import torch
 
     pytest.importorskip("accelerate", reason="tp_plan='auto' needs accelerate (pip install -e '.[test]')")
@@ -370,14 +380,18 @@ def runs(tmp_path_factory, model_dir):
             if name not in REFERENCE:
                 single[name] = run_scenario(name, str(model_dir), 1)
 
-    ranks = _two_ranks(tmp_path_factory.mktemp("tp"), model_dir, SCENARIOS, single_process)
+    scenarios = SCENARIOS + (SLOW_SCENARIOS if _slow_selected(request.session) else [])
+    ranks = _two_ranks(tmp_path_factory.mktemp("tp"), model_dir, scenarios, single_process)
     single.update({name: single[ref] for name, ref in REFERENCE.items()})
     return ranks, single
 
 
 @pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory, model_dir, runs):
-    return _two_ranks(tmp_path_factory.mktemp("tp_slow"), model_dir, SLOW_SCENARIOS), runs[1]
+    ranks, single = runs
+    if all(name in ranks for name in SLOW_SCENARIOS):
+        return runs
+    return _two_ranks(tmp_path_factory.mktemp("tp_slow"), model_dir, SLOW_SCENARIOS), single
 
 
 def _results(request, name: str):
@@ -517,12 +531,32 @@ def test_report_without_process_group():
     assert "bytes per rank: 0; total 0 bytes" in text
 
 
-@pytest.mark.parametrize("mode", ["raise", "hang"])
-def test_failure_on_one_rank_ends_the_run(tmp_path, mode):
+FAIL_MODES = ["raise", "hang"]
+
+
+@pytest.fixture(scope="module")
+def failure_runs(tmp_path_factory):
+    """mode -> (exit status, output, seconds): both two-rank runs started together (their
+    ranks mostly wait), each with rank 1 failing in its way."""
     t0 = time.perf_counter()
-    code, text = wait(launch(tmp_path, "--fail-rank", "1", "--fail-mode", mode,
-                             "--pg-timeout", "3"), 120)
-    elapsed = time.perf_counter() - t0
+    procs = {mode: launch(tmp_path_factory.mktemp(f"fail_{mode}"), "--fail-rank", "1",
+                          "--fail-mode", mode, "--pg-timeout", "3") for mode in FAIL_MODES}
+    done = {}
+    try:
+        for mode, proc in procs.items():
+            code, text = wait(proc, max(120 - (time.perf_counter() - t0), 1))
+            done[mode] = (code, text, time.perf_counter() - t0)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return done
+
+
+@pytest.mark.parametrize("mode", FAIL_MODES)
+def test_failure_on_one_rank_ends_the_run(failure_runs, mode):
+    code, text, elapsed = failure_runs[mode]
     assert code != 0, text[-4000:]
     if mode == "raise":
         assert "RuntimeError: injected failure on rank 1" in text, text[-4000:]
