@@ -116,10 +116,17 @@ def _child(args) -> dict:
     return out
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (one compiled prefill)")
-    p.add_argument("--steps", type=int, default=3, help="decode steps after the prefill")
+    p.add_argument("--prompt", type=_positive, default=256, help="prompt tokens (one compiled prefill)")
+    p.add_argument("--steps", type=_positive, default=3, help="decode steps after the prefill")
     p.add_argument("--preset", default="k4v2")
     p.add_argument("--runners", nargs="+", default=["kvarn", "inductor"], choices=["kvarn", "inductor"])
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
