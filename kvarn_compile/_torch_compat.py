@@ -275,7 +275,8 @@ def inductor() -> types.SimpleNamespace:
     ``autotune_select_algorithm``, ``add_feedback_saver``, ``AlgorithmSelectorCache``,
     ``SubgraphTemplate``, ``inline_subgraph_to_ir_nodes``, ``realize_inputs``, ``ir``
     (``torch._inductor.ir``: FixedLayout, FallbackKernel, TensorBox, ...), ``V``,
-    ``config`` (``torch._inductor.config``), ``make_fx``, ``select_decomp_table``.
+    ``config`` (``torch._inductor.config``), ``make_fx``, ``select_decomp_table``, ``ops``
+    (the virtualized ops handler of ``inner_fn`` bodies).
 
     Verified on torch 2.13 (CPU). TritonTemplate needs a GPU driver even to render.
     """
@@ -289,7 +290,7 @@ def inductor() -> types.SimpleNamespace:
         AlgorithmSelectorCache, ExternKernelChoice, SymbolicGridFn, TritonTemplate,
         add_feedback_saver, autotune_select_algorithm, realize_inputs,
     )
-    from torch._inductor.virtualized import V
+    from torch._inductor.virtualized import V, ops
     from torch.fx.experimental.proxy_tensor import make_fx
 
     return types.SimpleNamespace(
@@ -298,7 +299,8 @@ def inductor() -> types.SimpleNamespace:
         autotune_select_algorithm=autotune_select_algorithm, add_feedback_saver=add_feedback_saver,
         AlgorithmSelectorCache=AlgorithmSelectorCache, SubgraphTemplate=SubgraphTemplate,
         inline_subgraph_to_ir_nodes=inline_subgraph_to_ir_nodes, realize_inputs=realize_inputs,
-        ir=ir, V=V, config=config, make_fx=make_fx, select_decomp_table=select_decomp_table)
+        ir=ir, V=V, config=config, make_fx=make_fx, select_decomp_table=select_decomp_table,
+        ops=ops)
 
 
 def static_ints(values: Any) -> list[int] | None:

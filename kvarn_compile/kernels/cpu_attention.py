@@ -413,9 +413,104 @@ void v_sums8(const uint8_t* codes, int NB, int kper, int knb, const float* w, in
 #define KVARN_V_SUMS v_sums
 #endif
 
+// The small dense loops below have AVX2 forms too: a 16-lane accumulator carried across a
+// loop is kept in memory there (moved through general registers, ~10x slower), which made
+// the rotations and the exact region (sink and tail) a fixed cost of ~70 us per call.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define KVARN_AVX2_ONLY 1
+inline __m256 reduce8(const __m256* v) {     // out[i] = sum of the lanes of v[i], i < 8
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#else
+#define KVARN_AVX2_ONLY 0
+#endif
+
+// out[j] = scale * (init[j] + sum_i x[i] * M[rows[i] * D + j]), j < D (rows null: i;
+// init null: 0): a row of queries times the rotation, or the merge's rotation back.
+inline void vec_mat(const float* x, const float* M, const int* rows, int D, const float* init,
+                    float scale, float* out) {
+#if KVARN_AVX2_ONLY
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int j = 0; j < D; j += 16) {
+    __m256 a0 = init ? _mm256_loadu_ps(init + j) : _mm256_setzero_ps();
+    __m256 a1 = init ? _mm256_loadu_ps(init + j + 8) : _mm256_setzero_ps();
+    for (int i = 0; i < D; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i);
+      const float* m = M + (int64_t)(rows ? rows[i] : i) * D + j;
+      a0 = fmadd8(xv, _mm256_loadu_ps(m), a0);
+      a1 = fmadd8(xv, _mm256_loadu_ps(m + 8), a1);
+    }
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(a0, sv));
+    _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(a1, sv));
+  }
+#else
+  for (int j = 0; j < D; j += 16) {   // accumulate in a register, not through memory
+    v16f acc = init ? vld(init + j) : v16f{};
+    for (int i = 0; i < D; ++i) acc += x[i] * vld(M + (int64_t)(rows ? rows[i] : i) * D + j);
+    vst(out + j, acc * splat(scale));
+  }
+#endif
+}
+
+// v[i] = scale * <q, k[i]>, i < n (n a multiple of 16; k: n rows of D floats)
+inline void exact_scores(const float* q, const float* k, int n, int D, float scale, float* v) {
+#if KVARN_AVX2_ONLY
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int i0 = 0; i0 < n; i0 += 8) {        // 8 tokens' dot products, then one add tree
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    const float* kr = k + (int64_t)i0 * D;
+    for (int c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = fmadd8(qv, _mm256_loadu_ps(kr + (int64_t)i * D + c), acc[i]);
+    }
+    _mm256_storeu_ps(v + i0, _mm256_mul_ps(reduce8(acc), sv));
+  }
+#else
+  for (int i0 = 0; i0 < n; i0 += 16) {       // 16 tokens' dot products, then one add tree
+    v16f acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = v16f{};
+    const float* kr = k + (int64_t)i0 * D;
+    for (int c = 0; c < D; c += 16) {         // 16 independent accumulators
+      const v16f qv = vld(q + c);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] += qv * vld(kr + (int64_t)i * D + c);
+    }
+    vst(v + i0, reduce16(acc) * splat(scale));
+  }
+#endif
+}
+
 // o[r][c] += sum_i w[r][i] * x[i][c] for NR rows over cnt exact rows x [cnt, D] (fp32)
 template <int NR>
 void exact_pv(const float* x, int cnt, int D, const float* w, int wstride, float* o, int ostride) {
+#if KVARN_AVX2_ONLY
+  for (int c = 0; c < D; c += 16) {
+    __m256 acc[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = _mm256_loadu_ps(o + r * ostride + c);
+      acc[r][1] = _mm256_loadu_ps(o + r * ostride + c + 8);
+    }
+    for (int i = 0; i < cnt; ++i) {
+      const __m256 x0 = _mm256_loadu_ps(x + (int64_t)i * D + c), x1 = _mm256_loadu_ps(x + (int64_t)i * D + c + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const __m256 wv = _mm256_broadcast_ss(w + r * wstride + i);
+        acc[r][0] = fmadd8(wv, x0, acc[r][0]);
+        acc[r][1] = fmadd8(wv, x1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(o + r * ostride + c, acc[r][0]);
+      _mm256_storeu_ps(o + r * ostride + c + 8, acc[r][1]);
+    }
+  }
+  return;
+#endif
   for (int c = 0; c < D; c += 16) {
     v16f acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = vld(o + r * ostride + c);
@@ -476,7 +571,68 @@ VFn pick_v(int bits, int nr) { return bits == 2 ? v_fn<2>(nr) : bits == 4 ? v_fn
 // block hides every position (then v is zeroed and m, l are unchanged). A NaN score (a
 // visible NaN key) poisons the row like it does the reference's softmax: l becomes NaN
 // (and m finite) for good, and the merge writes NaN.
+#if KVARN_AVX2_ONLY
+inline float hsum8(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+inline float hmax8(__m256 v) {
+  const __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+// vexp on 8 lanes (the same approximation; min/max operand order keeps NaN)
+inline __m256 vexp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654475f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
+  const __m256 magic = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(fmadd8(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+  __m256 r = fmadd8(n, _mm256_set1_ps(-0.693359375f), x);
+  r = fmadd8(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = fmadd8(p, r, _mm256_set1_ps(0.5f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
 inline float softmax_step(float* v, int n, float& m, float& l) {
+#if KVARN_AVX2_ONLY
+  __m256 mx8 = _mm256_set1_ps(NEG_INF), nan8 = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    mx8 = _mm256_max_ps(x, mx8);                              // a NaN x keeps mx8
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan8) || std::isnan(l)) {
+    if (!(m > NEG_INF)) m = 0.f;
+    l = std::numeric_limits<float>::quiet_NaN();
+    std::memset(v, 0, sizeof(float) * n);
+    return 1.f;
+  }
+  const float peak8 = hmax8(mx8);
+  if (!(peak8 > NEG_INF)) { std::memset(v, 0, sizeof(float) * n); return -1.f; }
+  const float m_new8 = std::max(m, peak8);
+  const float alpha8 = std::exp(m - m_new8);
+  const __m256 mv8 = _mm256_set1_ps(m_new8);
+  __m256 ps8 = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 p = vexp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), mv8));
+    _mm256_storeu_ps(v + i, p);
+    ps8 = _mm256_add_ps(ps8, p);
+  }
+  l = l * alpha8 + hsum8(ps8);
+  m = m_new8;
+  return alpha8;
+#endif
   v16f mx = splat(NEG_INF);
   v16i nan{};
   for (int i = 0; i < n; i += 16) {
@@ -597,11 +753,7 @@ void run(const Call& a) {
       const float inv = L > 0.f ? 1.f / L : 0.f;
       if (a.lse) a.lse[orow] = L > 0.f ? std::log(L) + M : NEG_INF;
       if (a.rot_t) {
-        for (int j = 0; j < D; j += 16) {   // accumulate in a register, not through memory
-          v16f acc = vld(plain + j);
-          for (int i = 0; i < D; ++i) acc += rot[i] * vld(a.rot_t + (int64_t)chan[i] * D + j);
-          vst(o + j, acc * splat(inv));
-        }
+        vec_mat(rot, a.rot_t, chan.data(), D, plain, inv, o);
       } else {
         for (int i = 0; i < D; ++i) o[chan[i]] = (rot[i] + (fused ? plain[chan[i]] : 0.f)) * inv;
       }
@@ -614,12 +766,30 @@ void run(const Call& a) {
     const int64_t rows = (int64_t)B * HQ * TQ;
     qrot_buf.assign(rows * D, 0.f);
     for (int64_t r = 0; r < rows; ++r)
-      for (int j = 0; j < D; j += 16) {     // accumulate in a register, not through memory
-        v16f acc{};
-        for (int c = 0; c < D; ++c) acc += a.q[r * D + c] * vld(a.rot + (int64_t)c * D + j);
-        vst(qrot_buf.data() + r * D + j, acc);
-      }
+      vec_mat(a.q + r * D, a.rot, nullptr, D, nullptr, 1.f, qrot_buf.data() + r * D);
     qrot = qrot_buf.data();
+  }
+  // Per query row (b, query head, tq): 1 when the mask hides nothing of the packed-tile
+  // region [S, S + n_tiles * G) (the usual decode mask), so the tile loop skips its per-token
+  // mask lookups there; positions outside a row's causal/window range are still hidden.
+  std::vector<char> tiles_open((size_t)B * HQ * TQ, 0);
+  if (a.mask && fused) {
+    for (int b = 0; b < B; ++b) {
+      const int64_t p_end = a.S + std::min<int64_t>(std::max<int64_t>(a.n_tiles[b], 0), N) * G;
+      for (int qh = 0; qh < HQ; ++qh)
+        for (int tq = 0; tq < TQ; ++tq) {
+          const int64_t off = b * a.msb + (int64_t)qh * a.msh + tq * a.msq;
+          bool open = true;
+          if (a.mask_float) {
+            const float* mf = (const float*)a.mask + off;
+            for (int64_t p = a.S; p < p_end && open; ++p) open = mf[p * a.msm] == 0.f;
+          } else {
+            const uint8_t* mb = (const uint8_t*)a.mask + off;
+            for (int64_t p = a.S; p < p_end && open; ++p) open = mb[p * a.msm] != 0;
+          }
+          tiles_open[((size_t)b * HQ + qh) * TQ + tq] = open;
+        }
+    }
   }
   std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[B * H]);
   for (int64_t i = 0; i < (int64_t)B * H; ++i) done[i].store(0, std::memory_order_relaxed);
@@ -716,17 +886,7 @@ void run(const Call& a) {
               const int tq = r % TQ;
               float* v = s.data() + r * EB;
               const float* qrow = qp + r * D;
-              for (int i0 = 0; i0 < n16; i0 += 16) {      // 16 tokens' dot products, then one add tree
-                v16f acc[16];
-                for (int i = 0; i < 16; ++i) acc[i] = v16f{};
-                const float* kr = kfl.data() + (int64_t)i0 * D;
-                for (int c = 0; c < D; c += 16) {       // 16 independent accumulators
-                  const v16f qv = vld(qrow + c);
-#pragma GCC unroll 16
-                  for (int i = 0; i < 16; ++i) acc[i] += qv * vld(kr + (int64_t)i * D + c);
-                }
-                vst(v + i0, reduce16(acc) * splat(a.scale));
-              }
+              exact_scores(qrow, kfl.data(), n16, D, a.scale, v);
               for (int i = 0; i < cnt; ++i) {
                 if (pos[i] < lo[tq] || pos[i] > hi[tq]) v[i] = NEG_INF;
                 else if (a.mask) v[i] = apply_mask(r, pos[i], v[i]);
@@ -764,6 +924,15 @@ void run(const Call& a) {
         for (int r = 0; r < R; ++r) {
           const float* x = qsrc + r * D;
           float* o = qs.data() + r * D;
+#if KVARN_AVX2_ONLY
+          __m256 b8 = _mm256_setzero_ps();
+          for (int c = 0; c < D; c += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + c);
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(xv, _mm256_loadu_ps(ks.data() + c)));
+            b8 = fmadd8(xv, _mm256_loadu_ps(kz.data() + c), b8);
+          }
+          bias[r] = hsum8(b8);
+#else
           v16f bacc{};
           for (int c = 0; c < D; c += 16) {
             const v16f xv = vld(x + c);
@@ -771,6 +940,7 @@ void run(const Call& a) {
             bacc += xv * vld(kz.data() + c);
           }
           bias[r] = hsum(bacc);
+#endif
         }
         const uint8_t* kcodes = a.kc + tile * D * knb_packed;
         if (!k_native) { unpack_bytes(kcodes, D, G, a.kb, k8.data()); kcodes = k8.data(); }
@@ -783,17 +953,27 @@ void run(const Call& a) {
           float* v = s.data() + r * G;
           const v16f bv = splat(bias[r]);
           for (int i = 0; i < G; i += 16) vst(v + i, (vld(v + i) + bv) * vld(kcs.data() + i));
-          if (p0 < lo[tq] || p1 > hi[tq] || a.mask) {
+          const bool masked = a.mask && !tiles_open[((size_t)b * HQ + h * grp + r / TQ) * TQ + tq];
+          if (p0 < lo[tq] || p1 > hi[tq] || masked) {
             for (int i = 0; i < G; ++i) {     // score order i = k * knb + jj is token jj * kper + k
               const int64_t p = p0 + (int64_t)(i % knb) * kper + i / knb;
               if (p < lo[tq] || p > hi[tq]) v[i] = NEG_INF;
-              else if (a.mask) v[i] = apply_mask(r, p, v[i]);
+              else if (masked) v[i] = apply_mask(r, p, v[i]);
             }
           }
           const float al = softmax_step(v, G, m[r], l[r]);
           live[r] = al >= 0.f;
           alpha[r] = al;
           if (al < 0.f) { zsum[r] = 0.f; continue; }
+#if KVARN_AVX2_ONLY
+          __m256 z8 = _mm256_setzero_ps();
+          for (int i = 0; i < G; i += 8) {
+            const __m256 p = _mm256_loadu_ps(v + i);
+            z8 = fmadd8(p, _mm256_loadu_ps(vz.data() + i), z8);
+            _mm256_storeu_ps(v + i, _mm256_mul_ps(p, _mm256_loadu_ps(vs.data() + i)));
+          }
+          zsum[r] = hsum8(z8);
+#else
           v16f z{};
           for (int i = 0; i < G; i += 16) {
             const v16f p = vld(v + i);
@@ -801,6 +981,7 @@ void run(const Call& a) {
             vst(v + i, p * vld(vs.data() + i));
           }
           zsum[r] = hsum(z);
+#endif
         }
         const uint8_t* vcodes = a.vc + tile * G * vnb_packed;
         if (!v_native) { unpack_bytes(vcodes, G, D, a.vb, v8.data()); vcodes = v8.data(); }
@@ -1040,7 +1221,7 @@ def _module():
     # -march=native: the extension is built on (and cached for) the machine that runs it;
     # the CPU model is part of the name so a cache shared between machines never mixes them.
     cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
-    return load_inline(name=f"kvarn_cpu_attention_v4_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
+    return load_inline(name=f"kvarn_cpu_attention_v5_{cpu}", cpp_sources=[_CPP_DECL, _SOURCE],
                        functions=["kvarn_attention", "kvarn_append_decode"],
                        # -fopenmp: at::parallel_for is inlined here as an OpenMP region (without
                        # it the loop runs on one thread); libgomp resolves to torch's own copy

@@ -4,7 +4,8 @@
     lowering.register()          # kvarn_backend(compiler="inductor") does this for you
 
 ``register()`` installs the lowering of ``torch.ops.kvarn.attention.default`` (and of the
-internal ``kvarn::tile_partials_``) in ``torch._inductor.lowering.user_lowerings``
+internal ``kvarn::tile_partials_``, and of ``kvarn::positions_start`` for one position:
+``lowering/positions.py``) in ``torch._inductor.lowering.user_lowerings``
 and hooks the autotune feedback saver that records winners in
 :data:`kvarn_compile.autotune.DB`. What each lowering offered and picked is appended to
 :data:`DECISIONS` (the backend copies it into ``backend.report.notes``).
@@ -40,7 +41,7 @@ import threading
 import torch
 
 from kvarn_compile import _torch_compat, ops  # noqa: F401  (ops: registers torch.ops.kvarn)
-from kvarn_compile.lowering import attention, decisions, tiles
+from kvarn_compile.lowering import attention, decisions, positions, tiles
 from kvarn_compile.lowering.decisions import (
     DECISIONS, PATHS, LoweringDecision, current_path, finish_decision, record_decision,
     spec_label, tune_key, use_path,
@@ -76,6 +77,7 @@ def register() -> None:
         tiles.externs()
         ind.user_lowerings[torch.ops.kvarn.attention.default] = attention.lower_attention
         ind.user_lowerings[torch.ops.kvarn.tile_partials_.default] = tiles.lower_tile_partials
+        ind.user_lowerings[torch.ops.kvarn.positions_start.default] = positions.lower_positions_start
         if not _saver_added:
             ind.add_feedback_saver(decisions.feedback_saver)
             _saver_added = True
@@ -93,6 +95,7 @@ def unregister() -> None:
         ind = _torch_compat.inductor()
         ind.user_lowerings.pop(torch.ops.kvarn.attention.default, None)
         ind.user_lowerings.pop(torch.ops.kvarn.tile_partials_.default, None)
+        ind.user_lowerings.pop(torch.ops.kvarn.positions_start.default, None)
         _torch_compat.tag_inductor_caches(_cache_tag(), remove=True)
         _registered = False
 

@@ -30,6 +30,7 @@ import threading
 import torch
 
 from kvarn_compile.lowering import decompose
+from kvarn_compile.ops import dispatch
 from kvarn_compile.lowering.decisions import (
     current_path, finish_decision, record_decision, tune_key,
 )
@@ -49,6 +50,8 @@ def _reference_flat(*args: torch.Tensor, n_buffers: int, has_mask: bool, scale: 
     """
     q, buffers = args[0], list(args[1:1 + n_buffers])
     mask = args[1 + n_buffers] if has_mask else None
+    if q.device.type == "cpu":      # the op's CPU kernel itself, without the op's dispatch
+        return dispatch.attention_cpu(q, buffers, mask, scale, causal, window)
     return torch.ops.kvarn.attention.default(q, buffers, mask, scale, causal, window).contiguous()
 
 

@@ -33,7 +33,7 @@ from kvarn_compile.ops import library, reference, regions
 from kvarn_compile.reference.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
-__all__ = ["kernel_applies", "attention", "freeze_tiles_triton", "freeze_tiles_cpu"]
+__all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
@@ -117,7 +117,8 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 
 
 @library.attention.register_kernel("cpu")
-def _attention_cpu(q, buffers, mask, scale, causal, window):
+def attention_cpu(q, buffers, mask, scale, causal, window):
+    """The CPU kernel of ``kvarn::attention`` (the C++ decode step where it applies)."""
     from kvarn_compile.kernels import cpu_attention
 
     if q.shape[2] <= 16 and cpu_attention.available():      # KVARN_CPU_KERNEL=0: off
@@ -246,6 +247,16 @@ def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_fin
         return
     reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                       tile_kernel=freeze_tiles_cpu)
+
+
+@library.append_from_.register_kernel("cpu")
+def _append_from_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+                     cache_k, cache_v, fresh):
+    """``append_from_`` with the CPU append called directly (the op's default kernel goes
+    through ``torch.ops.kvarn.append_`` again: a second dispatch per layer and step)."""
+    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+                     check_finite, name, fresh, append=_append_cpu)
+    _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
 
 
 @library.cp_append_.register_kernel("cpu")
