@@ -380,3 +380,24 @@ def test_cpu_auto_path_calls_the_cpp_kernel_extern_for_a_decode_step():
     # one generated kernel at most (the 2x scale; its name appears at definition and call):
     # no inlined decomposition (the dense path generates >= 3, see the test above)
     assert source.count("cpp_fused") <= 2
+
+
+# ----------------------------------------------------------------- positions_start
+def test_one_position_start_lowers_to_a_fused_broadcast_and_several_keep_the_checked_op():
+    def step(pos, x):
+        return torch.ops.kvarn.positions_start.default(pos, 3) + x
+
+    with no_graph_caches():
+        torch._dynamo.reset()
+        fn = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
+        x = torch.zeros(3, dtype=torch.int64)
+        got, (code,) = run_and_get_code(fn, torch.tensor([[41]]), x)
+        assert torch.equal(got, torch.full((3,), 41)), got
+        assert "kvarn.positions_start" not in code and "fused" in code, code   # no op call left
+        # several positions: the op itself runs, with its contiguity check
+        torch._dynamo.reset()
+        fn = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
+        got, (code,) = run_and_get_code(fn, torch.tensor([5, 6, 7]), x)
+        assert torch.equal(got, torch.full((3,), 5)) and "kvarn.positions_start" in code
+        with pytest.raises(ValueError, match="one contiguous run"):
+            fn(torch.tensor([5, 7, 8]), x)
