@@ -233,12 +233,16 @@ def compile_function(fn: Callable[..., Any], args: list[torch.Tensor]) -> Callab
 
     Runs in a worker thread: the caller may be inside another compile (a lowering that
     benchmarks this choice), and a graph of its own must not see that compile's tracing
-    context, fake mode or virtualized handlers (all thread-local). Inductor's FX-graph
-    cache serves it in a warm process.
+    context, fake mode or virtualized handlers (all thread-local). Compiled in a tracing
+    context with a shape environment, so AOTAutograd's and Inductor's FX-graph caches serve
+    it in a warm process.
     """
     check_torch_version()
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.triton_bundler import TritonBundler
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.experimental.proxy_tensor import make_fx
 
     result: dict[str, Any] = {}
@@ -247,7 +251,21 @@ def compile_function(fn: Callable[..., Any], args: list[torch.Tensor]) -> Callab
         try:
             with torch.no_grad():
                 gm = make_fx(fn, decomposition_table=select_decomp_table())(*args)
-                result["fn"] = compile_fx(gm, list(args))
+                # compiled in a tracing context whose fake mode has a shape environment:
+                # without one, AOTAutograd's and Inductor's FX-graph caches bypass the graph
+                # ("No shape env") and a warm process compiles it again
+                # (Inductor's Triton bundler is process-global state of the compile that
+                # waits for this one: set aside while this graph compiles and is cached)
+                context = torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+                bundler = (TritonBundler._entries, TritonBundler._static_autotuners,
+                           TritonBundler._winners)
+                TritonBundler.end_compile()
+                try:
+                    with torch._guards.tracing(context):
+                        result["fn"] = compile_fx(gm, list(args))
+                finally:
+                    (TritonBundler._entries, TritonBundler._static_autotuners,
+                     TritonBundler._winners) = bundler
         except BaseException as e:          # re-raised in the caller's thread
             result["error"] = e
 
