@@ -183,6 +183,34 @@ def test_the_shared_path_compiles_one_graph_for_every_site_of_a_geometry():
     assert len(lowering_attention._SHARED) == before + 2
 
 
+def test_the_shared_graph_is_served_by_inductors_caches_in_a_new_process(tmp_path, monkeypatch):
+    """A warm process traces the shared decomposition again, but Inductor's FX-graph cache
+    (and AOTAutograd's) serve its compile: no 'No shape env' bypass."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from kvarn_compile._torch_compat import compile_function
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    st = packed_cache(device="cpu")
+    q = torch.randn(2, 4, 24, 16)
+    rot = rotation_matrix(16, "cpu")
+    fn = functools.partial(decompose.attention_dense, n_buffers=len(st.buffers), has_mask=False,
+                           scale=0.3, causal=True, window=0)
+    args = [q, *st.buffers, rot]
+    want = reference.attention(q, st.buffers, None, 0.3, True, 0)
+    counters.clear()
+    with inductor_config.patch(fx_graph_cache=True):
+        first = compile_function(fn, args)          # the first process: compiled, stored
+        torch.testing.assert_close(first(*args), want, atol=2e-5, rtol=1e-5)
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        again = compile_function(fn, args)          # as a new process would: served
+        torch.testing.assert_close(again(*args), want, atol=2e-5, rtol=1e-5)
+    assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] > hits
+
+
 def test_symbolic_shapes_fall_back_to_the_op_itself():
     st = packed_cache(device="cpu")
     q = torch.randn(2, 4, 1, 16)
