@@ -39,7 +39,7 @@ import torch
 
 from kvarn_compile.config import KVarNConfig
 
-__all__ = ["StateLayout", "StateFields", "Tiles", "Geometry", "unpack", "LayerState",
+__all__ = ["StateLayout", "StateFields", "Tiles", "Geometry", "unpack", "field_indices", "LayerState",
            "allocate_layer", "fp16_cache_bytes", "BASE_FIELDS", "FP8_FACTOR_FIELDS",
            "KEY_FRAME_FIELDS", "TILE_FIELDS", "GROW_AXIS_FIELDS", "BUF", "grow_axis_indices",
            "can_grow", "grown_sizes"]
@@ -114,6 +114,12 @@ def _indices(layout: StateLayout) -> dict[str, int]:
 
 _BY_LENGTH = {len(_names(lay)): lay for lay in (StateLayout(f, k) for f in (False, True)
                                                 for k in (False, True))}
+
+
+def field_indices(buffers: Sequence[Any]) -> dict[str, int]:
+    """Member name -> position in a state's buffer list (a cached dict: the per-token paths
+    read a few members without building :class:`StateFields`)."""
+    return _indices(StateLayout.of(buffers))
 
 #: Positions of the members that sit at a fixed place in every layout that has them (the
 #: base members, then the fp8 factors). Prefer :func:`unpack`; this is for tests and tools.

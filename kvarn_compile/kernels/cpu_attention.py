@@ -1383,9 +1383,11 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     """The decode-step append in one C++ call; True when done, False (nothing written) when
     the reference must run: a new sequence, a rollback, uncommitted tokens, a tile that
     completes, a full tail, the capacity or an fp16 overflow (the reference raises there)."""
-    from kvarn_compile.state import unpack
+    from kvarn_compile.state import field_indices
 
-    f = unpack(buffers)
+    at = field_indices(buffers)       # (no StateFields: this runs per layer and token)
+    b = buffers
     return bool(_module().kvarn_append_decode(
-        k, v, f.sink_k, f.sink_v, f.tail_k, f.tail_v, f.lengths, f.committed, f.n_tiles,
-        f.capacity, start_pos, f.k.col_scale.shape[-1], int(recent), int(hold)))
+        k, v, b[at["sink_k"]], b[at["sink_v"]], b[at["tail_k"]], b[at["tail_v"]],
+        b[at["lengths"]], b[at["committed"]], b[at["n_tiles"]], b[at["capacity"]], start_pos,
+        b[at["k_col_scale"]].shape[-1], int(recent), int(hold)))

@@ -404,9 +404,14 @@ def _tune_observe_fake(token, buffers, k, v, start_pos, tuner, site, recent, hol
 # argument against the schema to bump the version counters of the mutated buffers: ~50 us
 # per call on a 2-core CPU, a few ms per decode step of a 30-layer model. The packed
 # buffers belong to kvarn and are never saved for a backward pass, so that key falls
-# through to the device kernels. (The Autograd kernel stays: a backward through an op
-# still says it has no autograd formula.)
+# through to the device kernels. The cache ops return nothing, so nothing of theirs can
+# reach a backward pass either: their Python Autograd kernel (~25 us of re-dispatch per
+# call) falls through too. (Ops with outputs keep it: a backward through them still says
+# they have no autograd formula.)
 _NO_VERSION_BUMP = torch.library.Library("kvarn", "IMPL")
 for _name in ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
               "cp_append_from_", "tile_partials_", "tile_partials_triton_", "tune_observe_"):
     _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "ADInplaceOrView")
+for _name in ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
+              "cp_append_from_"):
+    _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "Autograd")
