@@ -261,8 +261,7 @@ def _append_from_cpu(buffers, k, v, start_pos, method, iters, recent, hold, chec
 # The compiled decode step calls append_from_ once per layer and token: registered as the
 # op's CPU kernel directly, without custom_op's per-device Python wrapper (its aliasing
 # check has nothing to check for an op that returns nothing; ~35 us per call).
-_CPU_KERNELS = torch.library.Library("kvarn", "IMPL")
-_CPU_KERNELS.impl("append_from_", _append_from_cpu, "CPU")
+library.register_plain_kernel("append_from_", _append_from_cpu, "CPU")
 
 
 @library.cp_append_.register_kernel("cpu")

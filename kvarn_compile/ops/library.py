@@ -69,7 +69,7 @@ from kvarn_compile import context_parallel
 from kvarn_compile.ops import reference
 
 __all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
-           "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_",
+           "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_", "register_plain_kernel",
            "tile_partials_triton_", "tune_observe_"]
 
 
@@ -415,3 +415,12 @@ for _name in ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_ap
 for _name in ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
               "cp_append_from_"):
     _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+
+
+def register_plain_kernel(name: str, fn, dispatch_key: str) -> None:
+    """Register ``fn`` as the ``dispatch_key`` kernel of the cache op ``name`` without
+    custom_op's per-device Python wrapper (for ops that return nothing, whose aliasing
+    check has nothing to check; the hot per-token ops)."""
+    if name not in ("append_", "append_from_", "cp_append_", "cp_append_from_"):
+        raise ValueError(f"Expected one of the cache append ops, but got {name!r}.")
+    _NO_VERSION_BUMP.impl(name, fn, dispatch_key)
