@@ -121,6 +121,7 @@ def field_indices(buffers: Sequence[Any]) -> dict[str, int]:
     read a few members without building :class:`StateFields`)."""
     return _indices(StateLayout.of(buffers))
 
+
 #: Positions of the members that sit at a fixed place in every layout that has them (the
 #: base members, then the fp8 factors). Prefer :func:`unpack`; this is for tests and tools.
 BUF = {name: i for i, name in enumerate(BASE_FIELDS + FP8_FACTOR_FIELDS)}

@@ -408,12 +408,13 @@ def _tune_observe_fake(token, buffers, k, v, start_pos, tuner, site, recent, hol
 # reach a backward pass either: their Python Autograd kernel (~25 us of re-dispatch per
 # call) falls through too. (Ops with outputs keep it: a backward through them still says
 # they have no autograd formula.)
+#: the cache ops: mutate the packed buffers, return nothing
+_CACHE_OPS = ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
+              "cp_append_from_")
 _NO_VERSION_BUMP = torch.library.Library("kvarn", "IMPL")
-for _name in ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
-              "cp_append_from_", "tile_partials_", "tile_partials_triton_", "tune_observe_"):
+for _name in _CACHE_OPS + ("tile_partials_", "tile_partials_triton_", "tune_observe_"):
     _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "ADInplaceOrView")
-for _name in ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
-              "cp_append_from_"):
+for _name in _CACHE_OPS:
     _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 
@@ -421,6 +422,6 @@ def register_plain_kernel(name: str, fn, dispatch_key: str) -> None:
     """Register ``fn`` as the ``dispatch_key`` kernel of the cache op ``name`` without
     custom_op's per-device Python wrapper (for ops that return nothing, whose aliasing
     check has nothing to check; the hot per-token ops)."""
-    if name not in ("append_", "append_from_", "cp_append_", "cp_append_from_"):
-        raise ValueError(f"Expected one of the cache append ops, but got {name!r}.")
+    if name not in _CACHE_OPS:
+        raise ValueError(f"Expected one of the cache ops {_CACHE_OPS}, but got {name!r}.")
     _NO_VERSION_BUMP.impl(name, fn, dispatch_key)
