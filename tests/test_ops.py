@@ -600,6 +600,21 @@ def _utils(preset):
     return base[1:] if preset == "k4v2-fp8" else base
 
 
+def test_keys_that_require_grad_leave_no_autograd_history_in_the_packed_buffers():
+    """A forward outside no_grad (a model in training mode, an unfrozen adapter): the cache
+    ops run below autograd, so the packed buffers never join an autograd graph."""
+    st = new_state(PRESETS["k4v2"])
+    k, v = kv(2, 90)
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    torch.ops.kvarn.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long), "kvarn", 8, 0, 0,
+                            False, "")
+    empty = torch.zeros(2, k.shape[1], 4, D)
+    torch.ops.kvarn.append_from_(st.buffers, k[:, :, :1], v[:, :, :1], torch.full((2,), 90),
+                                 "kvarn", 8, 0, 0, False, "", empty, empty, False)
+    assert not any(b.requires_grad or b.grad_fn is not None for b in st.buffers)
+
+
 @pytest.mark.parametrize("preset", ["k4v2", "k4v2-fp8"])
 def test_opcheck_append_and_commit(preset):
     cfg = PRESETS[preset]

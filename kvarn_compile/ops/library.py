@@ -404,18 +404,15 @@ def _tune_observe_fake(token, buffers, k, v, start_pos, tuner, site, recent, hol
 # argument against the schema to bump the version counters of the mutated buffers: ~50 us
 # per call on a 2-core CPU, a few ms per decode step of a 30-layer model. The packed
 # buffers belong to kvarn and are never saved for a backward pass, so that key falls
-# through to the device kernels. The cache ops return nothing, so nothing of theirs can
-# reach a backward pass either: their Python Autograd kernel (~25 us of re-dispatch per
-# call) falls through too. (Ops with outputs keep it: a backward through them still says
-# they have no autograd formula.)
+# through to the device kernels. (The Autograd kernel stays: it runs the kernels below
+# autograd, so K/V that require grad never give the packed buffers an autograd history,
+# and a backward through an op with outputs says it has no autograd formula.)
 #: the cache ops: mutate the packed buffers, return nothing
 _CACHE_OPS = ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
               "cp_append_from_")
 _NO_VERSION_BUMP = torch.library.Library("kvarn", "IMPL")
 for _name in _CACHE_OPS + ("tile_partials_", "tile_partials_triton_", "tune_observe_"):
     _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "ADInplaceOrView")
-for _name in _CACHE_OPS:
-    _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 
 def register_plain_kernel(name: str, fn, dispatch_key: str) -> None:
