@@ -37,8 +37,9 @@ __all__ = ["kvarn_backend", "KVarNBackend", "Report"]
 log = logging.getLogger(__name__)
 
 
-def _log_graph(msg: str, *args: Any) -> None:
-    """Graphs before/after the rewrite, at DEBUG on this module's logger.
+def _log_graph(msg: str, graph_id: int, gm: fx.GraphModule) -> None:
+    """A graph before/after the rewrite, at DEBUG on this module's logger (``msg`` takes the
+    graph's number and its readable code, which is only generated when the level is on).
 
     ``TORCH_LOGS="+kvarn_compile"`` turns it on through torch._logging (torch parses
     TORCH_LOGS when it is imported, before a third-party artifact could be registered, so
@@ -46,7 +47,7 @@ def _log_graph(msg: str, *args: Any) -> None:
     logging.DEBUG})`` does the same in-process.
     """
     if log.isEnabledFor(logging.DEBUG):
-        log.debug(msg, *args)
+        log.debug(msg, graph_id, gm.print_readable(print_output=False))
 
 
 class Report:
@@ -285,8 +286,7 @@ class KVarNBackend:
         with self._lock:
             self.report.graphs += 1
             graph_id = self.report.graphs
-            _log_graph("kvarn graph %d before rewrite:\n%s", graph_id,
-                       gm.print_readable(print_output=False))
+            _log_graph("kvarn graph %d before rewrite:\n%s", graph_id, gm)
             new_gm = _copy_graph_module(gm)
             param_at = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
             tag = self._model_tag([example_inputs[i] for i in param_at])
@@ -316,8 +316,7 @@ class KVarNBackend:
             from kvarn_compile.passes.graph_text import normalize_graph
 
             self.graph_log.append((normalize_graph(gm), normalize_graph(new_gm)))
-            _log_graph("kvarn graph %d after rewrite:\n%s", graph_id,
-                       new_gm.print_readable(print_output=False))
+            _log_graph("kvarn graph %d after rewrite:\n%s", graph_id, new_gm)
             for r in reports:
                 log.info("kvarn: %s", r.line().strip())
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched
@@ -482,11 +481,14 @@ def check_consistent(seen: set[str], reports: list[SiteReport]) -> None:
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule over a copy of ``gm``'s graph (Dynamo keeps using the original)."""
+    """A GraphModule over a copy of ``gm``'s graph (Dynamo keeps using the original); its
+    Python code is generated when first needed (the compiler hashes it once anyway)."""
+    from kvarn_compile._torch_compat import lazy_graph_module
+
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return lazy_graph_module(gm, graph)
 
 
 def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 8192,

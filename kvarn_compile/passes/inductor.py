@@ -80,8 +80,7 @@ class KVarNInductorPass(custom_graph_pass_base()):
             self.report.graphs += 1
             graph_id = self.report.graphs
             before = normalize_graph(gm)
-            _log_graph("kvarn pre-grad graph %d before rewrite:\n%s", graph_id,
-                       gm.print_readable(print_output=False))
+            _log_graph("kvarn pre-grad graph %d before rewrite:\n%s", graph_id, gm)
             ctx = RewriteContext(get_state=self._size_state, method=self.config.op_method,
                                  iters=self.config.sinkhorn_iters,
                                  recent=self.config.recent_window, hold=self.spec_tokens,
@@ -93,8 +92,7 @@ class KVarNInductorPass(custom_graph_pass_base()):
             check_consistent(self._rewritten_sites, reports)
             self.report.sites.extend(reports)
             self.graph_log.append((before, normalize_graph(gm)))
-            _log_graph("kvarn pre-grad graph %d after rewrite:\n%s", graph_id,
-                       gm.print_readable(print_output=False))
+            _log_graph("kvarn pre-grad graph %d after rewrite:\n%s", graph_id, gm)
             for r in reports:
                 log.info("kvarn: %s", r.line().strip())
 
