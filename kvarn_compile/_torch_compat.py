@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn_sources_hash",
-           "lazy_graph_module",
+           "lazy_graph_module", "refuse_eager_fallback", "EagerFallbackRefused",
            "KVarNUUIDPass", "custom_graph_pass_base", "inductor", "triton_version",
            "device_identity", "triton_templates_available", "register_cache_salt", "cache_salt",
            "tag_inductor_caches", "triton_cpu_mode", "triton_cpu_requested"]
@@ -146,6 +146,59 @@ def custom_graph_pass_base() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
+
+
+# ------------------------------------------------------------------------------ dynamo
+#: Dynamo frame ids whose graphs a kvarn pass rewrote (see :func:`refuse_eager_fallback`).
+_REWRITTEN_FRAMES: set[int] = set()
+_FALLBACK_GUARD = threading.Lock()
+_FALLBACK_INSTALLED = False
+
+
+class EagerFallbackRefused(RuntimeError):
+    """Dynamo would run a frame whose graphs kvarn rewrote uncompiled (see
+    :func:`refuse_eager_fallback`)."""
+
+
+def refuse_eager_fallback() -> None:
+    """Refuse to let Dynamo run the frame being compiled (whose graph kvarn rewrote) uncompiled.
+
+    When a frame exceeds ``torch._dynamo.config.recompile_limit`` Dynamo runs it as plain
+    Python from then on (a warning in the log). For a frame whose attention kvarn rewrote
+    that is wrong, not merely slow: the model's own K/V cache tensors were released or
+    replaced by a placeholder (the packed state holds the tokens), so the uncompiled
+    attention would read zeros. Dynamo logs the limit just before it gives up; a filter on
+    that log record raises instead (Dynamo re-raises errors of a compile to the caller, so
+    the call fails with this message). Needs Dynamo's warnings to be logged (the default).
+    """
+    global _FALLBACK_INSTALLED
+    frame = getattr(torch._guards.CompileContext.current_compile_id(), "frame_id", None)
+    if frame is None:
+        return
+    with _FALLBACK_GUARD:
+        _REWRITTEN_FRAMES.add(frame)
+        if _FALLBACK_INSTALLED:
+            return
+        _FALLBACK_INSTALLED = True
+    import logging
+
+    class _RefuseFallback(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if not str(record.msg).startswith("torch._dynamo hit config."):
+                return True
+            current = torch._guards.CompileContext.current_compile_id()
+            if getattr(current, "frame_id", None) not in _REWRITTEN_FRAMES:
+                return True
+            args = tuple(record.args or ()) + ("recompile_limit", "?", "?")
+            limit, value, function = args[0], args[1], args[2]
+            raise EagerFallbackRefused(
+                f"kvarn: Dynamo reached torch._dynamo.config.{limit} ({value}) for {function}, "
+                "a function whose attention kvarn rewrote; it would now run uncompiled, over K/V "
+                "cache tensors that kvarn has released (wrong results), so the call is stopped. "
+                f"Raise torch._dynamo.config.{limit} (compiling each decoder layer on its own "
+                "takes about 2 graphs per layer), or use transformers' StaticCache.")
+
+    logging.getLogger("torch._dynamo.convert_frame").addFilter(_RefuseFallback())
 
 
 # ------------------------------------------------------------------------------ compile

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
+from kvarn_compile._torch_compat import refuse_eager_fallback
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
 from kvarn_compile.registry import claim, releasable, release_storage
@@ -321,6 +322,8 @@ class KVarNBackend:
                 log.info("kvarn: %s", r.line().strip())
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched
             return self._compile(gm, list(example_inputs), mode)
+        # this frame may no longer run uncompiled (its model's caches are released)
+        refuse_eager_fallback()
         # growable states (cat caches): sized before every call for the tokens the call's
         # appends bring (an int, or evaluated from the call's arguments); their growing axis is
         # dynamic in the compiled graph, so growing never recompiles

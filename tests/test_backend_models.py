@@ -622,3 +622,48 @@ def test_static_sliding_window_starting_inside_the_window_is_refused():
     with pytest.raises(RuntimeError, match=r"attention site model\.layers\.0\.self_attn was "
                        r"rewritten in an earlier graph but is left unchanged now \(sliding-window"):
         _generate(model, _prompt(9, length=24), cache=_static_cache(model, 1), new=12)
+
+
+# ------------------------------------------------------------------------------ regional
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_each_decoder_layer_compiled_on_its_own_equals_the_whole_model(cache_kind):
+    """Regional compilation (``layer.compile(...)`` for every decoder layer: the layers share
+    their compiled graphs): each layer still gets its own packed state (the backend keys
+    states by the parameters a call brings), so tokens and logits are those of the whole
+    model compiled with the same backend. A DynamicCache takes about 2 graphs per layer
+    (transformers initializes each cache layer lazily): the recompile limit is raised."""
+    def run(per_layer: bool):
+        torch._dynamo.reset()
+        model = _build("llama", "sdpa")
+        backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
+        if per_layer:
+            for layer in model.model.layers:
+                layer.compile(backend=backend)
+        else:
+            model.compile(backend=backend)
+        cache = _static_cache(model, 1) if cache_kind == "static" else None
+        with torch._dynamo.config.patch(recompile_limit=16):
+            return _generate(model, _prompt(11), cache=cache), backend
+
+    whole, _ = run(per_layer=False)
+    regional, backend = run(per_layer=True)
+    assert regional.sequences.tolist() == whole.sequences.tolist()
+    for step, (a, b) in enumerate(zip(regional.logits, whole.logits)):
+        assert (a - b).abs().max().item() <= EAGER_RTOL * b.abs().max().item(), f"step {step}"
+    tags = {s.name.split("/")[0] if "/" in s.name else "" for s in backend.report.rewritten}
+    assert len(tags) == 2, f"one packed state per layer, got sites {backend.report.rewritten}"
+    assert len(backend.states) == 2
+
+
+def test_a_rewritten_function_is_never_run_uncompiled_past_the_recompile_limit():
+    """Past ``recompile_limit`` Dynamo would run a layer uncompiled, over the placeholder that
+    replaced its cache (wrong logits, silently); the backend makes that call fail with a clear
+    error instead. (Regional compilation over a DynamicCache needs about 2 graphs per layer.)"""
+    model = _build("llama", "sdpa")
+    backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    with torch._dynamo.config.patch(recompile_limit=2), \
+            pytest.raises(RuntimeError, match=r"kvarn: Dynamo reached torch\._dynamo\.config\."
+                          r"recompile_limit \(2\) for .*, a function whose attention kvarn rewrote"):
+        _generate(model, _prompt(12))

@@ -95,6 +95,10 @@ class KVarNInductorPass(custom_graph_pass_base()):
             _log_graph("kvarn pre-grad graph %d after rewrite:\n%s", graph_id, gm)
             for r in reports:
                 log.info("kvarn: %s", r.line().strip())
+        if any(r.rewritten for r in reports):
+            from kvarn_compile._torch_compat import refuse_eager_fallback
+
+            refuse_eager_fallback()      # the model's caches are released: never uncompiled
 
     def uuid(self) -> Any:
         c = self.config
