@@ -59,6 +59,9 @@ Every case of the robustness issue, where it is tested, and the outcome (the REA
     hybrid, Mamba layers (Jamba, vmap masks)    works                            test_hybrid_jamba_compiled (slow),
                                                                                  test_rewrite_keeps_vmap_nesting_calls
     graph break inside attention                reported, left unchanged         test_graph_break_inside_attention
+    attention in a nested_compile_region        reported, left unchanged         test_nested_compile_region_is_reported
+    per-layer (regional) compilation            works; past recompile_limit:     test_backend_models::test_each_decoder_*,
+                                                RuntimeError, never uncompiled   test_backend_models::test_a_rewritten_*
     dynamic shapes (dynamic=True)               reported, left unchanged         test_dynamic_true_is_reported
     fullgraph=True                              works                            test_fullgraph_generate
     mode="reduce-overhead" on CPU               works, noted in the report       test_reduce_overhead_inductor (slow),
@@ -1224,3 +1227,50 @@ def test_reduce_overhead_inductor(tmp_path):
     and the rewritten graphs compile and run with Inductor, equal to the eager kvarn ops."""
     result, _ = _inductor_run(tmp_path, "ro", tmp_path / "cache", "reduce-overhead")
     assert any("reduce-overhead" in n and "ignored on CPU" in n for n in result["notes"]), result
+
+
+def test_nested_compile_region_is_reported():
+    """Attention inside a ``torch.compiler.nested_compile_region`` body (an ``invoke_subgraph``
+    call) is not rewritten: each call is reported as left unchanged with that reason, and the
+    model computes what it computes uncompiled (its cache stays in full precision)."""
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(64, n) for n in (64, 32, 32))
+
+        @torch.compiler.nested_compile_region
+        def forward(self, x, past_k, past_v):
+            b, t, _ = x.shape
+            q = self.q(x).view(b, t, 4, 16).transpose(1, 2)
+            k = torch.cat([past_k, self.k(x).view(b, t, 2, 16).transpose(1, 2)], dim=2)
+            v = torch.cat([past_v, self.v(x).view(b, t, 2, 16).transpose(1, 2)], dim=2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return y.transpose(1, 2).reshape(b, t, 64), k, v
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Attn(), Attn()])
+
+        def forward(self, x, past):
+            kv = []
+            for layer, (pk, pv) in zip(self.layers, past):
+                x, k, v = layer(x, pk, pv)
+                kv.append((k, v))
+            return x, kv
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    x = torch.randn(1, 40, 64)
+    past = [(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16)) for _ in range(2)]
+    backend = kvarn_backend("k4v2", group_size=32, compiler="eager", max_cache_len=128)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want, _ = model(x, past)
+        got, _ = torch.compile(model, backend=backend)(x, past)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
+    sites = backend.report.sites
+    assert not backend.report.rewritten and len(sites) == 2, backend.report
+    assert all("nested_compile_region" in s.reason and "full precision" in s.reason for s in sites)
+    assert {s.name.split(" ")[0] for s in sites} == {"layers.0", "layers.1"}, sites

@@ -228,7 +228,34 @@ def find_sites(graph: fx.Graph) -> tuple[list[_Match], list[SiteReport]]:
         if reason is not None:
             skipped.append(SiteReport(site_name(node), False, "attention-like softmax",
                                       reason=reason))
+    skipped.extend(_attention_in_subgraphs(graph))
     return matches, skipped
+
+
+#: Higher-order ops whose first argument is a subgraph the graph calls (regional compilation)
+_SUBGRAPH_CALLS = {"invoke_subgraph": "torch.compiler.nested_compile_region"}
+
+
+def _attention_in_subgraphs(graph: fx.Graph) -> list[SiteReport]:
+    """Attention inside a subgraph the graph calls through a higher-order op (the body of a
+    ``torch.compiler.nested_compile_region``): the pass rewrites only the graph itself, so
+    each such attention is reported as left unchanged (its cache stays in full precision)."""
+    owner = graph.owning_module
+    out: list[SiteReport] = []
+    for node in graph.nodes:
+        kind = _SUBGRAPH_CALLS.get(getattr(node.target, "_name", None)) if node.op == "call_function" else None
+        body = node.args[0] if kind and node.args else None
+        sub = getattr(owner, body.target, None) if isinstance(body, fx.Node) and body.op == "get_attr" else None
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        inner, inner_skipped = find_sites(sub.graph)
+        for r in [SiteReport(site_name(m.site.out), False, m.site.form) for m in inner] + inner_skipped:
+            r.name = f"{site_name(node)} (in {body.target})"
+            r.reason = (f"inside a {kind} body ({body.target}), which the pass does not rewrite: this "
+                        "attention keeps its cache in full precision. Compile without the region "
+                        "marker, or compile each layer on its own (layer.compile(backend=...))")
+            out.append(r)
+    return out
 
 
 #: ops an unrecognized attention may put between the q·kᵀ product and the softmax
