@@ -14,7 +14,6 @@ import functools
 import hashlib
 import os
 import pathlib
-import pickle
 import platform
 import threading
 import types
@@ -293,62 +292,26 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
     return compiled
 
 
-def _traced_path(key: str) -> pathlib.Path:
-    """Where the traced graph of ``key`` is kept: in Inductor's cache folder (cleared with it),
-    keyed by kvarn's sources and torch's version as well."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    digest = hashlib.sha256(f"{key};{kvarn_sources_hash()};{torch.__version__}".encode()).hexdigest()
-    return pathlib.Path(cache_dir()) / "kvarn_traced" / f"{digest[:40]}.pkl"
-
-
-def _trace_cached(fn: Callable[..., Any], args: list[torch.Tensor], key: str | None) -> Any:
-    """make_fx of ``fn`` on ``args`` with Inductor's decompositions; with a ``key`` (which must
-    name everything the trace depends on besides kvarn's sources and torch's version), the
-    traced graph is kept on disk and a later process loads it instead of tracing again."""
+def _trace(fn: Callable[..., Any], args: list[torch.Tensor]) -> Any:
+    """make_fx of ``fn`` on ``args`` with Inductor's decompositions, always as a plain
+    GraphModule: inside a compile (a lowering benchmarking this graph) fx would make a lazy
+    one, whose attributes come in another order, and AOTAutograd's cache key would differ
+    from the same graph traced at run time in a later process (which then compiled it
+    again: 2 s of every first warm start)."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    table = select_decomp_table()
-    path = _traced_path(f"{key};{len(table)}") if key is not None else None
-
-    def unpickle(data: bytes) -> Any:
-        # always a plain GraphModule: inside a compile, fx would make a lazy one, whose
-        # attributes come in another order, which changes AOTAutograd's cache key
-        try:
-            from torch.fx._lazy_graph_module import _use_lazy_graph_module
-        except ImportError:
-            return pickle.loads(data)
-        with _use_lazy_graph_module(False):
-            return pickle.loads(data)
-
-    if path is not None and path.exists():
-        try:
-            return unpickle(path.read_bytes())
-        except Exception:                    # unreadable (truncated, other pickle): trace again
-            path.unlink(missing_ok=True)
-    gm = make_fx(fn, decomposition_table=table)(*args)
-    if path is None:
-        return gm
-    # the graph goes through the pickle in this process too, so that this process and a
-    # later one compile the very same graph (one key in Inductor's caches)
-    data = pickle.dumps(gm)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:                          # a read-only cache folder: just not kept
-        pass
-    return unpickle(data)
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:
+        return make_fx(fn, decomposition_table=select_decomp_table())(*args)
+    with _use_lazy_graph_module(False):
+        return make_fx(fn, decomposition_table=select_decomp_table())(*args)
 
 
-def compile_function(fn: Callable[..., Any], args: list[torch.Tensor],
-                     cache_key: str | None = None) -> Callable[..., Any]:
+def compile_function(fn: Callable[..., Any], args: list[torch.Tensor]) -> Callable[..., Any]:
     """``fn`` traced with make_fx (Inductor's decompositions) on ``args`` and compiled by
     Inductor as a graph of its own (static shapes); returns ``compiled(*args) -> output``.
-    ``cache_key`` (see ``_trace_cached``): a later process loads the traced graph from disk
-    and Inductor's caches serve its compile, so a warm start neither traces nor compiles it.
 
     Runs in a worker thread: the caller may be inside another compile (a lowering that
     benchmarks this choice), and a graph of its own must not see that compile's tracing
@@ -367,7 +330,7 @@ def compile_function(fn: Callable[..., Any], args: list[torch.Tensor],
     def work() -> None:
         try:
             with torch.no_grad():
-                gm = _trace_cached(fn, args, cache_key)
+                gm = _trace(fn, args)
                 # compiled in a tracing context whose fake mode has a shape environment:
                 # without one, AOTAutograd's and Inductor's FX-graph caches bypass the graph
                 # ("No shape env") and a warm process compiles it again

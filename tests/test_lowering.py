@@ -211,51 +211,6 @@ def test_the_shared_graph_is_served_by_inductors_caches_in_a_new_process(tmp_pat
     assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] > hits
 
 
-def test_a_keyed_shared_graph_is_traced_once_across_processes(tmp_path, monkeypatch):
-    """With a cache key the traced graph is kept in Inductor's cache folder: a new process
-    loads it instead of tracing (make_fx is not called), a damaged file is traced again."""
-    import functools
-
-    import torch.fx.experimental.proxy_tensor as proxy_tensor
-    from torch._dynamo.utils import counters
-
-    from kvarn_compile._torch_compat import compile_function
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    st = packed_cache(device="cpu")
-    q = torch.randn(2, 4, 24, 16)
-    rot = rotation_matrix(16, "cpu")
-    fn = functools.partial(decompose.attention_dense, n_buffers=len(st.buffers), has_mask=False,
-                           scale=0.3, causal=True, window=0)
-    args = [q, *st.buffers, rot]
-    want = reference.attention(q, st.buffers, None, 0.3, True, 0)
-    with inductor_config.patch(fx_graph_cache=True):
-        torch.testing.assert_close(compile_function(fn, args, cache_key="t1")(*args), want,
-                                   atol=2e-5, rtol=1e-5)
-    kept = list((tmp_path / "inductor" / "kvarn_traced").glob("*.pkl"))
-    assert len(kept) == 1
-    real_make_fx = proxy_tensor.make_fx
-
-    def no_tracing(*a, **k):
-        raise AssertionError("traced again although the traced graph was kept")
-
-    monkeypatch.setattr(proxy_tensor, "make_fx", no_tracing)
-    counters.clear()
-    with inductor_config.patch(fx_graph_cache=True):
-        torch.testing.assert_close(compile_function(fn, args, cache_key="t1")(*args), want,
-                                   atol=2e-5, rtol=1e-5)
-    # the loaded graph is the graph the first compile compiled: Inductor's caches serve it
-    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
-    assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] > 0
-    with pytest.raises(AssertionError, match="traced again"):    # another key is traced
-        compile_function(fn, args, cache_key="t2")
-    monkeypatch.setattr(proxy_tensor, "make_fx", real_make_fx)
-    kept[0].write_bytes(b"not a pickle")
-    torch.testing.assert_close(compile_function(fn, args, cache_key="t1")(*args), want,
-                               atol=2e-5, rtol=1e-5)
-    assert kept[0].read_bytes() != b"not a pickle", "the damaged file is replaced"
-
-
 _INSIDE_OUTSIDE = """
 import functools, sys, torch
 import torch._inductor.config as inductor_config
@@ -277,9 +232,9 @@ with inductor_config.patch(fx_graph_cache=True):
         with _use_lazy_graph_module(True), inductor_config.patch(
                 comprehensive_padding=not inductor_config.comprehensive_padding,
                 post_grad_custom_post_pass=KVarNUUIDPass()):
-            out = compile_function(fn, args, cache_key="inside")
+            out = compile_function(fn, args)
     else:                            # as at run time
-        out = compile_function(fn, args, cache_key="inside")
+        out = compile_function(fn, args)
 torch.testing.assert_close(out(*args), reference.attention(q, st.buffers, None, 0.3, True, 0),
                            atol=2e-5, rtol=1e-5)
 print("AOT", dict(counters["aot_autograd"]))
@@ -290,7 +245,7 @@ def test_a_shared_graph_compiled_inside_a_compile_is_served_at_run_time(tmp_path
     """The first process compiles the shared graph while a lowering benchmarks it, inside the
     model's compile (its config patches and fx's lazy graph modules in force); a later process
     compiles it at run time. Both must make the same cache key: AOTAutograd's cache hits
-    (a lazy graph module unpickled inside the compile made another key)."""
+    (a lazy graph module traced inside the compile made another key)."""
     import subprocess
     import sys
 

@@ -77,8 +77,7 @@ def _shared_flat(*args: torch.Tensor, n_buffers: int, has_mask: bool, scale: flo
             fn = _SHARED.get(key)
             if fn is None:
                 fn = compile_function(functools.partial(decompose.attention_dense, **kwargs),
-                                      [a.detach() for a in args],
-                                      cache_key=f"kvarn_attention_dense;{key}")
+                                      [a.detach() for a in args])
                 _SHARED[key] = fn
     return fn(*args).contiguous()
 
