@@ -159,6 +159,19 @@ class EagerFallbackRefused(RuntimeError):
     :func:`refuse_eager_fallback`)."""
 
 
+#: A key kept in a set ``torch._dynamo.reset()`` clears: frame ids restart from 0 after a reset,
+#: so the frames recorded before it must be forgotten.
+_GENERATION_MARK = "kvarn: frames rewritten since the last torch._dynamo.reset()"
+
+
+def _forget_frames_after_reset() -> None:
+    """Forget the recorded frames when Dynamo was reset since they were recorded."""
+    cleared_on_reset = getattr(torch._dynamo.utils, "warn_once_cache", None)
+    if isinstance(cleared_on_reset, set) and _GENERATION_MARK not in cleared_on_reset:
+        _REWRITTEN_FRAMES.clear()
+        cleared_on_reset.add(_GENERATION_MARK)
+
+
 def refuse_eager_fallback() -> None:
     """Refuse to let Dynamo run the frame being compiled (whose graph kvarn rewrote) uncompiled.
 
@@ -175,6 +188,7 @@ def refuse_eager_fallback() -> None:
     if frame is None:
         return
     with _FALLBACK_GUARD:
+        _forget_frames_after_reset()
         _REWRITTEN_FRAMES.add(frame)
         if _FALLBACK_INSTALLED:
             return
@@ -186,7 +200,10 @@ def refuse_eager_fallback() -> None:
             if not str(record.msg).startswith("torch._dynamo hit config."):
                 return True
             current = torch._guards.CompileContext.current_compile_id()
-            if getattr(current, "frame_id", None) not in _REWRITTEN_FRAMES:
+            with _FALLBACK_GUARD:
+                _forget_frames_after_reset()
+                ours = getattr(current, "frame_id", None) in _REWRITTEN_FRAMES
+            if not ours:
                 return True
             args = tuple(record.args or ()) + ("recompile_limit", "?", "?")
             limit, value, function = args[0], args[1], args[2]

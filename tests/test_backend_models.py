@@ -667,3 +667,20 @@ def test_a_rewritten_function_is_never_run_uncompiled_past_the_recompile_limit()
             pytest.raises(RuntimeError, match=r"kvarn: Dynamo reached torch\._dynamo\.config\."
                           r"recompile_limit \(2\) for .*, a function whose attention kvarn rewrote"):
         _generate(model, _prompt(12))
+
+
+def test_the_recompile_guard_forgets_its_frames_after_a_dynamo_reset():
+    """Dynamo numbers frames from 0 again after ``torch._dynamo.reset()``: a function compiled
+    afterwards (no kvarn here) that reaches the recompile limit runs uncompiled as usual."""
+    model = _build("llama", "sdpa")
+    model.compile(backend=kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN))
+    _generate(model, _prompt(12), new=2)                   # frames 0.. rewritten
+    torch._dynamo.reset()
+
+    def scale(x, n):
+        return x * n
+
+    compiled = torch.compile(scale, backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        got = [compiled(torch.ones(2), n) for n in range(4)]   # frame 0 again, over the limit
+    assert [g.tolist() for g in got] == [[n, n] for n in (0.0, 1.0, 2.0, 3.0)]
