@@ -183,23 +183,28 @@ def test_the_shared_path_compiles_one_graph_for_every_site_of_a_geometry():
     assert len(lowering_attention._SHARED) == before + 2
 
 
+def shared_decomposition_case():
+    """(the dense decomposition with its options, its arguments, the reference output) of a
+    small packed cache: what the ``shared`` lowering compiles once per geometry."""
+    import functools
+
+    st = packed_cache(device="cpu")
+    q = torch.randn(2, 4, 24, 16)
+    fn = functools.partial(decompose.attention_dense, n_buffers=len(st.buffers), has_mask=False,
+                           scale=0.3, causal=True, window=0)
+    args = [q, *st.buffers, rotation_matrix(16, "cpu")]
+    return fn, args, reference.attention(q, st.buffers, None, 0.3, True, 0)
+
+
 def test_the_shared_graph_is_served_by_inductors_caches_in_a_new_process(tmp_path, monkeypatch):
     """A warm process traces the shared decomposition again, but Inductor's FX-graph cache
     (and AOTAutograd's) serve its compile: no 'No shape env' bypass."""
-    import functools
-
     from torch._dynamo.utils import counters
 
     from kvarn_compile._torch_compat import compile_function
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    st = packed_cache(device="cpu")
-    q = torch.randn(2, 4, 24, 16)
-    rot = rotation_matrix(16, "cpu")
-    fn = functools.partial(decompose.attention_dense, n_buffers=len(st.buffers), has_mask=False,
-                           scale=0.3, causal=True, window=0)
-    args = [q, *st.buffers, rot]
-    want = reference.attention(q, st.buffers, None, 0.3, True, 0)
+    fn, args, want = shared_decomposition_case()
     counters.clear()
     with inductor_config.patch(fx_graph_cache=True):
         first = compile_function(fn, args)          # the first process: compiled, stored
@@ -212,21 +217,13 @@ def test_the_shared_graph_is_served_by_inductors_caches_in_a_new_process(tmp_pat
 
 
 _INSIDE_OUTSIDE = """
-import functools, sys, torch
+import sys, torch
 import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from kvarn_compile._torch_compat import KVarNUUIDPass, compile_function
-from kvarn_compile.lowering import decompose
-from kvarn_compile.ops import reference
-from kvarn_compile.reference.rotation import rotation_matrix
-from test_lowering import packed_cache
-st = packed_cache(device="cpu")
-q = torch.randn(2, 4, 24, 16)
-rot = rotation_matrix(16, "cpu")
-fn = functools.partial(decompose.attention_dense, n_buffers=len(st.buffers), has_mask=False,
-                       scale=0.3, causal=True, window=0)
-args = [q, *st.buffers, rot]
+from test_lowering import shared_decomposition_case
+fn, args, want = shared_decomposition_case()
 with inductor_config.patch(fx_graph_cache=True):
     if sys.argv[1] == "inside":      # as while a lowering benchmarks it, inside the model's compile
         with _use_lazy_graph_module(True), inductor_config.patch(
@@ -235,8 +232,7 @@ with inductor_config.patch(fx_graph_cache=True):
             out = compile_function(fn, args)
     else:                            # as at run time
         out = compile_function(fn, args)
-torch.testing.assert_close(out(*args), reference.attention(q, st.buffers, None, 0.3, True, 0),
-                           atol=2e-5, rtol=1e-5)
+torch.testing.assert_close(out(*args), want, atol=2e-5, rtol=1e-5)
 print("AOT", dict(counters["aot_autograd"]))
 """
 
