@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
-from kvarn_compile._torch_compat import refuse_eager_fallback
+from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
 from kvarn_compile.registry import claim, releasable, release_storage
@@ -486,8 +486,6 @@ def check_consistent(seen: set[str], reports: list[SiteReport]) -> None:
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (Dynamo keeps using the original); its
     Python code is generated when first needed (the compiler hashes it once anyway)."""
-    from kvarn_compile._torch_compat import lazy_graph_module
-
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)

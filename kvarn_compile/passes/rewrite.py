@@ -242,19 +242,24 @@ def _attention_in_subgraphs(graph: fx.Graph) -> list[SiteReport]:
     each such attention is reported as left unchanged (its cache stays in full precision)."""
     owner = graph.owning_module
     out: list[SiteReport] = []
+    found: dict[str, list[SiteReport]] = {}     # body -> its attention (a body is called per layer)
     for node in graph.nodes:
         kind = _SUBGRAPH_CALLS.get(getattr(node.target, "_name", None)) if node.op == "call_function" else None
         body = node.args[0] if kind and node.args else None
         sub = getattr(owner, body.target, None) if isinstance(body, fx.Node) and body.op == "get_attr" else None
         if not isinstance(sub, fx.GraphModule):
             continue
-        inner, inner_skipped = find_sites(sub.graph)
-        for r in [SiteReport(site_name(m.site.out), False, m.site.form) for m in inner] + inner_skipped:
-            r.name = f"{site_name(node)} (in {body.target})"
-            r.reason = (f"inside a {kind} body ({body.target}), which the pass does not rewrite: this "
-                        "attention keeps its cache in full precision. Compile without the region "
-                        "marker, or compile each layer on its own (layer.compile(backend=...))")
-            out.append(r)
+        if body.target not in found:
+            inner, inner_skipped = find_sites(sub.graph)
+            found[body.target] = [SiteReport(site_name(m.site.out), False, m.site.form)
+                                  for m in inner] + inner_skipped
+        for site in found[body.target]:
+            out.append(SiteReport(
+                f"{site_name(node)} (in {body.target})", False, site.attention,
+                reason=(f"inside a {kind} body ({body.target}), which the pass does not rewrite: "
+                        "this attention keeps its cache in full precision. Compile without the "
+                        "region marker, or compile each layer on its own "
+                        "(layer.compile(backend=...))")))
     return out
 
 
