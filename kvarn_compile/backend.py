@@ -31,7 +31,9 @@ from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
 from kvarn_compile.registry import claim, releasable, release_storage
-from kvarn_compile.state import LayerState, allocate_layer, can_grow, grow_axis_indices
+from kvarn_compile.state import (
+    MIN_GROWN_SLOTS, LayerState, allocate_layer, can_grow, grow_axis_indices,
+)
 
 __all__ = ["kvarn_backend", "KVarNBackend", "Report"]
 
@@ -333,7 +335,8 @@ class KVarNBackend:
 
         def compile_with(g: fx.GraphModule, inputs: list[Any]):
             # inputs[n_args:] are the states' current buffers (the knob tuner recompiles later)
-            return self._compile(g, inputs, mode, inputs[n_args:], _growable_tiles(site_states))
+            inputs, grown = _stand_ins(inputs, n_args, _growable_tiles(site_states))
+            return self._compile(g, inputs, mode, inputs[n_args:], grown)
 
         if self.knob_tuner is not None:
             compiled = self.knob_tuner.wrap(new_gm, list(example_inputs) + extra, compile_with,
@@ -344,7 +347,7 @@ class KVarNBackend:
         models = {tag: _SiteStates(site_states)}
         first_param = weakref.ref(example_inputs[param_at[0]]) if param_at else None
 
-        def states_for(args: tuple[Any, ...]) -> list[torch.Tensor]:
+        def states_for(args: tuple[Any, ...]) -> "_SiteStates":
             # Dynamo does not guard on the module instance: a second model of the same
             # class runs this graph with its own parameters; it gets its own states.
             if first_param is None or args[param_at[0]] is first_param():
@@ -358,12 +361,15 @@ class KVarNBackend:
                     states = models[model]
             for i, tokens, fresh in growth:
                 states.states[i].reserve(tokens(args), fresh=fresh)
-            return states.buffers()
+            return states
 
         def run(*args: Any) -> Any:
             for i, _ in released:
                 claim(args[i])
-            out = compiled(*args, *states_for(args))
+            states = states_for(args)
+            out = compiled(*args, *states.buffers())
+            for i, _, _ in growth:          # the tail slots this call's frozen tiles freed
+                states.states[i].trim()
             # The model's own cache tensors this graph no longer reads: freed after the
             # call (kvarn::append_from_ has taken over any prompt written there before), on
             # every call, so a new cache passed in their place (a second StaticCache) or a
@@ -421,6 +427,20 @@ class _SiteStates:
             self._flat = [b for st in self.states for b in st.buffers]
             self._versions = versions
         return self._flat
+
+
+def _stand_ins(inputs: list[Any], first: int, grown: list[torch.Tensor]
+               ) -> tuple[list[Any], list[torch.Tensor]]:
+    """``inputs`` and ``grown`` with every growing buffer (among ``inputs[first:]``) whose
+    axis holds fewer than :data:`MIN_GROWN_SLOTS` slots replaced by a zero stand-in of that
+    many: the compile would specialize a size of 0 or 1 to a constant; the code compiled
+    for a symbolic size runs with any size, 0 and 1 included."""
+    small = {id(t): t.new_zeros((*t.shape[:2], MIN_GROWN_SLOTS, *t.shape[3:]))
+             for t in grown if t.shape[2] < MIN_GROWN_SLOTS}
+    if not small:
+        return inputs, grown
+    swap = lambda t: small.get(id(t), t)  # noqa: E731
+    return inputs[:first] + [swap(t) for t in inputs[first:]], [swap(t) for t in grown]
 
 
 def _growable_tiles(states: list[LayerState]) -> list[torch.Tensor]:

@@ -13,12 +13,15 @@ then free again. Nothing else holds these tokens: no full-precision copy of the 
 region exists. By default every buffer is allocated once to the maximum length, so compiled
 graphs and CUDA graphs see static shapes. A *growable* state (``allocate_layer(...,
 grow_from=tokens)``: caches the model does not preallocate, such as transformers'
-DynamicCache) holds only what its tokens need and grows along dim 2 of its sequence members
-(:data:`GROW_AXIS_FIELDS`: sink, tiles, tail) up to ``max_len`` (:meth:`LayerState.reserve`):
-while a sequence is shorter than the sink, the sink holds just its tokens (S is read off the
+DynamicCache) holds only what its tokens need and grows along dim 2 of its sequence
+members (:data:`GROW_AXIS_FIELDS`: sink, tiles, tail) up to ``max_len``
+(:meth:`LayerState.reserve` before an append, :meth:`LayerState.trim` after it): while a
+sequence is shorter than the sink, the sink holds exactly its tokens (S is read off the
 sink's shape, so every kernel sees a short sink that holds the whole sequence) and tail and
-tiles are minimal; past the sink, tail and sink are whole and the tiles grow in whole-tile
-steps. Compiled graphs treat that one dimension as dynamic and never recompile for it.
+tiles hold nothing; past the sink, the tiles hold the frozen tiles and the tail the tokens
+after them (exactly, until the first tile freezes; then rounded up while that stays within
+what fp16 would hold). Compiled graphs treat that one dimension as dynamic (any size,
+0 included) and never recompile for it.
 
 The buffers travel to the custom ops as one flat list (a custom-op schema takes
 ``Tensor[]``). :class:`StateLayout` is the one place that knows the order of that list and
@@ -66,10 +69,11 @@ TILE_FIELDS = ("codes", "row_scale", "row_zero", "col_scale")
 GROW_AXIS_FIELDS = frozenset(
     ["sink_k", "sink_v", "tail_k", "tail_v"] + [f"{kind}_{f}" for kind in "kv" for f in TILE_FIELDS]
     + list(FP8_FACTOR_FIELDS) + list(KEY_FRAME_FIELDS))
-#: Slots a growable state holds at least along each grown axis: a size of 0 or 1 would be
-#: specialized to a constant by the compiler's shape analysis (0 and 1 are never symbolic).
+#: Size a growing axis is compiled with when it is smaller: a size of 0 or 1 would be
+#: specialized to a constant by the compiler's shape analysis (0 and 1 are never symbolic);
+#: the compiled code then runs with any size (see ``backend``'s compile stand-ins).
 MIN_GROWN_SLOTS = 2
-#: A short sink, and a tail that has never wrapped around, grow in steps of this many slots.
+#: Once a tile is frozen, a growable state's tail grows in steps of up to this many slots.
 SLOT_STEP = 16
 
 
@@ -238,6 +242,27 @@ class Geometry:
                    tail=size(f.tail_k)[2], key_bits=8 * kc[-1] // g, value_bits=8 * vc[-1] // d)
 
 
+_SINK, _TAIL, _TILES = range(3)
+_REGION = {name: _SINK if name.startswith("sink") else _TAIL if name.startswith("tail") else _TILES
+           for name in GROW_AXIS_FIELDS}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Growth:
+    """What a growable state's sizing reads on every call, worked out once: bytes per batch
+    row of a sink/tail slot, of an fp16 token (K and V) and of a tile slot; the whole tail's
+    and the whole tiles' slots; where the sizes are read; (index, region) of every grown
+    member."""
+
+    token: int
+    fp16_token: int
+    tile: int
+    tail: int
+    whole: int
+    at: tuple[int, int, int]
+    regions: tuple[tuple[int, int], ...]
+
+
 @dataclasses.dataclass
 class LayerState:
     """One layer's packed cache. ``buffers`` is the flat list the ops mutate in place."""
@@ -257,6 +282,12 @@ class LayerState:
     version: int = 0
     #: uncommitted tokens the tail ring was sized for (``allocate_layer(spec_tokens=)``)
     spec_tokens: int = 0
+    #: growable states: the tokens of the rows after the append of the last ``reserve``
+    #: (the most, and the fewest any row holds)
+    tokens: int = 0
+    shortest: int = 0
+    _last_wanted: tuple[Any, tuple[int, int, int]] = dataclasses.field(
+        default=(None, (0, 0, 0)), repr=False, compare=False)
 
     @property
     def fields(self) -> StateFields[torch.Tensor]:
@@ -309,64 +340,104 @@ class LayerState:
         return self.tail_k.shape[2]
 
     # ------------------------------------------------------------------ growth
-    def reserve(self, tokens: int, *, fresh: bool = False) -> bool:
-        """Make room for ``tokens`` tokens per batch row (at most ``max_len``); True when
-        buffers were reallocated (``buffers`` then holds new tensors, ``version`` counts up).
+    def reserve(self, tokens: int, *, fresh: bool = False, shortest: int | None = None) -> bool:
+        """Make room for an append that brings the rows to ``tokens`` tokens (at most
+        ``max_len``); True when buffers were reallocated (``buffers`` then holds new tensors,
+        ``version`` counts up).
 
         Growable states only (others hold ``max_len`` already: a no-op). Sizes follow
-        :func:`grown_sizes`; the tokens held so far are copied over, so call it between
-        appends, never with data in flight. Past 16 tiles the tiles grow by at least 1/16 of
-        their slots at once (long sequences copy their tiles O(log) times, not once per
-        tile). ``fresh``: this call starts a new sequence at position 0, nothing held must
-        survive, and the buffers shrink to what ``tokens`` needs when they hold more than
-        twice that.
+        :func:`grown_sizes`; the tokens held so far keep their positions (copied over), so
+        call it between appends, never with data in flight. Nothing shrinks here (the append
+        still reads the tail it holds; :meth:`trim` gives the room back after it). Past 16
+        tiles the tiles grow by at least 1/16 of their slots at once (long sequences copy
+        their tiles O(log) times, not once per tile). ``fresh``: this call starts a new
+        sequence at position 0, nothing held must survive, and the buffers take exactly the
+        sizes ``tokens`` needs. ``shortest``: the fewest tokens a row holds after the append
+        (rows of unequal lengths; default: all rows hold ``tokens``).
         """
         if not self.growable:
             return False
+        tokens = min(max(int(tokens), 0), self.max_len)
+        self.tokens, self.shortest = tokens, tokens if shortest is None else min(shortest, tokens)
         have = self.grown
-        want = grown_sizes(self.config, tokens=tokens, max_len=self.max_len,
-                           tail=_tail_slots(self.config, self.spec_tokens))
-        if all(w <= h for w, h in zip(want, have)):
-            if fresh and self.nbytes > 2 * self._bytes_at(want):
-                self._reallocate(want, keep=False)
-                return True
+        sink, tail, tiles = self._wanted(have[2])
+        if fresh:
+            if (sink, tail, tiles) == have:
+                return False
+            self._reallocate((sink, tail, tiles), keep=False)
+            return True
+        if sink <= have[0] and tail <= have[1] and tiles <= have[2]:
             return False
-        sink, tail, tiles = (max(w, h) for w, h in zip(want, have))
         if tiles > have[2]:
-            full = tiles_for(self.config, max_len=self.max_len)
-            tiles = min(full, max(tiles, have[2] + have[2] // 16))
-        self._reallocate((sink, tail, tiles), keep=True)
+            tiles = min(self._growth.whole, max(tiles, have[2] + have[2] // 16))
+            sink, tail, _ = self._wanted(tiles)       # the padding the new tiles leave
+        self._reallocate((max(sink, have[0]), max(tail, have[1]), max(tiles, have[2])), keep=True)
         return True
+
+    def trim(self) -> bool:
+        """After an append to the tokens of the last :meth:`reserve`: give back the tail slots
+        its frozen tiles freed (the tokens after the last frozen tile keep their positions).
+        True when buffers were reallocated. Call it only after that append succeeded."""
+        if not self.growable:
+            return False
+        have = self.grown
+        tail = self._wanted(have[2])[1]
+        if tail >= have[1]:
+            return False
+        self._reallocate((have[0], tail, have[2]), keep=True)
+        return True
+
+    def _wanted(self, tiles_held: int) -> tuple[int, int, int]:
+        """(sink, tail, tile) slots for :attr:`tokens`, the tail rounded up to the whole ring,
+        or else to :data:`SLOT_STEP`, as far as the bytes stay within fp16's for those tokens
+        when the state holds ``tiles_held`` tile slots (or the tiles it needs, if more)."""
+        key = (self.tokens, self.shortest, tiles_held)
+        if self._last_wanted[0] == key:            # trim after reserve: the same question
+            return self._last_wanted[1]
+        c = self._growth
+        sink, tail, tiles = grown_sizes(self.config, tokens=self.tokens, max_len=self.max_len,
+                                        tail=c.tail, hold=self.spec_tokens, shortest=self.shortest)
+        if self.tokens > sink:
+            # fp16 bytes of the tokens, less the sink and tiles held: what the tail may take;
+            # the whole ring once that fits (no more tail copies), else rounded up
+            budget = (self.tokens * c.fp16_token - sink * c.token - max(tiles, tiles_held) * c.tile) // c.token
+            pad = c.tail - tail if budget >= c.tail else (-tail) % SLOT_STEP
+            tail = min(tail + max(min(pad, budget - tail), 0), c.tail)
+        self._last_wanted = (key, (sink, tail, tiles))
+        return sink, tail, tiles
+
+    @functools.cached_property
+    def _growth(self) -> _Growth:
+        f = self.fields
+        heads, dim = f.sink_k.shape[1], f.sink_k.shape[3]
+        return _Growth(
+            token=2 * heads * dim * f.sink_k.element_size(), fp16_token=2 * heads * dim * 2,
+            tile=self.tile_bytes(), tail=_tail_slots(self.config, self.spec_tokens),
+            whole=tiles_for(self.config, max_len=self.max_len),
+            at=tuple(f.layout.index(n) for n in ("sink_k", "tail_k", "k_codes")),
+            regions=tuple((i, _REGION[n]) for i, n in enumerate(f.layout.names) if n in GROW_AXIS_FIELDS))
 
     @property
     def grown(self) -> tuple[int, int, int]:
         """(sink, tail, tile) slots per row now allocated."""
-        return self.sink_len, self.tail_len, self.max_tiles
-
-    def _bytes_at(self, sizes: tuple[int, int, int]) -> int:
-        slots = dict(zip(("sink", "tail", "tiles"), sizes))
-        total = 0
-        for i, name in enumerate(self.fields.layout.names):
-            t = self.buffers[i]
-            if name in GROW_AXIS_FIELDS:
-                region = "sink" if name.startswith("sink") else "tail" if name.startswith("tail") else "tiles"
-                total += math.prod(t.shape[:2]) * math.prod(t.shape[3:]) * t.element_size() * slots[region]
-            else:
-                total += t.numel() * t.element_size()
-        return total
+        b, (i, j, k) = self.buffers, self._growth.at
+        return b[i].shape[2], b[j].shape[2], b[k].shape[2]
 
     def _reallocate(self, sizes: tuple[int, int, int], *, keep: bool) -> None:
-        """New sequence-axis buffers of ``sizes`` (sink, tail, tile) slots; with ``keep`` the
-        slots held so far are copied (a position keeps its slot, see :func:`grown_sizes`)."""
-        slots = dict(zip(("sink", "tail", "tiles"), sizes))
-        for i, name in enumerate(self.fields.layout.names):
-            if name not in GROW_AXIS_FIELDS:
-                continue
-            region = "sink" if name.startswith("sink") else "tail" if name.startswith("tail") else "tiles"
+        """New buffers for the regions (sink, tail, tiles) whose slots change to ``sizes``;
+        with ``keep`` the tokens held so far stay at their positions: sink and tile slots are
+        copied as they are, the tail ring is re-laid for its new size (position p sits in
+        slot ``(p - S) % W``)."""
+        f = self.fields
+        for i, region in self._growth.regions:
             old = self.buffers[i]
-            new = old.new_zeros((*old.shape[:2], slots[region], *old.shape[3:]))
-            if keep:
-                n = min(old.shape[2], slots[region])
+            if old.shape[2] == sizes[region]:
+                continue
+            new = old.new_zeros((*old.shape[:2], sizes[region], *old.shape[3:]))
+            if keep and region == _TAIL:
+                _ring_copy(new, old, f)
+            elif keep:
+                n = min(old.shape[2], sizes[region])
                 new[:, :, :n].copy_(old[:, :, :n])
             self.buffers[i] = new
         self.capacity.fill_(capacity_for(self.config, sizes, max_len=self.max_len))
@@ -440,30 +511,56 @@ def tiles_for(config: KVarNConfig, *, max_len: int | None = None, sink: int | No
     return max(-(-(tokens - sink) // g), 0)
 
 
-def grown_sizes(config: KVarNConfig, *, tokens: int, max_len: int, tail: int) -> tuple[int, int, int]:
-    """(sink, tail, tile) slots of a growable state holding ``tokens`` tokens per row.
+def _ring_copy(new: torch.Tensor, old: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
+    """Copy the live tail tokens of ring ``old`` into ring ``new`` of another size: position p
+    of a row lives in slot ``(p - S) % W`` of each; the live positions are those from the
+    row's first tail position (after its frozen tiles) up to its length, at most as many as
+    either ring holds."""
+    w_old, w_new = old.shape[2], new.shape[2]
+    if not w_old or not w_new:
+        return
+    s, g = f.sink_k.shape[2], f.k.col_scale.shape[-1]
+    bsz, heads = old.shape[:2]
+    base = s + f.n_tiles * g                                            # [B] first tail position
+    pos = base[:, None] + torch.arange(w_new, device=old.device)        # w_new positions in a row:
+    live = (pos < f.lengths[:, None]) & (f.lengths[:, None] > s)        # every new slot once
+    shape = (bsz, heads, w_new, *old.shape[3:])
+    at = lambda idx: idx.view(bsz, 1, w_new, *[1] * (old.dim() - 3)).expand(shape)  # noqa: E731
+    moved = old.gather(2, at((pos - s) % w_old))
+    moved = torch.where(at(live), moved, torch.zeros((), dtype=old.dtype, device=old.device))
+    new.scatter_(2, at((pos - s) % w_new), moved)
 
-    The kernels read the sink length S and the tail ring size W off the buffers' shapes, so
-    short buffers must leave every position where the whole-size state has it:
 
-    * up to S tokens: a sink of the tokens rounded up to :data:`SLOT_STEP` (a sequence that
-      lies wholly in its sink), minimal tail and tiles;
-    * up to S + W: the whole sink and a tail of the tokens past it, rounded up (position p
-      sits in slot ``p - S``, the same slot as in the whole ring, which has not wrapped
-      around yet), tiles for the tokens;
-    * beyond: the whole ``tail``-slot ring and the tiles ``tokens`` needs (at most those of
-      ``max_len``).
+def grown_sizes(config: KVarNConfig, *, tokens: int, max_len: int, tail: int, hold: int = 0,
+                shortest: int | None = None) -> tuple[int, int, int]:
+    """The fewest (sink, tail, tile) slots of a growable state whose rows hold ``tokens``
+    tokens (``shortest`` the fewest any row holds; default all ``tokens``) after an append
+    that keeps up to ``hold`` of them uncommitted; ``tail``: the whole ring's slots.
 
-    Every size is at least :data:`MIN_GROWN_SLOTS`.
+    The kernels read the sink length S and the tail ring size W off the buffers' shapes;
+    positions stay where the whole-size state has them (the tail is re-laid when W changes):
+
+    * up to S tokens: a sink of exactly the tokens (a sequence that lies wholly in its sink),
+      no tail, no tiles;
+    * beyond: the whole sink, tile slots for every tile the tokens can fill (at most those
+      of ``max_len``: an append commits the tokens before its start, so up to ``hold`` of
+      its own may be all that waits), and tail slots for the tokens after the tiles frozen
+      at least (all but ``hold`` committed; the most over the rows' lengths). With
+      ``hold`` > 0 a tile's slot may so come up to ``hold`` tokens before its tile.
     """
     sink = min(config.sink, max_len)
     tokens = min(max(tokens, 0), max_len)
-    m = MIN_GROWN_SLOTS
-    step = lambda n: max(m, -(-n // SLOT_STEP) * SLOT_STEP)  # noqa: E731
+    lo = tokens if shortest is None else min(max(shortest, 0), tokens)
     if tokens <= sink:
-        return min(step(tokens), max(sink, m)), m, m
-    tiles = min(tiles_for(config, sink=sink, tokens=tokens), tiles_for(config, max_len=max_len))
-    return sink, min(step(tokens - sink), max(tail, m)), max(m, tiles)
+        return tokens, 0, 0
+    g, recent = config.group_size, config.recent_window
+    whole = tiles_for(config, max_len=max_len)
+    frozen = lambda n, held: min(max((n - held - sink - recent) // g, 0), whole)  # noqa: E731
+    live = lambda n: max(n - sink - frozen(n, hold) * g, 0)  # noqa: E731
+    need = live(tokens)
+    if frozen(lo, hold) != frozen(tokens, hold):     # rows on both sides of a frozen tile
+        need = max(need, live(sink + recent + hold + frozen(tokens, hold) * g - 1))
+    return sink, min(need, tail), frozen(tokens, 0)
 
 
 def can_grow(config: KVarNConfig, *, max_len: int, spec_tokens: int = 0) -> bool:
@@ -477,15 +574,11 @@ def can_grow(config: KVarNConfig, *, max_len: int, spec_tokens: int = 0) -> bool
 
 def capacity_for(config: KVarNConfig, sizes: tuple[int, int, int], *, max_len: int) -> int:
     """Tokens per row a state with (sink, tail, tile) slots ``sizes`` may hold: ``max_len``
-    when its sink and tiles are whole, the sink's tokens while the sink is short, else the
-    sink and the tiles."""
-    sink, _, tiles = sizes
-    full_sink = min(config.sink, max_len)
-    if sink < full_sink:
-        return sink
-    if tiles >= tiles_for(config, max_len=max_len):
+    when its sink and tiles are whole, else what its sink, tiles and tail hold together."""
+    sink, tail, tiles = sizes
+    if sink >= min(config.sink, max_len) and tiles >= tiles_for(config, max_len=max_len):
         return max_len
-    return sink + tiles * config.group_size
+    return min(sink + tiles * config.group_size + tail, max_len)
 
 
 def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: int,
@@ -495,7 +588,7 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
 
     ``spec_tokens`` is how many uncommitted (speculative) tokens beyond a full tail tile
     may exist at once; with the default auto-commit 0 suffices. ``grow_from``: a growable
-    state with tile slots for that many tokens (at least :data:`MIN_GROWN_TILES`), grown by
+    state sized for that many tokens (:func:`grown_sizes`), grown by
     :meth:`LayerState.reserve` up to ``max_len`` (where :func:`can_grow`; else whole); None
     preallocates every slot.
     """
@@ -514,7 +607,8 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
     if grow_from is not None and not can_grow(config, max_len=max_len, spec_tokens=spec_tokens):
         grow_from = None
     if grow_from is not None:
-        sink, tail, tiles = grown_sizes(config, tokens=grow_from, max_len=max_len, tail=tail)
+        sink, tail, tiles = grown_sizes(config, tokens=grow_from, max_len=max_len, tail=tail,
+                                        hold=spec_tokens)
     kb, vb = config.key_bits, config.value_bits
     if (g * kb) % 8 or (head_dim * vb) % 8:
         raise ValueError(f"{kb}/{vb}-bit codes do not pack whole bytes for G={g}, D={head_dim}.")
@@ -545,8 +639,10 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
         lengths=counter(), committed=counter(), n_tiles=counter(),
         capacity=counter(capacity_for(config, (sink, tail, tiles), max_len=max_len)),
         k_plain=new(tiles, dt=torch.uint8) if layout.key_frames else None)
+    tokens = min(max(grow_from or 0, 0), max_len)
     return LayerState(config=config, buffers=fields.pack(), max_len=max_len, name=name,
-                      growable=grow_from is not None, spec_tokens=spec_tokens)
+                      growable=grow_from is not None, spec_tokens=spec_tokens, tokens=tokens,
+                      shortest=tokens)
 
 
 def fp16_cache_bytes(*, batch: int, kv_heads: int, head_dim: int, tokens: int) -> int:

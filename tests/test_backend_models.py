@@ -219,10 +219,11 @@ class Oracle:
 
 def _flipped_codes(backend, oracle_cache) -> int:
     """Packed-state elements (code bytes and scales) where the compiled run froze its tiles
-    differently from the eager oracle. Inductor reorders fp32 sums, so a K/V value that sits
-    on a rounding boundary can land on the neighbouring code: a legitimate difference of one
-    code step, which moves later logits by up to a few percent of the logit scale. Anything
-    but such isolated flips is a bug (asserted here)."""
+    differently from the eager oracle. Inductor reorders fp32 sums, and a growing state's
+    sink and tail have other lengths than the oracle's (so other fp32 sums too), so a K/V
+    value that sits on a rounding boundary can land on the neighbouring code: a legitimate
+    difference of one code step, which moves later logits by up to a few percent of the
+    logit scale. Anything but such isolated flips is a bug (asserted here)."""
     from kvarn_compile.state import unpack
 
     total = 0
@@ -329,7 +330,9 @@ def _run_hf_case(family, cache_kind, attn, *, compiler, rtol):
     _check_sites(backend, sliding)
     assert len(set(out.sequences[0, PROMPT:].tolist())) > 2, "degenerate model: vacuous check"
     want = oracle(ids)
-    tol = lambda: FLIP_RTOL if compiler == "inductor" and _flipped_codes(  # noqa: E731
+    # a growing state's buffers have other shapes than the oracle's: fp32 sums may round
+    # differently there too (like Inductor's), so a K/V value may flip a code
+    tol = lambda: FLIP_RTOL if (compiler == "inductor" or not static) and _flipped_codes(  # noqa: E731
         backend, oracle.last_cache) else rtol
     err = _assert_same(out, want, tol(), "greedy")
     label = attn + ("/inductor" if compiler == "inductor" else "")
@@ -391,7 +394,9 @@ def test_llama_left_padded_batch(cache_kind, attn):
     out = _generate(model, ids, cache=_static_cache(model, 2) if static else None, mask=mask)
     _check_sites(backend, set())
     assert backend.report.graphs == (2 if static else 3), str(backend.report)
-    err = _assert_same(out, oracle(ids, mask=mask), EAGER_RTOL, "left-padded batch")
+    want = oracle(ids, mask=mask)
+    flips = not static and _flipped_codes(backend, oracle.last_cache)   # see _run_hf_case
+    err = _assert_same(out, want, FLIP_RTOL if flips else EAGER_RTOL, "left-padded batch")
     _record("llama-batch2", cache_kind, attn, backend, err)
 
 

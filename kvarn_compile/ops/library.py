@@ -264,12 +264,14 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
     growable = cache_k is None and cache_v is None
     state = store.for_append(site, k, max_len, growable=growable)
     if growable and start_pos.numel():
-        last = int(start_pos.max())       # every row starting over at 0: a new sequence
-        state.reserve(last + k.shape[2], fresh=last == 0)
+        first, last = start_pos.aminmax()  # every row starting over at 0: a new sequence
+        state.reserve(int(last) + k.shape[2], fresh=int(last) == 0, shortest=int(first) + k.shape[2])
     if cache_k is not None and cache_v is not None:
         reference.adopt_(state.buffers, cache_k, cache_v, start_pos, method, iters, recent,
                          hold, check_finite, site, release, append=_append_op)
     _append_op(state.buffers, k, v, start_pos, method, iters, recent, hold, check_finite, site)
+    if growable:
+        state.trim()                      # the tail slots frozen tiles freed
     if release:
         for cache in (cache_k, cache_v):
             if cache is not None:
