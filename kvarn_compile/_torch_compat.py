@@ -266,12 +266,19 @@ def fakify_static(tensors: list[Any], dynamic_dim2: list[Any] | None = None) -> 
 
 
 def check_dynamic_dim2(fakes: list[Any]) -> None:
-    """Raise when the compile specialized the growing axis (dim 2) of a growable state (its
-    symbol was replaced by a constant): the compiled code would be wrong once it grows."""
+    """Raise when the compile specialized the growing axis (dim 2) of a growable state's
+    fakes ``fakes`` (a constant from the start: a size of 0 or 1; or a symbol replaced by a
+    constant): the compiled code would be wrong once it grows."""
     for f in fakes:
-        size = f.shape[2] if f.dim() > 2 else None
-        if not isinstance(size, torch.SymInt):
+        if f.dim() <= 2:
             continue
+        size = f.shape[2]
+        if not isinstance(size, torch.SymInt):
+            raise RuntimeError(
+                f"kvarn: a growing axis of a KV state was compiled as the constant {size} (a "
+                "size of 0 or 1 is never symbolic; compile through a larger stand-in); compiled "
+                "graphs would break when the cache grows. Please report this; preallocate "
+                "instead (a StaticCache).")
         node = size.node
         expr = node.shape_env.replace(node.expr)
         if not expr.free_symbols:
@@ -295,6 +302,8 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
     from torch._inductor.compile_fx import compile_fx
 
     fakes = fakify_static(static_inputs or [], dynamic_dim2_inputs)  # held during compile_fx
+    grown = fakify_static(dynamic_dim2_inputs or [], dynamic_dim2_inputs)   # (the same fakes)
+    check_dynamic_dim2(grown)
 
     patches: dict[str, Any] = {"post_grad_custom_post_pass": KVarNUUIDPass()}
     if mode:
@@ -305,7 +314,7 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
             compiled = compile_fx(gm, inputs, config_patches=patches)
     else:
         compiled = compile_fx(gm, inputs, config_patches=patches)
-    check_dynamic_dim2([f for f in fakes if dynamic_dim2_inputs])
+    check_dynamic_dim2(grown)
     return compiled
 
 

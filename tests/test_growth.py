@@ -300,3 +300,13 @@ def test_a_specialized_growing_axis_is_refused():
     assert bool(tile.shape[2] == st.max_tiles)  # a guard that pins the axis to its size
     with pytest.raises(RuntimeError, match="specialized the growing axis"):
         check_dynamic_dim2(fakes)
+    # an empty (or one-slot) axis is a constant from the start: refused too (the backend
+    # compiles such buffers through 2-slot stand-ins, see backend._stand_ins)
+    empty = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=400, dtype=torch.float32,
+                           grow_from=5)
+    assert empty.grown == (5, 0, 0)
+    grown = [b for b, name in zip(empty.buffers, empty.fields.layout.names) if name in GROW_AXIS_FIELDS]
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        fakes = fakify_static(empty.buffers, grown)
+    with pytest.raises(RuntimeError, match="compiled as the constant 0"):
+        check_dynamic_dim2(fakes)
