@@ -15,8 +15,8 @@ After every call it records, for all layers together: the bytes the packed state
 tokens (``used_bytes``: sink + filled tiles + tail), the fp16 K+V bytes of the same tokens,
 and what a state preallocated for ``max_cache_len`` holds (the behaviour before growable
 states). The summary gives the lengths where the states hold more than fp16 would, the
-largest excess, and the same beyond the states' fixed counters (4 int64 per layer and batch
-row: ``counter_bytes``). Also: how many graphs the backend compiled (growth never recompiles) and how many
+largest excess, the same beyond the states' fixed counters (4 int64 per layer and batch
+row: ``counter_bytes``), and the lengths where the bytes that hold tokens exceed fp16's. Also: how many graphs the backend compiled (growth never recompiles) and how many
 times the states reallocated their tiles. ``--compiler eager`` (default) runs the rewritten
 graphs as they are; ``inductor`` compiles them (same bytes, minutes of compile on 2 cores).
 Prints JSON.
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         "counter_bytes": counters,
         "lengths_above_fp16_beyond_counters": [r["tokens"] for r in rows
                                                if r["kvarn_bytes"] > r["fp16_bytes"] + counters],
+        "lengths_token_bytes_above_fp16": [r["tokens"] for r in rows
+                                           if r["kvarn_used_bytes"] > r["fp16_bytes"]],
         "first_length_at_or_below_fp16_for_good": next(
             (r["tokens"] for i, r in enumerate(rows)
              if all(x["kvarn_bytes"] <= x["fp16_bytes"] for x in rows[i:])), None),

@@ -32,7 +32,7 @@ from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
 from kvarn_compile.registry import claim, releasable, release_storage
 from kvarn_compile.state import (
-    MIN_GROWN_SLOTS, LayerState, allocate_layer, can_grow, grow_axis_indices,
+    MIN_GROWN_SLOTS, LayerState, allocate_layer, grow_axis_indices,
 )
 
 __all__ = ["kvarn_backend", "KVarNBackend", "Report"]
@@ -217,8 +217,7 @@ class KVarNBackend:
         ``RewriteContext``): the state grows with the sequence instead of holding
         ``max_len`` up front (not under context parallelism, whose tile ranges are fixed)."""
         key = (name, batch)
-        growable = tokens is not None and self.context_parallel is None and can_grow(
-            self.config, max_len=max_len, spec_tokens=self.spec_tokens)
+        growable = tokens is not None and self.context_parallel is None
         state = self.states.get(key)
         if state is None or state.max_len != max_len or state.head_dim != head_dim \
                 or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device) \

@@ -26,7 +26,7 @@ import uuid as _uuid
 import torch
 
 from kvarn_compile.config import KVarNConfig
-from kvarn_compile.state import LayerState, allocate_layer, can_grow
+from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["StateStore", "resolve", "releasable", "release_storage", "released", "claim",
            "managed", "unwritten_since_release", "freeable_bytes", "is_freed", "resident_bytes",
@@ -65,7 +65,6 @@ class StateStore:
         """The state new keys ``k`` [B, H, T, D] go to; allocated on first use (``growable``:
         with the tile slots these keys need, grown later by ``LayerState.reserve``)."""
         batch, heads, tokens, dim = k.shape
-        growable = growable and can_grow(self.config, max_len=max_len, spec_tokens=self.spec_tokens)
         state = self.states.get((site, batch))
         if state is not None and self._fits(state, k, max_len, growable):
             return state

@@ -45,7 +45,7 @@ from kvarn_compile.config import KVarNConfig
 __all__ = ["StateLayout", "StateFields", "Tiles", "Geometry", "unpack", "field_indices", "LayerState",
            "allocate_layer", "fp16_cache_bytes", "BASE_FIELDS", "FP8_FACTOR_FIELDS",
            "KEY_FRAME_FIELDS", "TILE_FIELDS", "GROW_AXIS_FIELDS", "BUF", "grow_axis_indices",
-           "can_grow", "grown_sizes"]
+           "grown_sizes"]
 
 T = TypeVar("T")
 
@@ -563,15 +563,6 @@ def grown_sizes(config: KVarNConfig, *, tokens: int, max_len: int, tail: int, ho
     return sink, min(need, tail), frozen(tokens, 0)
 
 
-def can_grow(config: KVarNConfig, *, max_len: int, spec_tokens: int = 0) -> bool:
-    """Whether a state for ``max_len`` tokens can be growable: every grown axis of the whole
-    state has at least :data:`MIN_GROWN_SLOTS` slots (a smaller one, e.g. no sink or fewer
-    than two tiles, stays whole; such a state is small anyway)."""
-    sizes = (min(config.sink, max_len), _tail_slots(config, spec_tokens),
-             tiles_for(config, max_len=max_len))
-    return min(sizes) >= MIN_GROWN_SLOTS
-
-
 def capacity_for(config: KVarNConfig, sizes: tuple[int, int, int], *, max_len: int) -> int:
     """Tokens per row a state with (sink, tail, tile) slots ``sizes`` may hold: ``max_len``
     when its sink and tiles are whole, else what its sink, tiles and tail hold together."""
@@ -589,8 +580,7 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
     ``spec_tokens`` is how many uncommitted (speculative) tokens beyond a full tail tile
     may exist at once; with the default auto-commit 0 suffices. ``grow_from``: a growable
     state sized for that many tokens (:func:`grown_sizes`), grown by
-    :meth:`LayerState.reserve` up to ``max_len`` (where :func:`can_grow`; else whole); None
-    preallocates every slot.
+    :meth:`LayerState.reserve` up to ``max_len``; None preallocates every slot.
     """
     if head_dim % 16 or head_dim < 16:
         raise ValueError(f"Expected head_dim to be a multiple of 16, but got {head_dim}.")
@@ -604,8 +594,6 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
     sink = min(config.sink, max_len)
     tiles = tiles_for(config, max_len=max_len)
     tail = _tail_slots(config, spec_tokens)
-    if grow_from is not None and not can_grow(config, max_len=max_len, spec_tokens=spec_tokens):
-        grow_from = None
     if grow_from is not None:
         sink, tail, tiles = grown_sizes(config, tokens=grow_from, max_len=max_len, tail=tail,
                                         hold=spec_tokens)

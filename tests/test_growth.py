@@ -97,15 +97,21 @@ def test_sizes_follow_the_tokens_and_bytes_never_exceed_fp16():
     version = st.version
     assert st.reserve(20, fresh=True) and st.grown == (20, 0, 0) and st.version == version + 1
     assert not st.reserve(20, fresh=True)                    # nothing more to give back
-    # too small to grow (fewer than two tile slots at max_len): allocated whole
-    tiny = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=G + G + 5,
-                          dtype=torch.float32, grow_from=1)
-    assert not tiny.growable and tiny.grown == (32, 32, 1) and int(tiny.capacity[0]) == G + G + 5
-    # no tile slot at all (max_len shorter than sink + one tile): byte accounting still works
-    none = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=40, dtype=torch.float32,
-                          grow_from=8)
-    assert none.max_tiles == 0 and none.tile_bytes() == tiny.tile_bytes() > 0
-    assert none.used_bytes()["tiles"] == 0 and none.nbytes > 0
+    # a short max_len (one tile slot at most, or none: max_len shorter than sink + one tile)
+    # grows too, and its byte accounting still works
+    for max_len, whole in ((G + G + 5, (32, 32, 1)), (40, (32, 32, 0))):
+        short = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=max_len,
+                               dtype=torch.float32, grow_from=1)
+        full_short = allocate_layer(CFG, batch=1, kv_heads=H, head_dim=D, max_len=max_len,
+                                    dtype=torch.float32)
+        assert short.growable and short.grown == (1, 0, 0) and full_short.grown == whole
+        pos = 0
+        while pos < max_len:
+            pos = _step(short, full_short, pos, 1, seed=pos)
+            fp16 = fp16_cache_bytes(batch=1, kv_heads=H, head_dim=D, tokens=pos)
+            assert short.nbytes <= fp16 + counters, (max_len, pos, short.grown)
+        assert short.tile_bytes() == full_short.tile_bytes() > 0
+        assert short.used_bytes()["tiles"] == short.tiles_held() * short.tile_bytes()
 
 
 def test_rows_of_unequal_lengths_keep_every_tail_token():
