@@ -501,14 +501,10 @@ def exact_dtype_for(config: KVarNConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.float32 else dtype
 
 
-def tiles_for(config: KVarNConfig, *, max_len: int | None = None, sink: int | None = None,
-              tokens: int | None = None) -> int:
-    """Tile slots per row: at ``max_len`` (whole tiles after the sink; the rest stays in the
-    tail), or the fewest that hold ``tokens`` tokens after a ``sink``-token sink."""
-    g = config.group_size
-    if max_len is not None:
-        return max(max_len - min(config.sink, max_len), 0) // g
-    return max(-(-(tokens - sink) // g), 0)
+def tiles_for(config: KVarNConfig, *, max_len: int) -> int:
+    """Tile slots per row at ``max_len``: whole tiles after the sink (the rest stays in the
+    tail)."""
+    return max(max_len - min(config.sink, max_len), 0) // config.group_size
 
 
 def _ring_copy(new: torch.Tensor, old: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
