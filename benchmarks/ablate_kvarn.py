@@ -32,8 +32,8 @@ from kvarn_compile.eval.diagnostics import error_terms
 from kvarn_compile.eval.harness import PseudoQuantCache, fp_reference, pseudo_decode_metrics
 from kvarn_compile.eval.suite import paired_difference
 from kvarn_compile.eval.models import load_model, text_windows
-from kvarn_compile.reference import fake_quantize
-from kvarn_compile.reference import quantize as qmod
+from kvarn_compile.quant import fake_quantize
+from kvarn_compile.quant import quantize as qmod
 
 #: name -> (key overrides, value overrides, reference-constant patches). An override dict
 #: replaces fake_quantize keyword arguments for that kind; "method" is hadamard unless given.

@@ -16,7 +16,7 @@ import torch
 
 from _common import env
 from kvarn_compile.config import PRESETS, get_config
-from kvarn_compile.ops.reference import append_
+from kvarn_compile.ops.append import append_
 from kvarn_compile.state import TILE_FIELDS, allocate_layer, fp16_cache_bytes
 
 

@@ -57,7 +57,7 @@ def _child(args) -> dict:
     from transformers import StaticCache
 
     from kvarn_compile.eval.models import load_model
-    from kvarn_compile.kernels import cpu_attention, cpu_quantize
+    from kvarn_compile.kernels.cpu import attention as cpu_attention, quantize as cpu_quantize
 
     t0 = time.perf_counter()
     built = {"cpu_attention": cpu_attention.available(), "cpu_quantize": cpu_quantize.available()}

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from _common import bench, env
 from kvarn_compile.config import get_config
 from kvarn_compile.ops import library as ops
-from kvarn_compile.ops.reference import append_
+from kvarn_compile.ops.append import append_
 from kvarn_compile.state import allocate_layer
 
 

@@ -86,9 +86,9 @@ def _kvarn_compiled(st, scale: float):
 
 def _single_vs_dual(st, n_tiles: int, scale: float) -> dict:
     """The decode template rendered standalone: dual column scales vs the single-scale proxy."""
-    from kvarn_compile.lowering.templates import launch_standalone, render_standalone
-    from kvarn_compile.ops.reference import tile_inputs
-    from kvarn_compile.reference.rotation import rotation_matrix
+    from kvarn_compile.lowering.tile_templates import launch_standalone, render_standalone
+    from kvarn_compile.ops.attention import tile_inputs
+    from kvarn_compile.quant.rotation import rotation_matrix
 
     b = st.batch
     q = torch.randn(b, GQA_Q_HEADS, 1, HEAD_DIM, device=st.sink_k.device, dtype=torch.float16)

@@ -19,7 +19,7 @@ in the JSON) and 3 ranks hold one KV head each. Every rank runs one thread
 (``OMP_NUM_THREADS=1``); on a machine with fewer cores than ranks the ranks share cores
 and tokens/s says little about scaling, the bytes per rank are exact.
 
-``--mode cp`` (context parallel, :mod:`kvarn_compile.context_parallel`): every rank loads
+``--mode cp`` (context parallel, :mod:`kvarn_compile.ops.context_parallel`): every rank loads
 the whole model (no plan, any rank count), ``kvarn_backend(context_parallel=True)``; each
 rank holds 1/N of every layer's packed tiles, sink and tail replicated, and each attention
 call runs one ``all_gather``. ``--cache fp`` compiles with plain Inductor over the

@@ -5,7 +5,7 @@
 
 For each thread count (``--threads``, default 1 and torch's), preset (k4v2, k2v2,
 k2v2_clip) and layer shape (H=3 KV heads, D=64: SmolLM2-135M; H=8, D=128: Llama-3-8B),
-G=128, both sides run the op's own freeze (``ops.reference._freeze``
+G=128, both sides run the op's own freeze (``ops.append._freeze``
 on fp16 tail tokens [H, G, D], writing into a packed layer state): the reference quantizer
 (``tile_kernel=None``) and the C++ one (``tile_kernel=dispatch.freeze_tiles_cpu``), timed in
 alternation in the same process (the machine may be shared: compare the two side by side).
@@ -50,7 +50,7 @@ def _stats(ms: list[float]) -> dict:
 
 def _freeze_case(preset: str, heads: int, d: int, reps: int) -> dict:
     from kvarn_compile.config import get_config
-    from kvarn_compile.ops import dispatch, reference
+    from kvarn_compile.ops import append as append_ref, dispatch
     from kvarn_compile.state import allocate_layer
 
     cfg = get_config(preset, group_size=G)
@@ -62,7 +62,7 @@ def _freeze_case(preset: str, heads: int, d: int, reps: int) -> dict:
     tv = torch.randn(heads, G, d, generator=gen).half()
 
     def run(kernel):
-        return lambda: reference._freeze(st.buffers, 0, tk, tv, 0, cfg.op_method,
+        return lambda: append_ref.freeze_tiles(st.buffers, 0, tk, tv, 0, cfg.op_method,
                                          cfg.sinkhorn_iters, False, "", kernel)
 
     ref, cpp = run(None), run(dispatch.freeze_tiles_cpu)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time decode steps of the model compiled with kvarn_backend (slow to compile)")
     a = p.parse_args(argv)
 
-    from kvarn_compile.kernels import cpu_quantize
+    from kvarn_compile.kernels.cpu import quantize as cpu_quantize
 
     t0 = time.perf_counter()
     cpu_quantize.build()

@@ -6,7 +6,7 @@ Public API (more arrives as the backend grows):
 * :func:`kvarn_backend` - the torch.compile backend (``model.compile(backend=kvarn_backend())``);
 * :func:`inductor_pass` - the same rewrite as an Inductor pre-grad pass, for
   ``backend="inductor"`` (``options={"pre_grad_custom_pass": inductor_pass()}``);
-* :mod:`kvarn_compile.reference` - the pure-torch quantizer, ``fake_quantize`` for evaluation.
+* :mod:`kvarn_compile.quant` - the pure-torch quantizer, ``fake_quantize`` for evaluation.
 """
 
 from kvarn_compile.backend import KVarNBackend, kvarn_backend
@@ -17,13 +17,13 @@ __version__ = "0.1.0"
 
 
 def inductor_pass(preset="k4v2", **kwargs):
-    """KVarN as an Inductor pre-grad pass (see :mod:`kvarn_compile.passes.inductor`):
+    """KVarN as an Inductor pre-grad pass (see :mod:`kvarn_compile.inductor_pass`):
 
         kv = inductor_pass(preset="k4v2")
         model.compile(options={"pre_grad_custom_pass": kv}); print(kv.report)
 
     Imported on first use (it loads torch._inductor).
     """
-    from kvarn_compile.passes.inductor import inductor_pass as make
+    from kvarn_compile.inductor_pass import inductor_pass as make
 
     return make(preset, **kwargs)

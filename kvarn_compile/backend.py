@@ -11,7 +11,7 @@ graph inputs and compiles the result with Inductor (or runs it eagerly with
 ``compiler="eager"``). After every call it frees the model's own preallocated K/V buffers
 that the graph no longer uses. ``backend.report`` says what was rewritten, what was not and
 why. For ``backend="inductor"`` the same pass runs as an Inductor pre-grad pass:
-:func:`kvarn_compile.inductor_pass` (:mod:`kvarn_compile.passes.inductor`).
+:func:`kvarn_compile.inductor_pass` (:mod:`kvarn_compile.inductor_pass`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
-from kvarn_compile.registry import claim, releasable, release_storage
+from kvarn_compile.ops.keyed import claim, releasable, release_storage
 from kvarn_compile.state import (
     MIN_GROWN_SLOTS, LayerState, allocate_layer, grow_axis_indices,
 )
@@ -185,7 +185,7 @@ class KVarNBackend:
             if tune_knobs is not None:
                 raise ValueError("kvarn_backend: tune_knobs and context_parallel cannot be combined; "
                                  "pass one of them.")
-            from kvarn_compile import context_parallel as cp
+            from kvarn_compile.ops import context_parallel as cp
 
             self.context_parallel = cp.register(context_parallel)
         #: id(parameter) -> (weak reference, model number): which model a graph belongs to
@@ -225,7 +225,7 @@ class KVarNBackend:
             kw = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
                       dtype=dtype, device=device, spec_tokens=self.spec_tokens, name=name)
             if self.context_parallel is not None:
-                from kvarn_compile import context_parallel as cp
+                from kvarn_compile.ops import context_parallel as cp
 
                 state = cp.allocate(self.context_parallel, self.config, **kw)
             else:
@@ -529,7 +529,7 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
             an uncompiled forward wrote there is first adopted into the packed cache). On
             CPU (Linux) their pages go back to the operating system while the tensors stay
             valid: they read zeros and may still be reset, written, copied or printed. CUDA
-            buffers are kept (see ``kvarn_compile.registry``).
+            buffers are kept (see ``kvarn_compile.ops.keyed``).
         spec_tokens: newest tokens of each write kept uncommitted (speculative decoding).
         compiler: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is).
         mode: a torch.compile mode; also accepted as the keyword torch.compile/transformers pass.
@@ -539,7 +539,7 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
         context_parallel: a ``torch.distributed`` ProcessGroup, or ``True`` for the default
             group: context-parallel decoding (every rank runs the model; each holds 1/ranks of
             the packed tiles; one ``all_gather`` per attention; see
-            :mod:`kvarn_compile.context_parallel`).
+            :mod:`kvarn_compile.ops.context_parallel`).
     """
     return KVarNBackend(get_config(preset, **config_overrides), max_cache_len=max_cache_len,
                         release_buffers=release_buffers, spec_tokens=spec_tokens,

@@ -16,7 +16,7 @@ import json
 import pathlib
 import sys
 
-from kvarn_compile.cli_args import (  # noqa: F401  (re-exported: kvarn_compile.cli.UsageError, ...)
+from kvarn_compile.eval.args import (  # noqa: F401  (re-exported: kvarn_compile.cli.UsageError, ...)
     UsageError, add_common_arguments, add_model_arguments, check_default_model, input_file,
     int_at_least, kv_report, model_name, output_file, output_folder, print_kv_report,
     quiet_libraries, write_json)

@@ -25,7 +25,7 @@ This module holds what *is* about ranks:
   bytes, KV heads, released bytes) gathered with one collective, and one summary printed
   on rank 0 (sites, bytes per rank, bytes in total).
 
-Context parallelism (one sequence's tiles spread over ranks) is :mod:`kvarn_compile.context_parallel`.
+Context parallelism (one sequence's tiles spread over ranks) is :mod:`kvarn_compile.ops.context_parallel`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.ops import library as ops
-from kvarn_compile.ops.reference import check_method, crop_, materialize
+from kvarn_compile.ops.append import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward",
@@ -53,7 +53,7 @@ class KVarNLayer(CacheLayerMixin):
                  name: str = "", fused: bool | None = None, model_config=None,
                  context_parallel=None):
         super().__init__()
-        #: a registered ``kvarn_compile.context_parallel.ContextParallel``, or None
+        #: a registered ``kvarn_compile.ops.context_parallel.ContextParallel``, or None
         self.context_parallel = context_parallel
         self.config = config
         self.max_cache_len = max_cache_len
@@ -85,7 +85,7 @@ class KVarNLayer(CacheLayerMixin):
                   dtype=key_states.dtype, device=key_states.device, spec_tokens=self.spec_tokens,
                   name=self.name)
         if self.context_parallel is not None:
-            from kvarn_compile import context_parallel as cp
+            from kvarn_compile.ops import context_parallel as cp
 
             self.state = cp.allocate(self.context_parallel, self.config, **kw)
         else:
@@ -176,7 +176,7 @@ class KVarNCache(Cache):
         spec_tokens: how many of the newest tokens of each write stay uncommitted (never
             quantized) until the next write, so that speculative decoding can crop them.
         context_parallel: a ProcessGroup (or ``True``: the default group): this rank keeps
-            1/ranks of each layer's tiles (:mod:`kvarn_compile.context_parallel`); needs the
+            1/ranks of each layer's tiles (:mod:`kvarn_compile.ops.context_parallel`); needs the
             ``kvarn`` attention (:func:`use_kvarn_attention`).
     """
 
@@ -185,7 +185,7 @@ class KVarNCache(Cache):
         max_cache_len = checked_max_cache_len(max_cache_len)
         cp = None
         if context_parallel is not None:
-            from kvarn_compile import context_parallel as cp_module
+            from kvarn_compile.ops import context_parallel as cp_module
 
             cp = cp_module.register(context_parallel)
         self.kvarn_config = get_config(preset, **overrides)

@@ -271,7 +271,7 @@ class LayerState:
     buffers: list[torch.Tensor]
     max_len: int
     name: str = ""
-    #: context parallelism (``kvarn_compile.context_parallel``): the group's key, and the
+    #: context parallelism (``kvarn_compile.ops.context_parallel``): the group's key, and the
     #: sequence tile number of slot 0 (this rank holds tiles ``tile_offset ..``)
     context_parallel: str = ""
     tile_offset: int = 0

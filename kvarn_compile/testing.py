@@ -20,7 +20,7 @@ def oracle_attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.T
                      *, scale: float | None = None, causal: bool = True, window: int = 0
                      ) -> torch.Tensor:
     """Plain float64 softmax attention of ``q`` [B, Hq, Tq, D] over a packed cache's
-    dequantized K/V (:func:`kvarn_compile.ops.reference.materialize`): [B, Hq, Tq, D].
+    dequantized K/V (:func:`kvarn_compile.ops.append.materialize`): [B, Hq, Tq, D].
 
     The queries are the cache's newest Tq tokens. ``mask`` is a bool (True = attend) or an
     additive float mask broadcastable to [B, 1 or Hq, Tq, >= capacity]; ``window`` > 0 keeps
@@ -28,7 +28,7 @@ def oracle_attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.T
     the oracle the fused ``kvarn::attention`` is tested against; it builds exactly what the
     runtime never does.
     """
-    from kvarn_compile.ops.reference import materialize
+    from kvarn_compile.ops.append import materialize
     from kvarn_compile.state import unpack
 
     k, v = materialize(buffers, dtype=torch.float64)           # [B, H, cap, D]

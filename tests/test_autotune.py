@@ -23,7 +23,7 @@ import torch
 from kvarn_compile import _torch_compat, autotune, lowering
 from kvarn_compile.autotune import KnobTuning, QuantKnobs, TuneKey, select_quant_knobs, tuning
 from kvarn_compile.config import get_config
-from kvarn_compile.ops import reference
+from kvarn_compile.ops import append as append_ref, attention as attention_ref
 from kvarn_compile.state import allocate_layer
 
 
@@ -97,7 +97,7 @@ def test_first_tile_rows_are_the_full_precision_rows_about_to_be_frozen():
     cfg = get_config("k4v2", group_size=32)
     st = allocate_layer(cfg, batch=1, kv_heads=2, head_dim=16, max_len=200, dtype=torch.float32)
     k, v = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
-    reference.append_(st.buffers, k[:, :, :50], v[:, :, :50], torch.tensor([0]))   # sink + 18
+    append_ref.append_(st.buffers, k[:, :, :50], v[:, :, :50], torch.tensor([0]))   # sink + 18
     assert tuning.first_tile_rows(st.buffers, k[:, :, 50:60], v[:, :, 50:60],
                                     torch.tensor([50]), 0, 0) is None      # 60 < 32 + 32
     rows = tuning.first_tile_rows(st.buffers, k[:, :, 50:], v[:, :, 50:], torch.tensor([50]), 0, 0)
@@ -184,7 +184,7 @@ def no_graph_caches():
 def _packed(prompt=150):
     cfg = get_config("k4v2", group_size=32)
     st = allocate_layer(cfg, batch=2, kv_heads=2, head_dim=16, max_len=200, dtype=torch.float32)
-    reference.append_(st.buffers, torch.randn(2, 2, prompt, 16), torch.randn(2, 2, prompt, 16),
+    append_ref.append_(st.buffers, torch.randn(2, 2, prompt, 16), torch.randn(2, 2, prompt, 16),
                       torch.zeros(2, dtype=torch.long))
     return st
 
@@ -213,7 +213,7 @@ def test_export_import_round_trip_replays_the_winner_without_benchmarking(tmp_pa
 
     monkeypatch.setattr(selector, "do_autotuning", counting)
     st, q = _packed(), torch.randn(2, 4, 24, 16)     # the last 24 of the 150 cached tokens
-    expected = 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0)
+    expected = 2.0 * attention_ref.attention(q, st.buffers, None, 0.3, True, 0)
 
     def compile_once():
         torch._dynamo.reset()
@@ -263,7 +263,7 @@ def test_cli_exports_and_imports(tmp_path, capsys):
 # ------------------------------------------------------------------------------ cache key
 def test_the_inductor_cache_key_covers_the_templates(tmp_path):
     package = pathlib.Path(_torch_compat.__file__).parent
-    assert (package / "templates" / "kvarn_decode.py.jinja").exists()
+    assert (package / "lowering" / "templates" / "kvarn_decode.py.jinja").exists()
     _torch_compat.kvarn_sources_hash.cache_clear()    # sources may change while tests run
     uuid = _torch_compat.KVarNUUIDPass().uuid()
     lowering.register()
@@ -276,7 +276,7 @@ def test_the_inductor_cache_key_covers_the_templates(tmp_path):
     assert before == _torch_compat.kvarn_sources_hash()   # content, not the folder's path
     (copy / "notes.txt").write_text("not a source")
     assert _torch_compat._hash_sources(copy) == before
-    template = copy / "templates" / "kvarn_decode.py.jinja"
+    template = copy / "lowering" / "templates" / "kvarn_decode.py.jinja"
     template.write_text(template.read_text().replace("BLOCK_N", "BLOCK_N ", 1))
     assert _torch_compat._hash_sources(copy) != before
 
@@ -290,7 +290,7 @@ def test_the_uuid_follows_a_template_edit_in_place(monkeypatch, tmp_path):
     _torch_compat.kvarn_sources_hash.cache_clear()
     try:
         uuid_before = _torch_compat.KVarNUUIDPass().uuid()
-        template = package / "templates" / "kvarn_prefill.py.jinja"
+        template = package / "lowering" / "templates" / "kvarn_prefill.py.jinja"
         template.write_text(template.read_text() + "\n# edited\n")
         _torch_compat.kvarn_sources_hash.cache_clear()
         assert _torch_compat.KVarNUUIDPass().uuid() != uuid_before

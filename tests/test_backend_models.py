@@ -85,7 +85,7 @@ from transformers.cache_utils import Cache, StaticSlidingWindowLayer
 from kvarn_compile import kvarn_backend
 from kvarn_compile.config import get_config
 from kvarn_compile.hf import KVarNCache, KVarNLayer, kv_geometry, static_cache_for, use_kvarn_attention
-from kvarn_compile.registry import freeable_bytes, is_freed, resident_bytes
+from kvarn_compile.ops.keyed import freeable_bytes, is_freed, resident_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESET = dict(preset="k4v2", group_size=32)

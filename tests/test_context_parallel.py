@@ -1,4 +1,4 @@
-"""Context-parallel decoding on CPU ranks over gloo (``kvarn_compile.context_parallel``).
+"""Context-parallel decoding on CPU ranks over gloo (``kvarn_compile.ops.context_parallel``).
 
 The ranks are started with ``torch.multiprocessing`` (spawn) from the test; every
 collective has the process group's timeout, and the test joins the ranks with its own.
@@ -63,7 +63,7 @@ def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
 # ------------------------------------------------------------------------------ scenarios
 def _ops_scenario(cp_handle) -> dict:
     """Random streams through cp_append_ / cp_attention vs the single-process ops."""
-    from kvarn_compile import context_parallel as cp
+    from kvarn_compile.ops import context_parallel as cp
     from kvarn_compile.state import StateLayout, allocate_layer
 
     results = {}
@@ -199,7 +199,7 @@ def _worker(rank: int, world: int, port: int, what: str, outdir: str) -> None:
     result: dict = {}
     try:
         _init(rank, world, port, {"failure": 6, "models": MODEL_TIMEOUT_S}.get(what, TIMEOUT_S))
-        from kvarn_compile import context_parallel as cp
+        from kvarn_compile.ops import context_parallel as cp
 
         handle = cp.register(True)
         result["rank"], result["world"] = handle.rank, handle.world
@@ -334,7 +334,7 @@ def test_a_failing_rank_ends_the_other_with_an_error():
 
 
 def test_register_needs_an_initialized_group():
-    from kvarn_compile import context_parallel as cp
+    from kvarn_compile.ops import context_parallel as cp
 
     with pytest.raises(ValueError, match="init_process_group"):
         cp.register(True)

@@ -1,4 +1,4 @@
-"""The C++ CPU tile quantizer (kernels/cpu_quantize.py) against the reference quantizer.
+"""The C++ CPU tile quantizer (kernels/cpu/quantize.py) against the reference quantizer.
 
 Bit identity is the contract: codes, scales (every storage dtype), zero points and key-frame
 flags must equal ``reference.quantize_kv``'s bit for bit (compared as integers, so -0.0 and
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvarn_compile.config import get_config
-from kvarn_compile.kernels import cpu_quantize
-from kvarn_compile.ops import dispatch, reference
-from kvarn_compile.reference.quantize import quantize_kv
+from kvarn_compile.kernels.cpu import quantize as cpu_quantize
+from kvarn_compile.ops import append as append_ref, dispatch
+from kvarn_compile.quant.quantize import quantize_kv
 from kvarn_compile.state import allocate_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -181,7 +181,7 @@ def _fill(cfg, op: bool, k, v, chunks, hold=0):
         start = torch.full((k.shape[0],), pos)
         args = (st.buffers, k[:, :, pos:pos + n], v[:, :, pos:pos + n], start, cfg.op_method,
                 cfg.sinkhorn_iters, cfg.recent_window, hold, False, "")
-        (torch.ops.kvarn.append_ if op else reference.append_)(*args)
+        (torch.ops.kvarn.append_ if op else append_ref.append_)(*args)
         pos += n
     if hold:
         upto = torch.full((k.shape[0],), pos)
@@ -189,7 +189,7 @@ def _fill(cfg, op: bool, k, v, chunks, hold=0):
             torch.ops.kvarn.commit_(st.buffers, upto, cfg.op_method, cfg.sinkhorn_iters,
                                     cfg.recent_window, False, "")
         else:
-            reference.commit_(st.buffers, upto, cfg.op_method, cfg.sinkhorn_iters,
+            append_ref.commit_(st.buffers, upto, cfg.op_method, cfg.sinkhorn_iters,
                               cfg.recent_window, False, "")
     return st
 
@@ -266,7 +266,7 @@ def test_a_failed_build_is_an_error_under_require_and_a_warning_otherwise(monkey
             cpu_quantize.available()
         cpu_quantize._built.cache_clear()
         monkeypatch.setenv("KVARN_CPU_KERNEL", "1")
-        with caplog.at_level("WARNING", logger="kvarn_compile.kernels.cpu_quantize"):
+        with caplog.at_level("WARNING", logger="kvarn_compile.kernels.cpu.quantize"):
             assert cpu_quantize.available() is False
         assert "command not found" in caplog.text and "reference" in caplog.text
         cfg = get_config("k4v2", group_size=64)

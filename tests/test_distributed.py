@@ -136,7 +136,7 @@ def _hf_generate(model, cache=None) -> dict:
 def _left(tensors) -> int:
     """Bytes of storage the model's own K/V tensors still hold in memory (a released buffer
     keeps its size but only the partial pages at its ends: counted as 0, see is_freed)."""
-    from kvarn_compile.registry import is_freed
+    from kvarn_compile.ops.keyed import is_freed
 
     return sum(0 if is_freed(t) else t.untyped_storage().nbytes() for t in tensors)
 

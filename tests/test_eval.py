@@ -20,7 +20,7 @@ from kvarn_compile.eval.harness import (PseudoQuantCache, block_logits, fp_refer
 from kvarn_compile.eval.product import product_pseudo_decode, simulated_like_product
 from kvarn_compile.eval.suite import EvalSettings, _static_prefix, run_eval
 from kvarn_compile.eval.models import has_default_assets
-from kvarn_compile.reference import fake_quantize
+from kvarn_compile.quant import fake_quantize
 
 G = 32
 T = 160

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 
 import kvarn_compile.ops  # noqa: F401
 from kvarn_compile import get_config, kvarn_backend
-from kvarn_compile.ops import reference as R
+from kvarn_compile.ops import append as append_ref
 from kvarn_compile.state import allocate_layer, unpack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,12 +146,12 @@ def _ops_case(data, target):
             mask = causal[None, None, p0:p0 + t, :p0 + t]
             got, past_k, past_v = run(q, k, v, past_k, past_v, mask)
         ref.reserve(p0 + t, fresh=p0 == 0)
-        R.append_(ref.buffers, k, v, torch.full((b,), p0), method=cfg.method, iters=cfg.sinkhorn_iters)
+        append_ref.append_(ref.buffers, k, v, torch.full((b,), p0), method=cfg.method, iters=cfg.sinkhorn_iters)
         want = torch.ops.kvarn.attention(q, ref.buffers, mask, d ** -0.5, True, 0)
         ref.trim()          # after the call's attention, as the backend does
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         # and the eager ops agree with float64 attention over the dequantized cache
-        k_hat, v_hat = R.materialize(ref.buffers, dtype=torch.float64)
+        k_hat, v_hat = append_ref.materialize(ref.buffers, dtype=torch.float64)
         n = p0 + t
         oracle = F.scaled_dot_product_attention(
             q.double(), k_hat[:, :, :n], v_hat[:, :, :n], attn_mask=causal[None, None, p0:n, :n],
@@ -175,7 +175,7 @@ def _ops_case(data, target):
     if fr.k_plain is not None:
         assert torch.equal(fs.k_plain[:, :, :n], fr.k_plain[:, :, :n])
     held = int(fr.lengths.max())
-    for a, c in zip(R.materialize(state.buffers), R.materialize(ref.buffers)):
+    for a, c in zip(append_ref.materialize(state.buffers), append_ref.materialize(ref.buffers)):
         assert torch.equal(a[:, :, :held], c[:, :, :held])
     COUNTS[target]["equal"] += 1
 
@@ -438,12 +438,12 @@ def _matcher_case(data, target):
         if cat:
             caches["plain"] = [want_plain[1], want_plain[2]]
         ref.reserve(p0 + t, fresh=p0 == 0)
-        R.append_(ref.buffers, k, v, torch.full((b,), p0), method=cfg.method, iters=cfg.sinkhorn_iters)
+        append_ref.append_(ref.buffers, k, v, torch.full((b,), p0), method=cfg.method, iters=cfg.sinkhorn_iters)
         state = next(iter(backend.states.values()), None)
         rewritten = state is not None and int(state.lengths.max()) == p0 + t
         if rewritten:
             # the same program, eagerly, over what the packed cache decodes to
-            k_hat, v_hat = R.materialize(ref.buffers, dtype=torch.float32)
+            k_hat, v_hat = append_ref.materialize(ref.buffers, dtype=torch.float32)
             new_k, new_v = layout(k_hat[:, :, p0:p0 + t]), layout(v_hat[:, :, p0:p0 + t])
             if cat:
                 hat = fn(q, new_k, new_v, where, layout(k_hat[:, :, :p0]), layout(v_hat[:, :, :p0]),

@@ -160,8 +160,8 @@ def test_a_growing_state_is_the_preallocated_state(chunks, ops):
     """Same tiles bit for bit, same attention at every step (the reference ops, and the ops
     as dispatched on this device: the C++ kernels on CPU)."""
     if ops == "reference":
-        from kvarn_compile.ops import reference as R
-        append, attention = R.append_, R.attention
+        from kvarn_compile.ops import append as append_ref, attention as attention_ref
+        append, attention = append_ref.append_, attention_ref.attention
     else:
         def append(buffers, k, v, start):
             torch.ops.kvarn.append_(buffers, k, v, start, "kvarn", 8, 0, 0, False, "")

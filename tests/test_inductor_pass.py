@@ -24,8 +24,8 @@ import transformers as tf
 
 from kvarn_compile import inductor_pass, kvarn_backend
 from kvarn_compile.hf import kv_geometry
-from kvarn_compile.passes.inductor import KVarNInductorPass
-from kvarn_compile.registry import freeable_bytes, is_freed
+from kvarn_compile.inductor_pass import KVarNInductorPass
+from kvarn_compile.ops.keyed import freeable_bytes, is_freed
 from test_backend_models import (
     FLIP_RTOL, INDUCTOR_RTOL, MAX_LEN, NEW, NEW_SHORT, PRESET, PROMPT, Oracle, _assert_same,
     _build, _buffers, _check_sites, _flipped_codes, _generate, _gpt_fast, _prompt,

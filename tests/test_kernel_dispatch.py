@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from kvarn_compile.config import get_config
-from kvarn_compile.kernels import cpu_attention, triton_available
+from kvarn_compile.kernels import triton_available
+from kvarn_compile.kernels.cpu import attention as cpu_attention
 from kvarn_compile.ops import dispatch as triton_impl
-from kvarn_compile.ops import reference
-from kvarn_compile.reference.quantize import QuantizedTiles, dequantize_tiles
-from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.ops import append as append_ref, attention as attention_ref
+from kvarn_compile.quant.quantize import QuantizedTiles, dequantize_tiles
+from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import BUF, allocate_layer
 
 # Triton is a dependency and conftest sets TRITON_INTERPRET=1: the Triton paths always run
@@ -26,7 +27,7 @@ def _filled(lengths, preset="k4v2", **kw):
     for row, n in enumerate(lengths):
         k, v = torch.randn(1, H, n, D), torch.randn(1, H, n, D)
         sub = [t[row:row + 1] for t in st.buffers]
-        reference.append_(sub, k, v, torch.tensor([0]))
+        append_ref.append_(sub, k, v, torch.tensor([0]))
     return st
 
 
@@ -41,7 +42,7 @@ def test_attention_kernel_path_matches_reference(kernel, lengths, group_q, windo
     st = _filled(lengths, preset)
     q = torch.randn(len(lengths), H * group_q, 1, D)
     assert triton_impl.kernel_applies(q, st.buffers, None)
-    ref = reference.attention(q, st.buffers, None, D ** -0.5, True, window)
+    ref = attention_ref.attention(q, st.buffers, None, D ** -0.5, True, window)
     out = triton_impl.attention(q, st.buffers, None, D ** -0.5, True, window, kernel=kernel)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
@@ -54,7 +55,7 @@ def test_cpu_op_dispatches_to_the_kernel_and_matches_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = torch.ops.kvarn.attention(q, st.buffers, None, 0.2, True, 0)
     assert calls, "the CPU op did not use the C++ kernel"
-    torch.testing.assert_close(out, reference.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, attention_ref.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
     monkeypatch.setenv("KVARN_CPU_KERNEL", "0")
     calls.clear()
     torch.ops.kvarn.attention(q, st.buffers, None, 0.2, True, 0)
@@ -67,12 +68,12 @@ def test_attention_with_an_all_attend_mask_uses_the_kernel_and_a_masking_one_fal
     full = torch.ones(2, 1, 1, 256, dtype=torch.bool)
     assert triton_impl.kernel_applies(q, st.buffers, full)
     torch.testing.assert_close(triton_impl.attention(q, st.buffers, full, 0.2, True, 0),
-                               reference.attention(q, st.buffers, full, 0.2, True, 0), atol=2e-5, rtol=2e-5)
+                               attention_ref.attention(q, st.buffers, full, 0.2, True, 0), atol=2e-5, rtol=2e-5)
     hole = full.clone()
     hole[..., 40] = False                  # hides a quantized position: kernel must not be used
     assert not triton_impl.kernel_applies(q, st.buffers, hole)
     torch.testing.assert_close(triton_impl.attention(q, st.buffers, hole, 0.2, True, 0),
-                               reference.attention(q, st.buffers, hole, 0.2, True, 0))
+                               attention_ref.attention(q, st.buffers, hole, 0.2, True, 0))
 
 
 def test_prefill_chunk_overlapping_tiles_falls_back():
@@ -85,7 +86,7 @@ def test_freeze_kernel_writes_the_reference_tiles():
     k, v = torch.randn(1, H, 3 * G, D), torch.randn(1, H, 3 * G, D)
     ref = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,
                          max_len=128, dtype=torch.float32)
-    reference.append_(ref.buffers, k, v, torch.tensor([0]))
+    append_ref.append_(ref.buffers, k, v, torch.tensor([0]))
     got = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,
                          max_len=128, dtype=torch.float32)
     tk, tv = k[0, :, G:3 * G].half().float(), v[0, :, G:3 * G].half().float()   # tiles 0..1 (after the sink)
@@ -107,7 +108,7 @@ def _state(lengths, cfg, *, heads=H, d=D, max_len=256, dtype=torch.float32, seed
         if n:
             k = torch.randn(1, heads, n, d, generator=gen) * (0.5 + torch.rand(d, generator=gen) * 2)
             v = torch.randn(1, heads, n, d, generator=gen)
-            reference.append_([t[row:row + 1] for t in st.buffers], k.to(dtype), v.to(dtype), torch.tensor([0]))
+            append_ref.append_([t[row:row + 1] for t in st.buffers], k.to(dtype), v.to(dtype), torch.tensor([0]))
     return st
 
 
@@ -168,8 +169,8 @@ def _oracle_tiles(q, buffers, scale, *, kv_start=None, k_plain=None):
 
 def _oracle_full(q, buffers, scale, *, k_plain=None, window=0):
     """fp64 causal attention over sink + dequantized tiles (plain frame; plain key tiles as
-    stored) + tail, from ``reference.materialize``."""
-    kf, vf = reference.materialize(buffers, dtype=torch.float64)     # [B,H,cap,D], un-rotated
+    stored) + tail, from ``append_ref.materialize``."""
+    kf, vf = append_ref.materialize(buffers, dtype=torch.float64)     # [B,H,cap,D], un-rotated
     s = buffers[BUF["sink_k"]].shape[2]
     kd, _ = _dequantized(buffers)
     g = kd.shape[-1]
@@ -230,7 +231,7 @@ def test_cpu_decode_attention_with_plain_key_tiles_matches_torch(window):
                                atol=2e-5, rtol=1e-5)
     plain_off = _cpu(q, st.buffers, 0.2, window=window, k_plain=torch.zeros_like(k_plain))
     assert torch.equal(plain_off, _cpu(q, st.buffers, 0.2, window=window))
-    torch.testing.assert_close(plain_off, reference.attention(q, st.buffers, None, 0.2, True, window),
+    torch.testing.assert_close(plain_off, attention_ref.attention(q, st.buffers, None, 0.2, True, window),
                                atol=2e-5, rtol=2e-5)
 
 
@@ -273,7 +274,7 @@ def test_cpu_kernel_path_matches_reference_across_layouts(layout, tq, window):
     q = torch.randn(len(lengths), 3 * H, tq, d).to(dtype)
     if tq == 1:        # decoding: every row's quantized tokens are visible to its query
         assert triton_impl.kernel_applies(q, st.buffers, None)
-    ref = reference.attention(q, st.buffers, None, d ** -0.5, True, window)
+    ref = attention_ref.attention(q, st.buffers, None, d ** -0.5, True, window)
     out = triton_impl.attention(q, st.buffers, None, d ** -0.5, True, window, kernel="cpu")
     tol = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
     assert out.dtype == dtype
@@ -282,7 +283,7 @@ def test_cpu_kernel_path_matches_reference_across_layouts(layout, tq, window):
     # (queries inside the quantized region: causal masking within tiles)
     q32 = q.float()
     torch.testing.assert_close(_cpu(q32, st.buffers, d ** -0.5, window=window),
-                               reference.attention(q32, st.buffers, None, d ** -0.5, True, window).float(),
+                               attention_ref.attention(q32, st.buffers, None, d ** -0.5, True, window).float(),
                                atol=2e-5, rtol=2e-5)
 
 
@@ -292,7 +293,7 @@ def test_cpu_kernel_query_in_the_tile_frozen_by_its_own_append_takes_the_kernel_
     q = torch.randn(2, 2 * H, 1, D)
     assert triton_impl.kernel_applies(q, st.buffers, None)
     torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0, kernel="cpu"),
-                               reference.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
+                               attention_ref.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
     q2 = torch.randn(2, 2 * H, 2, D)                          # the older query sees only part of it
     assert not triton_impl.kernel_applies(q2, st.buffers, None)
 
@@ -312,21 +313,21 @@ def test_cpu_kernel_masks_indexed_by_absolute_position(kind, tq):
         mask = mask.half()
     q = torch.randn(2, 2 * H, tq, D)
     assert triton_impl.kernel_applies(q, st.buffers, mask)
-    ref = reference.attention(q, st.buffers, mask, 0.25, True, 0)
+    ref = attention_ref.attention(q, st.buffers, mask, 0.25, True, 0)
     torch.testing.assert_close(triton_impl.attention(q, st.buffers, mask, 0.25, True, 0, kernel="cpu"), ref,
                                atol=2e-5, rtol=2e-5)
     # masks that also hide quantized positions, per head: the kernel masks tiles too
     keep = torch.rand(2, 2 * H, tq, 256, generator=gen) > 0.3
     mask = keep if kind == "bool" else torch.where(keep, torch.randn(keep.shape, generator=gen), float("-inf"))
     torch.testing.assert_close(_cpu(q, st.buffers, 0.25, mask=mask),
-                               reference.attention(q, st.buffers, mask, 0.25, True, 0), atol=2e-5, rtol=2e-5)
+                               attention_ref.attention(q, st.buffers, mask, 0.25, True, 0), atol=2e-5, rtol=2e-5)
 
 
 def test_cpu_kernel_not_causal_empty_rows_and_thread_counts():
     st = _state([G + 3 * G + 7, 0, G + 1], get_config("k4v2", group_size=G))
     q = torch.randn(3, 2 * H, 2, D)
     for causal in (True, False):
-        ref = reference.attention(q, st.buffers, None, 0.3, causal, 0)
+        ref = attention_ref.attention(q, st.buffers, None, 0.3, causal, 0)
         out = _cpu(q, st.buffers, 0.3, causal=causal)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     assert (out[1] == 0).all()                              # an empty row sees nothing
@@ -344,12 +345,12 @@ def test_cpu_kernel_path_falls_back_for_fp8_scales_fp64_caches_and_bad_queries()
     q = torch.randn(1, 2 * H, 1, D)
     assert not triton_impl.kernel_applies(q, st.buffers, None)
     torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0, kernel="cpu"),
-                               reference.attention(q, st.buffers, None, 0.2, True, 0))
+                               attention_ref.attention(q, st.buffers, None, 0.2, True, 0))
     st = _state([G + 3 * G + 7], get_config("k4v2", group_size=G), dtype=torch.float64)
     q = torch.randn(1, 2 * H, 1, D, dtype=torch.float64)
     assert triton_impl.kernel_applies(q, st.buffers, None)
     torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0, kernel="cpu"),
-                               reference.attention(q, st.buffers, None, 0.2, True, 0))
+                               attention_ref.attention(q, st.buffers, None, 0.2, True, 0))
     with pytest.raises(ValueError, match="expected queries"):
         triton_impl.attention(torch.randn(1, 2 * H - 1, 1, D), st.buffers, None, 0.2, True, 0, kernel="cpu")
 
@@ -368,7 +369,7 @@ def test_cpu_kernel_nan_keys_poison_exactly_the_rows_that_see_them(where):
         b[BUF["tail_k"]][0, 1, 2] = float("nan")
     q = torch.randn(2, 2 * H, 1, D)
     for window in (0, 60):
-        ref = reference.attention(q, b, None, 0.2, True, window)
+        ref = attention_ref.attention(q, b, None, 0.2, True, window)
         out = triton_impl.attention(q, b, None, 0.2, True, window, kernel="cpu")
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
         seen = where == "tail" or window == 0
@@ -391,13 +392,13 @@ def test_a_failed_kernel_build_is_an_error_under_require_and_a_warning_otherwise
             cpu_attention.available()
         cpu_attention._built.cache_clear()
         monkeypatch.setenv("KVARN_CPU_KERNEL", "1")
-        with caplog.at_level("WARNING", logger="kvarn_compile.kernels.cpu_attention"):
+        with caplog.at_level("WARNING", logger="kvarn_compile.kernels.cpu.attention"):
             assert cpu_attention.available() is False
         assert "c++: command not found" in caplog.text and "reference" in caplog.text
         st = _filled([200, 90])
         q = torch.randn(2, 2 * H, 1, D)
         torch.testing.assert_close(torch.ops.kvarn.attention(q, st.buffers, None, 0.2, True, 0),
-                                   reference.attention(q, st.buffers, None, 0.2, True, 0))
+                                   attention_ref.attention(q, st.buffers, None, 0.2, True, 0))
     finally:
         monkeypatch.undo()
         cpu_attention._built.cache_clear()
@@ -417,7 +418,7 @@ def test_freeze_kernel_writes_the_reference_key_frames():
     k, v = torch.randn(1, H, 4 * G, D), torch.randn(1, H, 4 * G, D)
     k[:, 0, 2 * G:, 5] += 300.0                        # head 0, tiles 1..2: a bias-like channel
     ref = allocate_layer(cfg, batch=1, kv_heads=H, head_dim=D, max_len=160, dtype=torch.float32)
-    reference.append_(ref.buffers, k, v, torch.tensor([0]))
+    append_ref.append_(ref.buffers, k, v, torch.tensor([0]))
     got = allocate_layer(cfg, batch=1, kv_heads=H, head_dim=D, max_len=160, dtype=torch.float32)
     tk, tv = k[0, :, G:4 * G].half().float(), v[0, :, G:4 * G].half().float()
     assert triton_impl.freeze_tiles_triton(got.buffers, 0, tk, tv, 0, "kvarn", 8)
@@ -449,7 +450,7 @@ def test_cpu_decode_append_is_the_reference_append(dtype, monkeypatch):
         v = torch.randn(2, H, t, D, generator=gen).to(dtype)
         pos = torch.full((2,), start, dtype=torch.long)
         torch.ops.kvarn.append_(fast.buffers, k, v, pos, "kvarn", 8, 0, 0, False, "x")
-        reference.append_(ref.buffers, k, v, pos)
+        append_ref.append_(ref.buffers, k, v, pos)
         for name, a, b in zip(ref.fields.named(), fast.buffers, ref.buffers):
             assert torch.equal(a, b) if not a.is_floating_point() else \
                 torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (start, t, name)

@@ -19,8 +19,8 @@ from kvarn_compile.kernels import (
     combine_splits, kvarn_decode_attention, kvarn_decode_attention_tiles,
     quantize_tiles_into, quantize_tiles_triton,
 )
-from kvarn_compile.kernels.quantize import _rne
-from kvarn_compile.reference.quantize import (
+from kvarn_compile.kernels.triton.quantize import _rne
+from kvarn_compile.quant.quantize import (
     NonFiniteError, QuantizedTiles, dequantize_tiles, quantize_kv, unpack_codes,
 )
 
@@ -430,8 +430,8 @@ def test_kernels_package_exports(monkeypatch):
 
 def test_decode_attention_per_tile_key_frames():
     """key_frame="auto" tiles: plain K tiles are scored with the un-rotated query."""
-    from kvarn_compile.reference.quantize import dequantize_kv
-    from kvarn_compile.reference.rotation import rotation_matrix
+    from kvarn_compile.quant.quantize import dequantize_kv
+    from kvarn_compile.quant.rotation import rotation_matrix
 
     b, h, n, g, d, group_q, tq = 2, 2, 3, 32, 64, 3, 2
     x = torch.randn(b, h, n * g, d)

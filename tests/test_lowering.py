@@ -24,8 +24,8 @@ from torch._inductor.utils import run_and_get_code
 from kvarn_compile import autotune, lowering
 from kvarn_compile.config import get_config
 from kvarn_compile.lowering import decompose
-from kvarn_compile.ops import reference, regions
-from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.ops import append as append_ref, attention as attention_ref, regions
+from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import allocate_layer
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,7 +68,7 @@ def packed_cache(*, batch=2, kv_heads=2, head_dim=16, max_len=200, prompt=150, n
             v = torch.randn(batch, kv_heads, n, head_dim, generator=g).to(device)
             if frames:
                 k[:, 0, :, 1] += 200.0
-            reference.append_(st.buffers, k, v, torch.full((batch,), start, device=device))
+            append_ref.append_(st.buffers, k, v, torch.full((batch,), start, device=device))
     return st
 
 
@@ -103,7 +103,7 @@ def _case(mask=None, window=0, tq=1, causal=True, **cache):
 @pytest.mark.parametrize("name", list(CASES))
 def test_decompositions_match_the_eager_reference(name):
     st, q, mask, opts = _case(**CASES[name])
-    ref = reference.attention(q, st.buffers, mask, opts["scale"], opts["causal"], opts["window"])
+    ref = attention_ref.attention(q, st.buffers, mask, opts["scale"], opts["causal"], opts["window"])
     args = (q, *st.buffers, *([mask] if mask is not None else []), rotation_matrix(q.shape[-1]))
     kw = dict(n_buffers=len(st.buffers), has_mask=mask is not None, **opts)
     dense = decompose.attention_dense(*args, **kw)
@@ -135,10 +135,10 @@ def test_each_lowering_path_is_selected_and_matches_the_reference(path):
     with lowering.use_path(path):
         if path == "dense":      # the masked + windowed variant goes through one path
             out, code = _compile_and_run(_attend_masked, q, mask, *st.buffers)
-            expected = reference.attention(q, st.buffers, mask, 0.3, True, 40) + 1.0
+            expected = attention_ref.attention(q, st.buffers, mask, 0.3, True, 40) + 1.0
         else:
             out, code = _compile_and_run(_attend, q, *st.buffers)
-            expected = 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0)
+            expected = 2.0 * attention_ref.attention(q, st.buffers, None, 0.3, True, 0)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     source = "\n".join(code)
     decisions = lowering.DECISIONS[first:]
@@ -173,8 +173,8 @@ def test_the_shared_path_compiles_one_graph_for_every_site_of_a_geometry():
     before = len(lowering_attention._SHARED)
     with lowering.use_path("shared"):
         out, code = _compile_and_run(_attend_twice, q, *st.buffers)
-    a = reference.attention(q, st.buffers, None, 0.3, True, 0)
-    torch.testing.assert_close(out, reference.attention(a, st.buffers, None, 0.3, True, 0),
+    a = attention_ref.attention(q, st.buffers, None, 0.3, True, 0)
+    torch.testing.assert_close(out, attention_ref.attention(a, st.buffers, None, 0.3, True, 0),
                                atol=2e-5, rtol=1e-5)
     assert "\n".join(code).count("extern_kernels.kvarn_attention_shared(") == 2
     assert len(lowering_attention._SHARED) == before + 1
@@ -193,7 +193,7 @@ def shared_decomposition_case():
     fn = functools.partial(decompose.attention_dense, n_buffers=len(st.buffers), has_mask=False,
                            scale=0.3, causal=True, window=0)
     args = [q, *st.buffers, rotation_matrix(16, "cpu")]
-    return fn, args, reference.attention(q, st.buffers, None, 0.3, True, 0)
+    return fn, args, attention_ref.attention(q, st.buffers, None, 0.3, True, 0)
 
 
 def test_the_shared_graph_is_served_by_inductors_caches_in_a_new_process(tmp_path, monkeypatch):
@@ -265,7 +265,7 @@ def test_symbolic_shapes_fall_back_to_the_op_itself():
     with no_graph_caches():
         out, code = run_and_get_code(torch.compile(_attend, backend="inductor", dynamic=True),
                                      q, *st.buffers)
-    torch.testing.assert_close(out, 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0))
+    torch.testing.assert_close(out, 2.0 * attention_ref.attention(q, st.buffers, None, 0.3, True, 0))
     assert "torch.ops.kvarn.attention.default(" in "\n".join(code)
     assert len(lowering.DECISIONS) == first, "no choice is offered for symbolic shapes"
     with pytest.raises(ValueError, match="Expected a lowering path"):
@@ -288,14 +288,14 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
     """The template text itself (rendered standalone, see templates.render_standalone)."""
     import triton
 
-    from kvarn_compile.lowering.templates import launch_standalone, render_standalone
+    from kvarn_compile.lowering.tile_templates import launch_standalone, render_standalone
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     st = packed_cache(prompt=170, new=tq, device=device, frames=frames)
     b, h, _, d = st.sink_k.shape
     q = torch.randn(b, 2 * h, tq, d, device=device)
     m = (torch.rand(b, 1, tq, st.max_len, device=device) > 0.3) if mask else None
-    ins = reference.tile_inputs(q, st.buffers, m, True, window, rotation_matrix(d, device))
+    ins = attention_ref.tile_inputs(q, st.buffers, m, True, window, rotation_matrix(d, device))
     q_rot, qp, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, nt, lo, hi, bias = ins
     if shared_cols:   # every tile reads tile 0's column scales (the single-scale proxy)
         kcs = kcs[:, :, :1].expand_as(kcs)
@@ -319,7 +319,7 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
     else:
         grid = (triton.cdiv(tq, block_m), b * 2 * h, 1)
     launch_standalone(kernel, tensors, out, grid, ce)
-    ref_o, ref_lse = reference.tile_partials(*ins, 0.3, 1)
+    ref_o, ref_lse = attention_ref.tile_partials(*ins, 0.3, 1)
     got_o, got_lse = regions.combine_splits(out, tensors["LSE"])
     torch.testing.assert_close(got_o, ref_o[:, :, :, 0], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, ref_lse[..., 0], atol=2e-5, rtol=1e-5)
@@ -327,8 +327,8 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
 
 
 def test_templates_open_with_a_glossary_and_import_the_shared_helpers():
-    from kvarn_compile.kernels import attention as kernels
-    from kvarn_compile.lowering import templates
+    from kvarn_compile.kernels.triton import attention as kernels
+    from kvarn_compile.lowering import tile_templates as templates
 
     for name in templates.TEMPLATE_FILES:
         text = templates.template_source(name)
@@ -338,7 +338,7 @@ def test_templates_open_with_a_glossary_and_import_the_shared_helpers():
                           "HAS_BIAS", "HAS_K_PLAIN", "INPUT_PRECISION"):
             assert f"#   {constexpr}" in glossary, (name, constexpr)
         for helper in ("_load_k_tile_scores", "_accumulate_v_tile", "_online_softmax_step"):
-            assert helper in text.split("from kvarn_compile.kernels.attention import")[1]
+            assert helper in text.split("from kvarn_compile.kernels.triton.attention import")[1]
             assert hasattr(kernels, helper)
     for grid in (templates.kvarn_decode_grid, templates.kvarn_prefill_grid):
         assert grid.__doc__.startswith("How is this kernel parallelized?")
@@ -407,7 +407,7 @@ def test_gpu_templates_render_compile_match_and_autotune(tq, monkeypatch):
     first = len(lowering.DECISIONS)
     out, code = _compile_and_run(_attend, q, *st.buffers)
     source = "\n".join(code)
-    expected = 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0)
+    expected = 2.0 * attention_ref.attention(q, st.buffers, None, 0.3, True, 0)
     torch.testing.assert_close(out, expected, atol=5e-3, rtol=5e-3)   # tf32 code matmuls
     tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
     assert tiles and len(tiles[0].offered) > 2, tiles
@@ -435,7 +435,7 @@ def test_gpu_replayed_template_config_is_the_only_choice():
 def test_cpu_auto_path_calls_the_cpp_kernel_extern_for_a_decode_step():
     """Issue 16: where the C++ kernel is the op's CPU implementation (decode, Tq=1), the
     auto path lowers to the extern call, with no decomposition inlined and nothing tuned."""
-    from kvarn_compile.kernels import cpu_attention
+    from kvarn_compile.kernels.cpu import attention as cpu_attention
 
     if not cpu_attention.available():
         pytest.skip("the C++ decode kernel does not build here")
@@ -444,7 +444,7 @@ def test_cpu_auto_path_calls_the_cpp_kernel_extern_for_a_decode_step():
     first = len(lowering.DECISIONS)
     with lowering.use_path("auto"):
         out, code = _compile_and_run(_attend, q, *st.buffers)
-    torch.testing.assert_close(out, 2.0 * reference.attention(q, st.buffers, None, 0.3, True, 0),
+    torch.testing.assert_close(out, 2.0 * attention_ref.attention(q, st.buffers, None, 0.3, True, 0),
                                atol=2e-5, rtol=1e-5)
     source = "\n".join(code)
     decisions = lowering.DECISIONS[first:]

@@ -20,8 +20,8 @@ import torch
 
 import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile import get_config
-from kvarn_compile.ops import reference as R
-from kvarn_compile.reference import NonFiniteError, quantize_cache
+from kvarn_compile.ops import append as append_ref
+from kvarn_compile.quant import NonFiniteError, quantize_cache
 from kvarn_compile.state import BASE_FIELDS, StateLayout, allocate_layer, fp16_cache_bytes, unpack
 from kvarn_compile.testing import oracle_attention
 
@@ -87,7 +87,7 @@ class Seq:
         start = self.state.lengths.tolist() if start is None else list(start)
         k, v = kv(b, tokens, bias_outlier=self.outliers)
         c = self.cfg
-        R.append_(self.buffers, k, v, torch.tensor(start), method=c.op_method, iters=c.sinkhorn_iters,
+        append_ref.append_(self.buffers, k, v, torch.tensor(start), method=c.op_method, iters=c.sinkhorn_iters,
                   recent=c.recent_window, hold=hold)
         for row, p in enumerate(start):
             self.k[row] = torch.cat([self.k[row][:, :p], k[row]], 1)
@@ -180,7 +180,7 @@ def test_materialize_is_exact_outside_tiles_and_close_inside():
     seq = Seq()
     seq.write(75)
     seq.write(58, start=[0, 75])
-    k_hat, v_hat = R.materialize(seq.buffers, dtype=torch.float32)
+    k_hat, v_hat = append_ref.materialize(seq.buffers, dtype=torch.float32)
     for row, (k, v) in enumerate(zip(seq.k, seq.v)):
         n = k.shape[1]
         frozen = G + int(seq.state.n_tiles[row]) * G if int(seq.state.n_tiles[row]) else 0
@@ -234,7 +234,7 @@ def test_attention_with_mask_indexed_by_absolute_position(kind, tq):
     pad = torch.zeros(2, 1, 1, CAP, dtype=torch.bool)
     pad[..., 0] = True
     out = fused(torch.randn(2, 6, tq, D), seq.buffers, pad)
-    v0 = R.materialize(seq.buffers)[1][:, :, :1].float().repeat_interleave(3, 1)
+    v0 = append_ref.materialize(seq.buffers)[1][:, :, :1].float().repeat_interleave(3, 1)
     torch.testing.assert_close(out, v0.expand_as(out))
 
 
@@ -280,7 +280,7 @@ def test_attention_fp16_and_bf16_queries():
     for dtype in (torch.float16, torch.bfloat16):
         st = new_state(dtype=dtype)
         k, v = kv(2, 100, dtype=dtype)
-        R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+        append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
         q = torch.randn(2, 6, 1, D, dtype=dtype)
         out = fused(q, st.buffers)
         assert out.dtype == dtype
@@ -298,8 +298,8 @@ def _assert_states_identical(a, b):
     other = tile_buffers(b)
     for name, t in tile_buffers(a).items():
         assert bits_equal(t[:, :, :n], other[name][:, :, :n]), name
-    ka, va = R.materialize(a)
-    kb, vb = R.materialize(b)
+    ka, va = append_ref.materialize(a)
+    kb, vb = append_ref.materialize(b)
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
@@ -310,12 +310,12 @@ def test_single_token_appends_equal_one_prefill_and_quantize_cache(preset, dtype
     n = G + 4 * G + 7                                 # sink + 4 tiles + 7 (fewer with recent)
     k, v = kv(2, n, dtype=dtype, bias_outlier=preset.endswith("kauto"))
     one_go, stepwise, chunked = (new_state(cfg, dtype=dtype) for _ in range(3))
-    R.append_(one_go.buffers, k, v, torch.zeros(2, dtype=torch.long), recent=cfg.recent_window)
+    append_ref.append_(one_go.buffers, k, v, torch.zeros(2, dtype=torch.long), recent=cfg.recent_window)
     for t in range(n):
-        R.append_(stepwise.buffers, k[:, :, t:t + 1], v[:, :, t:t + 1], torch.full((2,), t),
+        append_ref.append_(stepwise.buffers, k[:, :, t:t + 1], v[:, :, t:t + 1], torch.full((2,), t),
                   recent=cfg.recent_window)
     for lo, hi in ((0, 5), (5, 40), (40, 97), (97, n)):   # chunks straddling tile edges
-        R.append_(chunked.buffers, k[:, :, lo:hi], v[:, :, lo:hi], torch.full((2,), lo),
+        append_ref.append_(chunked.buffers, k[:, :, lo:hi], v[:, :, lo:hi], torch.full((2,), lo),
                   recent=cfg.recent_window)
     assert one_go.n_tiles.tolist() == [4 - (preset == "recent")] * 2
     _assert_states_identical(one_go.buffers, stepwise.buffers)
@@ -377,7 +377,7 @@ def test_state_is_far_smaller_than_fp16_for_long_sequences():
     # and the bytes holding actual tokens (not preallocated slots) of a full 4k row
     st = new_state(cfg, batch=1, heads=1, head_dim=128, max_len=4096)
     k, v = kv(1, 4096, heads=1, head_dim=128)
-    R.append_(st.buffers, k, v, torch.zeros(1, dtype=torch.long))
+    append_ref.append_(st.buffers, k, v, torch.zeros(1, dtype=torch.long))
     used = st.used_bytes()
     assert st.n_tiles.tolist() == [31]
     assert used["tiles"] == 31 * (tile + 1)               # + one key-frame flag byte per tile
@@ -403,7 +403,7 @@ def test_rollback_never_freezes_rejected_tokens():
         assert torch.equal(seq.k[row][:, 84:90], draft_k[row][:, :6])
         assert torch.equal(seq.k[row][:, 90:], new_k[row])
         assert_tiles_equal_reference(seq.buffers, row, seq.k[row], seq.v[row], cfg)
-    k_hat, _ = R.materialize(seq.buffers, dtype=torch.float32)
+    k_hat, _ = append_ref.materialize(seq.buffers, dtype=torch.float32)
     assert torch.equal(k_hat[:, :, 96:98], new_k[:, :, 6:8].half().float())
     assert (k_hat[:, :, 98:] == 0).all()                # rejected 98, 99 are gone
     assert_attention_matches(torch.randn(2, 6, 8, D), seq.buffers)
@@ -415,7 +415,7 @@ def test_commit_freezes_and_crop_below_frozen_raises():
     seq.write(60)
     seq.write(40, hold=40)                              # 100 tokens, 60 committed
     assert seq.state.n_tiles.tolist() == [0, 0]
-    R.crop_(seq.buffers, torch.tensor([70, 61]))        # rows roll back independently
+    append_ref.crop_(seq.buffers, torch.tensor([70, 61]))        # rows roll back independently
     assert seq.state.lengths.tolist() == [70, 61]
     assert seq.state.committed.tolist() == [60, 60]
     seq.k = [seq.k[0][:, :70], seq.k[1][:, :61]]
@@ -427,11 +427,11 @@ def test_commit_freezes_and_crop_below_frozen_raises():
         assert_tiles_equal_reference(seq.buffers, row, seq.k[row], seq.v[row], cfg)
     before = snapshot(seq.buffers)
     with pytest.raises(ValueError, match=r"batch row 0 would go back to 63 tokens, but tokens < 64"):
-        R.crop_(seq.buffers, torch.tensor([63, 61]))
+        append_ref.crop_(seq.buffers, torch.tensor([63, 61]))
     with pytest.raises(ValueError, match="batch row 1 would go back to -1"):
-        R.crop_(seq.buffers, torch.tensor([70, -1]))
+        append_ref.crop_(seq.buffers, torch.tensor([70, -1]))
     assert_unchanged(seq.buffers, before)
-    R.crop_(seq.buffers, torch.tensor([64, 10]))       # down to the frozen edge is fine
+    append_ref.crop_(seq.buffers, torch.tensor([64, 10]))       # down to the frozen edge is fine
     assert seq.state.lengths.tolist() == [64, 10]
     # committed tokens cannot be rewritten; a fresh write continues at the end
     before = snapshot(seq.buffers)
@@ -444,7 +444,7 @@ def test_commit_rejects_bad_shapes():
     st = new_state()
     before = snapshot(st.buffers)
     with pytest.raises(ValueError, match="expected upto shaped"):
-        R.commit_(st.buffers, torch.tensor([1, 2, 3]))
+        append_ref.commit_(st.buffers, torch.tensor([1, 2, 3]))
     assert_unchanged(st.buffers, before)
 
 
@@ -458,7 +458,7 @@ def test_write_at_zero_starts_a_new_sequence_in_that_row_only():
     for i, name in enumerate(StateLayout.of(seq.buffers).names):  # row 0: only sink and counters moved
         if name not in ("sink_k", "sink_v", "lengths", "committed", "n_tiles"):
             assert torch.equal(seq.buffers[i][0], before[i][0]), name
-    k_hat, _ = R.materialize(seq.buffers, dtype=torch.float32)
+    k_hat, _ = append_ref.materialize(seq.buffers, dtype=torch.float32)
     assert torch.equal(k_hat[0, :, :10], seq.k[0].half().float())
     assert (k_hat[0, :, 10:] == 0).all()
     # row 1 simply continued: its old tokens are intact
@@ -479,7 +479,7 @@ def _bad_calls(st):
         if op:
             return lambda: torch.ops.kvarn.append_(st.buffers, k, v, start, "kvarn", 8, 0, hold,
                                                    False, "")
-        return lambda: R.append_(st.buffers, k, v, start, hold=hold)
+        return lambda: append_ref.append_(st.buffers, k, v, start, hold=hold)
 
     return [
         ("wrong kv heads", app(k=torch.randn(2, 3, 3, D), v=torch.randn(2, 3, 3, D)), "kv_heads=2"),
@@ -508,9 +508,9 @@ def _bad_calls(st):
 def _partial_state():
     st = new_state(spec_tokens=5)
     k, v = kv(2, 75)
-    R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
     k, v = kv(2, 5)
-    R.append_(st.buffers, k, v, torch.full((2,), 75), hold=5)
+    append_ref.append_(st.buffers, k, v, torch.full((2,), 75), hold=5)
     assert st.lengths.tolist() == [80, 80] and st.committed.tolist() == [75, 75]
     assert st.tail_len == 2 * G
     return st
@@ -525,7 +525,7 @@ def test_bad_appends_raise_and_leave_the_cache_unchanged():
         assert_unchanged(st.buffers, before, what)
     # the same state still accepts a valid write afterwards
     k, v = kv(2, 3)
-    R.append_(st.buffers, k, v, st.lengths.clone())
+    append_ref.append_(st.buffers, k, v, st.lengths.clone())
     assert st.lengths.tolist() == [83, 83]
 
 
@@ -534,11 +534,11 @@ def test_runtime_rejects_methods_it_cannot_read():
     before = snapshot(st.buffers)
     k, v = kv(2, 100)
     with pytest.raises(ValueError, match="method 'kvarn' or 'hadamard', but got 'kivi'"):
-        R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long), method="kivi")
+        append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long), method="kivi")
     assert_unchanged(st.buffers, before)
     # hadamard tiles are rotated like kvarn's, so the fused attention reads them correctly
     cfg = get_config("k4v2", group_size=G, method="hadamard")
-    R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long), method="hadamard")
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long), method="hadamard")
     assert_attention_matches(torch.randn(2, 6, 1, D), st.buffers)
     for row in range(2):
         assert_tiles_equal_reference(st.buffers, row, k[row], v[row], cfg)
@@ -550,13 +550,13 @@ def test_check_finite_raises_naming_layer_and_position():
     k, v = kv(2, 3)
     v[1, 0, 2, 5] = float("nan")
     with pytest.raises(NonFiniteError, match=r"layers\.3.*batch row 1, kv head 0, token position 82"):
-        R.append_(st.buffers, k, v, st.lengths.clone(), check_finite=True, name="layers.3")
+        append_ref.append_(st.buffers, k, v, st.lengths.clone(), check_finite=True, name="layers.3")
     with pytest.raises(NonFiniteError):
         torch.ops.kvarn.append_(st.buffers, k, v, st.lengths.clone(), "kvarn", 8, 0, 0, True,
                                 "layers.3")
     k[0, 1, 0, 0] = float("inf")
     with pytest.raises(NonFiniteError, match="batch row 0, kv head 1, token position 80"):
-        R.append_(st.buffers, k, v, st.lengths.clone(), check_finite=True)
+        append_ref.append_(st.buffers, k, v, st.lengths.clone(), check_finite=True)
     assert_unchanged(st.buffers, before)
     assert issubclass(NonFiniteError, ValueError)
 
@@ -568,9 +568,9 @@ def test_nan_token_reads_back_as_nan_only_at_that_token():
     for p in bad:
         k[1, 0, p, 3] = float("nan")
         v[1, 1, p, 7] = float("nan")
-    R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
     assert st.n_tiles.tolist() == [1, 1]                 # position 40 is inside a frozen tile
-    k_hat, v_hat = R.materialize(st.buffers, dtype=torch.float32)
+    k_hat, v_hat = append_ref.materialize(st.buffers, dtype=torch.float32)
     nan_k = torch.isnan(k_hat).any(-1)                   # [B, H, cap]
     nan_v = torch.isnan(v_hat).any(-1)
     assert not nan_k[0].any() and not nan_v[0].any()
@@ -623,13 +623,13 @@ def test_opcheck_append_and_commit(preset):
     _opcheck(torch.ops.kvarn.append_.default,
              (st.buffers, k, v, torch.zeros(2, dtype=torch.long), "kvarn", 8, 0, 6, False, ""),
              _utils(preset))
-    R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long), hold=6)
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long), hold=6)
     assert st.committed.tolist() == [84, 84] and st.n_tiles.tolist() == [1, 1]
     k, v = kv(2, 6)
     _opcheck(torch.ops.kvarn.append_.default,                       # draft tokens, rollback pos
              (st.buffers, k, v, torch.tensor([90, 86]), "kvarn", 8, 0, 6, False, "layers.0"),
              _utils(preset))
-    R.append_(st.buffers, k, v, torch.tensor([90, 86]), hold=6)
+    append_ref.append_(st.buffers, k, v, torch.tensor([90, 86]), hold=6)
     assert st.lengths.tolist() == [96, 92] and st.committed.tolist() == [90, 86]
     _opcheck(torch.ops.kvarn.commit_.default,                       # commit freezes row 0's tile
              (st.buffers, st.lengths.clone(), "kvarn", 8, 0, False, ""), _utils(preset))
@@ -641,7 +641,7 @@ def test_opcheck_append_and_commit(preset):
 def test_opcheck_attention(preset):
     st = new_state(PRESETS[preset])
     k, v = kv(2, 100)
-    R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
     utils = _utils(preset)
     op = torch.ops.kvarn.attention.default
     _opcheck(op, (torch.randn(2, 6, 1, D), st.buffers, None, 0.2, True, 0), utils)
@@ -683,7 +683,7 @@ def test_compiled_decode_matches_eager_without_recompiles(backend):
     eager, compiled = new_state(), new_state()
     k, v = kv(2, 60)
     for st in (eager, compiled):
-        R.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+        append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
     compile_fn, graphs = _counting(backend)
     step = torch.compile(_step, backend=compile_fn, fullgraph=True)
     for _ in range(4):                                   # 60 -> 64 freezes a tile on the way
@@ -745,8 +745,8 @@ def test_key_frame_auto_lowers_key_error_on_bias_outliers():
     errs = {}
     for name in ("k4v2-krot", "k4v2-kauto"):
         st = new_state(PRESETS[name], batch=1)
-        R.append_(st.buffers, k, v, torch.zeros(1, dtype=torch.long))
-        kd, _ = R.materialize(st.buffers, dtype=torch.float32)
+        append_ref.append_(st.buffers, k, v, torch.zeros(1, dtype=torch.long))
+        kd, _ = append_ref.materialize(st.buffers, dtype=torch.float32)
         region = slice(G, G + 4 * G)
         rest = [c for c in range(D) if c != 5]              # every channel but the outlier
         diff = kd[0, 0, region][:, rest] - k[0, 0, region][:, rest]
@@ -771,9 +771,9 @@ def test_constant_key_offset_costs_no_more_than_its_own_rounding():
     for shift in (0.0, 1.0):
         x = k + shift * off
         st = new_state(cfg, batch=1, heads=1)
-        R.append_(st.buffers, x, v, torch.zeros(1, dtype=torch.long))
+        append_ref.append_(st.buffers, x, v, torch.zeros(1, dtype=torch.long))
         assert st.k_plain[0, 0, :3].all()
-        kd = R.materialize(st.buffers, dtype=torch.float32)[0][0, 0, region]
+        kd = append_ref.materialize(st.buffers, dtype=torch.float32)[0][0, 0, region]
         tiles = x[0, 0, region].reshape(3, G, D)
         step = ((tiles.amax(1) - tiles.amin(1)) / 15).repeat_interleave(G, 0)   # [3G, D]
         zero_ulp = 2.0 ** (torch.floor(torch.log2(tiles.abs().amax(1) + 1e-30)) - 10)
@@ -795,19 +795,19 @@ def test_clip_mse_runtime_state_equals_quantize_cache_and_lowers_2bit_error():
     k, v = kv(2, n)
     stepwise = new_state(cfg)
     for t in range(n):
-        R.append_(stepwise.buffers, k[:, :, t:t + 1], v[:, :, t:t + 1], torch.full((2,), t),
+        append_ref.append_(stepwise.buffers, k[:, :, t:t + 1], v[:, :, t:t + 1], torch.full((2,), t),
                   method=cfg.op_method)
     for row in range(2):
         assert_tiles_equal_reference(stepwise.buffers, row, k[row], v[row], cfg)
     assert_attention_matches(torch.randn(2, H * 3, 1, D), stepwise.buffers)
     plain = new_state(PRESETS["k2v2"])
-    R.append_(plain.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    append_ref.append_(plain.buffers, k, v, torch.zeros(2, dtype=torch.long))
     region = slice(G, 4 * G)
-    errs = [(R.materialize(st.buffers, dtype=torch.float32)[0][:, :, region] - k[:, :, region]).norm()
+    errs = [(append_ref.materialize(st.buffers, dtype=torch.float32)[0][:, :, region] - k[:, :, region]).norm()
             for st in (stepwise, plain)]
     assert errs[0] < 0.9 * errs[1]
-    v_clip, v_plain = (R.materialize(st.buffers, dtype=torch.float32)[1] for st in (stepwise, plain))
+    v_clip, v_plain = (append_ref.materialize(st.buffers, dtype=torch.float32)[1] for st in (stepwise, plain))
     assert torch.equal(v_clip, v_plain)
     with pytest.raises(ValueError, match="kvarn\\+clip"):
-        R.append_(plain.buffers, k[:, :, :1], v[:, :, :1], torch.zeros(2, dtype=torch.long),
+        append_ref.append_(plain.buffers, k[:, :, :1], v[:, :, :1], torch.zeros(2, dtype=torch.long),
                   method="kvarn+fast")

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 from kvarn_compile import kvarn_backend
-from kvarn_compile.ops import reference as R
-from kvarn_compile.ops.reference import materialize
-from kvarn_compile.registry import freeable_bytes, is_freed, released
+from kvarn_compile.ops import append as append_ref
+from kvarn_compile.ops.append import materialize
+from kvarn_compile.ops.keyed import freeable_bytes, is_freed, released
 from kvarn_compile.state import allocate_layer
 
 B, H, HQ, D, L = 1, 2, 4, 16, 64
@@ -154,7 +154,7 @@ def kvarn_ops_reference(config, history, q, mask, scale, *, causal=True, cap=L):
                          max_len=cap, dtype=k0.dtype)
     pos = 0
     for k, v in history:
-        R.append_(ref.buffers, k, v, torch.full((k.shape[0],), pos), method=config.op_method,
+        append_ref.append_(ref.buffers, k, v, torch.full((k.shape[0],), pos), method=config.op_method,
                   iters=config.sinkhorn_iters, recent=config.recent_window)
         pos += k.shape[2]
     return torch.ops.kvarn.attention(q, ref.buffers, mask, scale, causal, 0), ref
@@ -550,7 +550,7 @@ def test_inductor_pass_adopts_an_eager_prompt():
 def test_inductor_pass_uuid_and_keys_are_per_object():
     from kvarn_compile import inductor_pass
     from kvarn_compile._torch_compat import custom_graph_pass_base
-    from kvarn_compile.registry import resolve
+    from kvarn_compile.ops.keyed import resolve
 
     a, b = inductor_pass("k4v2"), inductor_pass("k4v2")
     assert isinstance(a, custom_graph_pass_base())

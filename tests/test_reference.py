@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvarn_compile.config import get_config
-from kvarn_compile.reference import (
+from kvarn_compile.quant import (
     dequantize_kv, dequantize_tiles, fake_quantize, imbalance, is_hadamard_dim,
     normalize_variance, pack_codes, quantize_cache, quantize_kv, quantize_tiles,
     rotation_matrix, split_lengths, unpack_codes,
 )
-from kvarn_compile.reference.quantize import NonFiniteError
+from kvarn_compile.quant.quantize import NonFiniteError
 
 HEAD_DIMS = [64, 80, 96, 112, 128, 256]
 BITS = [2, 3, 4, 8]
@@ -158,7 +158,7 @@ def test_normalization_never_increases_imbalance_property(seed, spread, scale):
 def test_statistics_are_float64_sequential_sums():
     """The canonical form every kernel reproduces: stds and clip errors are float64 sums taken
     left to right (bit-equal to a Python loop), on both axes of a non-contiguous K-like view."""
-    from kvarn_compile.reference.quantize import _sq_err, _std
+    from kvarn_compile.quant.quantize import _sq_err, _std
 
     y = (torch.randn(96, 64) * torch.exp(torch.randn(64) * 2)).t()       # [64, 96], strided
     for dim in (-2, -1):
@@ -417,7 +417,7 @@ def test_key_frame_auto_keeps_natural_tiles_rotated_and_bit_identical():
 
 
 def test_key_frame_auto_stores_bias_outlier_tiles_plain():
-    from kvarn_compile.reference.quantize import DOMINANCE_THRESHOLD, key_dominance
+    from kvarn_compile.quant.quantize import DOMINANCE_THRESHOLD, key_dominance
 
     x = _bias_outlier_keys()
     q = quantize_kv(x, "k", bits=4, group=128, key_frame="auto")
@@ -453,7 +453,7 @@ def test_key_frame_is_validated():
 # ------------------------------------------------------------------------- clip="mse"
 @pytest.mark.parametrize("kind", ["k", "v"])
 def test_clip_mse_lowers_2bit_key_error_and_leaves_the_rest_alone(kind):
-    from kvarn_compile.reference.quantize import CLIP_RATIOS, rtn_rows
+    from kvarn_compile.quant.quantize import CLIP_RATIOS, rtn_rows
 
     x = kv_like(2, 3, tokens=256)
     for bits in (2, 3, 4):

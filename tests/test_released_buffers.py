@@ -2,7 +2,7 @@
 
 The rewritten graphs never read or write a model's own preallocated K/V buffers (the packed
 state holds the tokens), so the backend frees their memory after every call
-(``kvarn_compile.registry.release_storage``: on CPU the pages go back to the operating
+(``kvarn_compile.ops.keyed.release_storage``: on CPU the pages go back to the operating
 system, the tensor keeps its storage and reads zeros). What users still do with them must
 work:
 
@@ -32,7 +32,7 @@ import torch
 import transformers as tf
 
 from kvarn_compile import kvarn_backend
-from kvarn_compile.registry import is_freed, releasable, released
+from kvarn_compile.ops.keyed import is_freed, releasable, released
 from test_backend_models import (
     EAGER_RTOL, MAX_LEN, PRESET, Oracle, _assert_same, _build, _example, _generate, _prompt,
     _static_cache, fp_prefill_then_kvarn,

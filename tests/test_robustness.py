@@ -98,8 +98,8 @@ import torch.nn.functional as F
 
 import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile import get_config, kvarn_backend
-from kvarn_compile.ops import reference as R
-from kvarn_compile.reference import NonFiniteError
+from kvarn_compile.ops import append as append_ref
+from kvarn_compile.quant import NonFiniteError
 from kvarn_compile.state import BUF, allocate_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,7 +119,7 @@ def new_state(cfg=None, *, batch=2, heads=2, head_dim=64, max_len=CAP, dtype=tor
 def append(state, k, v, start=None):
     start = state.lengths.clone() if start is None else start
     c = state.config
-    R.append_(state.buffers, k, v, start, method=c.method, iters=c.sinkhorn_iters,
+    append_ref.append_(state.buffers, k, v, start, method=c.method, iters=c.sinkhorn_iters,
               recent=c.recent_window)
 
 
@@ -147,7 +147,7 @@ def plain_attention(q, k, v, *, scale=None, mask=None, fill=True):
 
 def oracle(q, state, scale=None):
     """float64 attention over the dequantized cache (``materialize``; the runtime never builds it)."""
-    k, v = R.materialize(state.buffers, dtype=torch.float64)
+    k, v = append_ref.materialize(state.buffers, dtype=torch.float64)
     n = int(state.lengths.max())
     assert bool((state.lengths == n).all())
     return plain_attention(q.double(), k[:, :, :n], v[:, :, :n], scale=scale)
@@ -216,7 +216,7 @@ def test_non_finite_output_stays_within_what_full_precision_poisons(bad, which, 
     assert st.n_tiles.tolist() == [1, 1]
 
     # the cache: exactly the bad tokens read back non-finite
-    k_hat, v_hat = R.materialize(st.buffers, dtype=torch.float32)
+    k_hat, v_hat = append_ref.materialize(st.buffers, dtype=torch.float32)
     for hat in (k_hat, v_hat):
         bad_tok = ~torch.isfinite(hat[:, :, :T_NF]).all(-1)          # [B, H, T]
         want = torch.zeros_like(bad_tok)
@@ -251,8 +251,8 @@ def test_non_finite_token_does_not_spread_through_later_tiles():
         append(st, k_bad[:, :, i:i + 7], v[:, :, i:i + 7])
         append(clean, k[:, :, i:i + 7], v[:, :, i:i + 7])
     assert st.n_tiles.tolist() == [3]                 # tiles [32, 64), [64, 96), [96, 128)
-    k_hat, _ = R.materialize(st.buffers, dtype=torch.float32)
-    k_ref, _ = R.materialize(clean.buffers, dtype=torch.float32)
+    k_hat, _ = append_ref.materialize(st.buffers, dtype=torch.float32)
+    k_ref, _ = append_ref.materialize(clean.buffers, dtype=torch.float32)
     bad = ~torch.isfinite(k_hat[0, :, :140]).all(-1)
     assert bad.nonzero().tolist() == [[1, 70]]
     assert torch.equal(k_hat[0, 0], k_ref[0, 0])                      # other head: identical
@@ -322,7 +322,7 @@ def _roundtrip_errors(dtype, magnitude, **overrides):
     st = new_state(cfg, batch=1, heads=1, dtype=dtype)
     k, v = kv(1, 1, 100, 64, scale=magnitude, dtype=dtype)
     append(st, k, v)
-    k_hat, v_hat = R.materialize(st.buffers, dtype=torch.float64)
+    k_hat, v_hat = append_ref.materialize(st.buffers, dtype=torch.float64)
     q = torch.randn(1, 8, 1, 64, generator=torch.Generator().manual_seed(3))
     q = (q * 0.3 / magnitude).to(dtype)                 # the same O(1) logits at every magnitude
     out = fused(q, st)
@@ -409,7 +409,7 @@ def test_zero_constant_and_denormal_tiles(dtype):
     v[2] = torch.randn(1, 100, 64) * tiny
     k, v = k.to(dtype), v.to(dtype)
     append(st, k, v)
-    k_hat, v_hat = R.materialize(st.buffers, dtype=torch.float32)
+    k_hat, v_hat = append_ref.materialize(st.buffers, dtype=torch.float32)
     assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
     assert (k_hat[0] == 0).all() and (v_hat[0] == 0).all()
     spread = 64 * 2 ** -10
@@ -470,7 +470,7 @@ def test_head_dims_and_kv_groups(d, layout):
         torch.testing.assert_close(fused(q, st).double(), oracle(q, st), rtol=1e-4, atol=1e-4)
     assert st.n_tiles.tolist() == [2, 2]
     # and the packed cache is close to the input (a broken rotation would not be)
-    k_hat, _ = R.materialize(st.buffers, dtype=torch.float32)
+    k_hat, _ = append_ref.materialize(st.buffers, dtype=torch.float32)
     assert rel(k_hat[:, :, G:3 * G], k[:, :, G:3 * G]) < 0.15
 
 
@@ -553,7 +553,7 @@ def test_chunked_appends_cross_several_tiles():
     for name, i in BUF.items():          # the tail ring's free slots hold stale tokens: skip
         if i < len(chunked.buffers) and name not in ("tail_k", "tail_v"):
             assert torch.equal(chunked.buffers[i], single.buffers[i]), name
-    for a, b in zip(R.materialize(chunked.buffers), R.materialize(single.buffers)):
+    for a, b in zip(append_ref.materialize(chunked.buffers), append_ref.materialize(single.buffers)):
         assert torch.equal(a, b)
 
 
@@ -724,7 +724,7 @@ def test_assisted_decoding_compiled(fresh_dynamo, monkeypatch):
         state = backend.states[(f"model.layers.{i}.self_attn", 1)]
         n_tiles = int(state.n_tiles)
         assert n_tiles >= 1 and int(state.lengths) == seq.shape[1] - 1
-        k_hat, _ = R.materialize(state.buffers, dtype=torch.float32)
+        k_hat, _ = append_ref.materialize(state.buffers, dtype=torch.float32)
         lo, hi = G, G + n_tiles * G
         err = (k_hat[0, :, lo:hi] - layer.keys[0, :, lo:hi]).norm(dim=-1) / layer.keys[0, :, lo:hi].norm(dim=-1)
         assert err.max() < 0.5, f"layer {i}: a packed token does not match the accepted sequence"
@@ -1053,7 +1053,7 @@ def test_state_registry_is_thread_safe():
     """The keyed registry of the Inductor pre-grad pass: threads racing to allocate the same
     site get one state; two stores (two models) never share a state; a closed store's key
     fails with a clear error."""
-    from kvarn_compile.registry import StateStore, resolve
+    from kvarn_compile.ops.keyed import StateStore, resolve
 
     cfg = get_config(**PRESET)
     stores = [StateStore(cfg), StateStore(cfg)]
@@ -1163,7 +1163,7 @@ _INDUCTOR_SCRIPT = textwrap.dedent('''
     import torch.nn.functional as F
     from torch._dynamo.utils import counters
     from kvarn_compile import get_config, kvarn_backend
-    from kvarn_compile.ops import reference as R
+    from kvarn_compile.ops import append as append_ref
     from kvarn_compile.state import allocate_layer
 
     torch.set_num_threads(1)
@@ -1186,7 +1186,7 @@ _INDUCTOR_SCRIPT = textwrap.dedent('''
         k, v = torch.randn(1, 2, t, 64, generator=g), torch.randn(1, 2, t, 64, generator=g)
         mask = causal[None, None, p0:p0 + t]
         out = run(q, k, v, torch.arange(p0, p0 + t), kc, vc, mask)
-        R.append_(ref.buffers, k, v, torch.full((1,), p0))
+        append_ref.append_(ref.buffers, k, v, torch.full((1,), p0))
         want = torch.ops.kvarn.attention(q, ref.buffers, mask, 64 ** -0.5, True, 0)
         diffs.append((out - want).abs().max().item())
         outs.append(out)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 from kvarn_compile import kvarn_backend
-from kvarn_compile.registry import is_freed
+from kvarn_compile.ops.keyed import is_freed
 from test_passes import check_numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")

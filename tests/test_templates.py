@@ -37,7 +37,7 @@ from torch._inductor.utils import run_and_get_code
 from kvarn_compile import _torch_compat, autotune, lowering
 from kvarn_compile.config import get_config
 from kvarn_compile.lowering.heuristics import query_bucket
-from kvarn_compile.ops import reference
+from kvarn_compile.ops import append as append_ref, attention as attention_ref
 from kvarn_compile.state import allocate_layer
 
 G = 32
@@ -82,7 +82,7 @@ def packed(preset: str, head_dim: int, kv_heads: int, lengths: list[int], tq: in
         sub = [t[row:row + 1] for t in st.buffers]
         for start, stop in ((0, n - tq), (n - tq, n)):
             if stop > start:
-                reference.append_(sub, k[:, :, start:stop], v[:, :, start:stop], torch.tensor([start]))
+                append_ref.append_(sub, k[:, :, start:stop], v[:, :, start:stop], torch.tensor([start]))
     if frames:
         plain = st.fields.k_plain
         assert bool(plain.any()) and not bool(plain.all()), "expected a mix of key frames"
@@ -133,7 +133,7 @@ def _check(template: str, st, q, mask, out, source, tiles) -> float:
     assert decision.winner.startswith(template), decision.line()
     assert len(decision.timings_ms) >= 2 and all(c.startswith(template) for c in decision.timings_ms), \
         decision.line()
-    want = reference.attention(q, st.buffers, mask, 0.3, True, 0)
+    want = attention_ref.attention(q, st.buffers, mask, 0.3, True, 0)
     assert out.dtype == q.dtype
     scale = want.float().abs().max().item()
     err = (out.float() - want.float()).abs().max().item() / scale
@@ -217,13 +217,13 @@ _STALE_PROBE = textwrap.dedent("""
     from torch._inductor.utils import run_and_get_code
     from kvarn_compile import lowering
     from kvarn_compile.config import get_config
-    from kvarn_compile.ops import reference
+    from kvarn_compile.ops import append as append_ref, attention as attention_ref
     from kvarn_compile.state import allocate_layer
     lowering.register()
     st = allocate_layer(get_config("k4v2", group_size=32), batch=1, kv_heads=1, head_dim=16,
                         max_len=96, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
-    reference.append_(st.buffers, torch.randn(1, 1, 80, 16, generator=g),
+    append_ref.append_(st.buffers, torch.randn(1, 1, 80, 16, generator=g),
                       torch.randn(1, 1, 80, 16, generator=g), torch.tensor([0]))
     def f(q, *b):
         return torch.ops.kvarn.attention(q, list(b), None, 0.3, True, 0)
@@ -255,7 +255,7 @@ def test_an_edited_template_never_runs_from_inductors_caches(tmp_path):
     first = run()
     assert first["miss"] >= 1 and first["hit"] == 0
     assert run()["hit"] >= 1, "the probe cannot tell a cache hit (the test would be vacuous)"
-    template = copy / "templates" / "kvarn_decode.py.jinja"
+    template = copy / "lowering" / "templates" / "kvarn_decode.py.jinja"
     template.write_text(template.read_text() + "\n# edited\n")
     third = run()
     assert third["hit"] == 0 and third["miss"] >= 1, third
@@ -276,6 +276,6 @@ def test_templates_on_cuda(name, dtype, fresh_inductor):
     out, code = run_and_get_code(torch.compile(_attend, fullgraph=True), q, mask, *st.buffers)
     tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
     assert tiles and any(c.startswith(template) for c in tiles[-1].offered), tiles
-    want = reference.attention(q, st.buffers, mask, 0.3, True, 0)
+    want = attention_ref.attention(q, st.buffers, mask, 0.3, True, 0)
     err = (out.float() - want.float()).abs().max().item() / want.float().abs().max().item()
     assert err <= (1e-2 if dtype == torch.bfloat16 else 3e-3), f"{name}: {err:.2e} ({tiles[-1].winner})"

@@ -126,7 +126,7 @@ def select_quant_knobs(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig,
     bound. Errors are ||dequant(quant(x)) - x|| / ||x|| over the rows measured, in the
     original (unrotated) frame.
     """
-    from kvarn_compile.reference.quantize import dequantize_kv, quantize_kv
+    from kvarn_compile.quant.quantize import dequantize_kv, quantize_kv
 
     if tolerance < 0 or not math.isfinite(tolerance):
         raise ValueError(f"Expected a finite tolerance >= 0, but got {tolerance!r}.")

@@ -234,7 +234,7 @@ def plot_bench(res: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
 
 # ------------------------------------------------------------------------------ CLI
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from kvarn_compile.cli_args import int_at_least, output_file
+    from kvarn_compile.eval.args import int_at_least, output_file
     from kvarn_compile.config import PRESETS
 
     from .cli import add_threads_argument
@@ -265,7 +265,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate_bench_args(args: argparse.Namespace) -> None:
-    from kvarn_compile.cli_args import UsageError
+    from kvarn_compile.eval.args import UsageError
 
     bad = [L for L in args.lengths if L > args.chunk and L % args.chunk]
     if bad:

@@ -14,7 +14,7 @@ EVAL_HELP = "quality evaluation: static vs pseudo-decode KL, diagnostics, produc
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the eval subcommand. Flags left unset take the full-run or --quick defaults."""
-    from kvarn_compile.cli_args import add_model_arguments, int_at_least, output_folder
+    from kvarn_compile.eval.args import add_model_arguments, int_at_least, output_folder
     from kvarn_compile.config import PRESETS
 
     from .harness import ALL_METHODS, RULES
@@ -142,7 +142,7 @@ def _threads_arg(value: str) -> str:
 
 def validate_eval_args(args: argparse.Namespace) -> None:
     """Build the settings and check them now, before the model loads (usage errors)."""
-    from kvarn_compile.cli_args import UsageError
+    from kvarn_compile.eval.args import UsageError
 
     try:
         settings_from_args(args).validate()

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from kvarn_compile.config import KVarNConfig
-from kvarn_compile.reference import split_lengths
+from kvarn_compile.quant import split_lengths
 
 from .harness import block_logits, n_layers
 

@@ -4,7 +4,7 @@ Two ways to put quantization error into a model's cache, following the KVarN pap
 
 * **static** (:func:`static_block_logits`): one full-precision forward over the window; the
   K/V of the first ``L - b`` tokens are quantized *once* (sink and incomplete tail exact,
-  :func:`~kvarn_compile.reference.quantize_cache`), then the last block of ``b`` tokens is
+  :func:`~kvarn_compile.quant.quantize_cache`), then the last block of ``b`` tokens is
   run again against that cache. The quantized K/V were computed from clean hidden states.
 * **pseudo-decode** (:func:`run_blocks` over a :class:`PseudoQuantCache`): the window is run
   in blocks of ``b`` tokens. A block attends to the exact sink, the quantized tiles of all
@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvarn_compile.config import KVarNConfig, get_config
-from kvarn_compile.reference import fake_quantize, quantize_cache
+from kvarn_compile.quant import fake_quantize, quantize_cache
 
 __all__ = [
     "ALL_METHODS", "DEFAULT_METHODS", "OUTLIER_METHODS", "RULES", "QuantBackend", "PseudoQuantCache", "PseudoQuantLayer",
@@ -88,7 +88,7 @@ def same_quantizer(config: KVarNConfig | None) -> KVarNConfig | None:
     """A config that quantizes exactly like ``config``, with options that cannot apply to it
     reset: the clip search only touches keys of <= ``CLIP_MAX_BITS`` bits. Configs with equal
     results here produce bit-identical caches, so an evaluation runs them once."""
-    from kvarn_compile.reference.quantize import CLIP_MAX_BITS
+    from kvarn_compile.quant.quantize import CLIP_MAX_BITS
 
     if config is not None and config.clip != "none" and config.key_bits > CLIP_MAX_BITS:
         return dataclasses.replace(config, clip="none")
@@ -270,7 +270,7 @@ class PseudoQuantCache(Cache):
         rule: ``"after_block"`` (call :meth:`end_block` after each block; the block saw
             itself exact) or ``"on_append"`` (tiles freeze inside ``update``, before the
             block attends, like the packed runtime cache).
-        quantizer: replaces :func:`~kvarn_compile.reference.fake_quantize` (same signature).
+        quantizer: replaces :func:`~kvarn_compile.quant.fake_quantize` (same signature).
         round_to: round new K/V to this dtype first (``torch.float16`` mirrors the packed
             cache of an fp32 model, whose exact sink/tail and quantizer input are fp16).
 

@@ -200,7 +200,7 @@ def validate_settings(*, prompt_tokens: int, new_tokens: int, chunk: int,
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     from kvarn_compile.config import PRESETS
 
-    from kvarn_compile.cli_args import int_at_least
+    from kvarn_compile.eval.args import int_at_least
 
     from .cli import add_threads_argument
     from .speed import PREFILL_MODES
@@ -235,7 +235,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate_run_args(args: argparse.Namespace) -> None:
-    from kvarn_compile.cli_args import UsageError
+    from kvarn_compile.eval.args import UsageError
 
     problems = validate_settings(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                                  chunk=args.chunk)
@@ -248,7 +248,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_grad_enabled(False)
     results: dict[str, Any] = {}
     if args.kv_report:
-        from kvarn_compile.cli_args import kv_report, print_kv_report
+        from kvarn_compile.eval.args import kv_report, print_kv_report
 
         rep = kv_report(args.model, tokens=1024, windows=1, corpus=args.corpus,
                         progress=not args.no_progress)

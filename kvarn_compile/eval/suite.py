@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvarn_compile.config import PRESETS, KVarNConfig
-from kvarn_compile.reference import split_lengths
+from kvarn_compile.quant import split_lengths
 
 from . import diagnostics as diag
 from .harness import (DEFAULT_METHODS, OUTLIER_METHODS, RULES, PseudoQuantCache, QuantBackend,

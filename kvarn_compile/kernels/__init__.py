@@ -4,7 +4,7 @@
   variance-normalize, round, fold and pack whole tiles in place.
   Launchers: :func:`quantize_tiles_into` (into preallocated cache tensors at given tile
   indices) and :func:`quantize_tiles_triton` (returns ``QuantizedTiles``).
-  Reference: :func:`kvarn_compile.reference.quantize_kv` / ``quantize_tiles``.
+  Reference: :func:`kvarn_compile.quant.quantize_kv` / ``quantize_tiles``.
 * split-K decode attention (``kernels/attention.py``, kernels ``_kvarn_decode_attn_kernel``
   and ``_combine_splits_kernel``): flash-decoding over the packed tiles with in-register
   unpack and the dual-scale fold, GQA heads packed per program; returns the output over the
@@ -29,11 +29,11 @@ __all__ = [
 ]
 
 _LAUNCHERS = {
-    "quantize_tiles_into": "kvarn_compile.kernels.quantize",
-    "quantize_tiles_triton": "kvarn_compile.kernels.quantize",
-    "kvarn_decode_attention": "kvarn_compile.kernels.attention",
-    "kvarn_decode_attention_tiles": "kvarn_compile.kernels.attention",
-    "combine_splits": "kvarn_compile.kernels.attention",
+    "quantize_tiles_into": "kvarn_compile.kernels.triton.quantize",
+    "quantize_tiles_triton": "kvarn_compile.kernels.triton.quantize",
+    "kvarn_decode_attention": "kvarn_compile.kernels.triton.attention",
+    "kvarn_decode_attention_tiles": "kvarn_compile.kernels.triton.attention",
+    "combine_splits": "kvarn_compile.kernels.triton.attention",
 }
 
 

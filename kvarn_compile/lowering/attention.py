@@ -170,7 +170,7 @@ def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
                 return torch.ones(*node.get_size(), dtype=torch.bool, device=node.get_device())
             return torch.zeros(*node.get_size(), dtype=node.get_dtype(), device=node.get_device())
         fns[1 + len(buffer_shapes)] = mask_fn
-    from kvarn_compile.reference.rotation import rotation_matrix
+    from kvarn_compile.quant.rotation import rotation_matrix
 
     # Python data, not a tensor: the generators also run under fake mode (layout inference)
     rot_values = rotation_matrix(d).tolist()
@@ -218,7 +218,7 @@ def cpu_kernel_covers(q, buffers) -> bool:
     runs, and inlining the decomposition per layer costs lowering and codegen time (issue 16).
     """
     from kvarn_compile._torch_compat import static_ints
-    from kvarn_compile.kernels import cpu_attention
+    from kvarn_compile.kernels.cpu import attention as cpu_attention
     from kvarn_compile.state import Geometry, unpack
 
     if q.get_device().type != "cpu" or (static_ints(q.get_size()) or [0, 0, 99])[2] > 16:
@@ -249,7 +249,7 @@ def lower_attention(q, buffers, mask, scale, causal, window):
         return None        # symbolic shapes: the op itself (a fallback kernel)
     device = q.get_device()
     d = shapes[0][-1]
-    from kvarn_compile.reference.rotation import rotation_matrix
+    from kvarn_compile.quant.rotation import rotation_matrix
 
     rot = ind.V.graph.add_tensor_constant(rotation_matrix(d, device), name="kvarn_rotation")
     inputs = list(ind.realize_inputs(*nodes, rot))

@@ -1,6 +1,6 @@
 """Traceable torch decompositions of ``kvarn::attention`` for the Inductor lowering.
 
-The eager reference (:func:`kvarn_compile.ops.reference.attention`) reads the fill level
+The eager reference (:func:`kvarn_compile.ops.attention.attention`) reads the fill level
 (``int(n_tiles.max())``) and checks the mask length with a host sync, so it cannot be
 traced into an Inductor graph. The functions here compute the same attention with
 static shapes only: every tile slot of the cache is scored and the empty ones are masked
@@ -11,7 +11,7 @@ The attention is split into the two regions the packed cache has, exactly as the
 reference does it (and with the same functions):
 
 * **exact** (sink + tail ring, high precision): ``ops.regions.exact_region``;
-* **tiles** (packed, rotated frame): ``ops.reference.tile_partials`` - dual-scale scores
+* **tiles** (packed, rotated frame): ``ops.attention.tile_partials`` - dual-scale scores
   and values straight from the codes, returned as per-split partials ``(o_part,
   lse_part)`` in the flash-decoding convention (each split normalized by its own sum, lse
   in natural log);
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from kvarn_compile.ops import regions
-from kvarn_compile.ops.reference import tile_inputs, tile_partials
+from kvarn_compile.ops.attention import tile_inputs, tile_partials
 from kvarn_compile.state import unpack
 
 __all__ = ["attention_dense", "attention_split", "tile_partials", "tile_inputs"]

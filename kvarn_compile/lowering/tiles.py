@@ -40,7 +40,7 @@ import math
 import torch
 
 from kvarn_compile.lowering.decisions import finish_decision, record_decision, tune_key
-from kvarn_compile.ops.reference import TILE_ARGS
+from kvarn_compile.ops.attention import TILE_ARGS
 
 __all__ = ["lower_tile_partials", "externs", "TILE_OP_NAME", "fake_tile_fill", "tile_input_gen_fns",
            "split_max_for"]
@@ -216,7 +216,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
         offer_torch()
     if template_ok:
         from kvarn_compile._torch_compat import kvarn_sources_hash
-        from kvarn_compile.lowering import templates
+        from kvarn_compile.lowering import tile_templates as templates
 
         heads = shapes["k_codes"][1]
         group = int(k_col_scale.get_size()[-1])

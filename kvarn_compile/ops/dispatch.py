@@ -3,7 +3,7 @@
 The one module that decides which kernel runs where:
 
 * ``kvarn::attention`` on **CPU**: the whole decode step (sink, tiles, tail, one online
-  softmax, the rotations) is one call of the C++ kernel of ``kernels/cpu_attention.py``
+  softmax, the rotations) is one call of the C++ kernel of ``kernels/cpu/attention.py``
   (``KVARN_CPU_KERNEL=0`` turns it off, ``=require`` makes a failed build an error).
 * ``kvarn::attention`` on **CUDA**: the exact region (sink and tail, :mod:`.regions`) with
   its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
@@ -11,7 +11,7 @@ The one module that decides which kernel runs where:
 * ``kvarn::append_`` on **CPU**: the decode step's append (every row continues, no tile
   completes) in one C++ call (``cpu_attention.append_decode``).
 * ``kvarn::append_`` (any other write) / ``commit_`` on **CPU**: the reference bookkeeping
-  with the C++ tile quantizer of ``kernels/cpu_quantize.py``, bit-identical to the reference
+  with the C++ tile quantizer of ``kernels/cpu/quantize.py``, bit-identical to the reference
   (key frames and ``clip="mse"`` included; ``KVARN_CPU_KERNEL`` as for attention).
 * ``kvarn::append_`` / ``commit_`` on **CUDA**: the reference bookkeeping with the Triton
   tile quantizer for the tiles a write freezes (per-tile key frames included).
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from kvarn_compile import context_parallel
-from kvarn_compile.ops import library, reference, regions
-from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.ops import context_parallel
+from kvarn_compile.ops import append as append_ref, attention as attention_ref, library, regions
+from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu"]
@@ -74,7 +74,7 @@ def _triton_tiles(q_rot, buffers, scale, kv_start, q_plain=None):
 def _cpu_attention(q, f, mask, scale, causal, window):
     """The whole step in one C++ call (``f``: the state's fields); None where the kernel
     cannot read this cache."""
-    from kvarn_compile.kernels import cpu_attention
+    from kvarn_compile.kernels.cpu import attention as cpu_attention
 
     geo = Geometry.of(f)
     if not cpu_attention.supports(geo.head_dim, f.k.row_scale.dtype, f.sink_k.dtype) \
@@ -105,25 +105,25 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     """The attention with the tile part on ``kernel`` ("cpu": the C++ step, "triton": the
     CUDA path) where it applies (:func:`kernel_applies`), else the reference."""
     f = unpack(buffers)
-    reference.check_queries(q, f)
-    reference.check_mask(f, mask)
+    attention_ref.check_queries(q, f)
+    attention_ref.check_mask(f, mask)
     out = None
     if kernel_applies(q, f, mask):
         out = _cpu_attention(q, f, mask, scale, causal, window) if kernel == "cpu" else \
             _cuda_attention(q, buffers, mask, scale, causal, window)
     if out is None:
-        return reference.attention(q, buffers, mask, scale, causal, window)
+        return attention_ref.attention(q, buffers, mask, scale, causal, window)
     return out.to(q.dtype)
 
 
 @library.attention.register_kernel("cpu")
 def attention_cpu(q, buffers, mask, scale, causal, window):
     """The CPU kernel of ``kvarn::attention`` (the C++ decode step where it applies)."""
-    from kvarn_compile.kernels import cpu_attention
+    from kvarn_compile.kernels.cpu import attention as cpu_attention
 
     if q.shape[2] <= 16 and cpu_attention.available():      # KVARN_CPU_KERNEL=0: off
         return attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
-    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+    return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 
 
 @library.attention.register_kernel("cuda")
@@ -132,14 +132,14 @@ def _attention_cuda(q, buffers, mask, scale, causal, window):
 
     if triton_available():
         return attention(q, buffers, mask, scale, causal, window, kernel="triton").contiguous()
-    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+    return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 
 
 # ------------------------------------------------------------------------------ append
 def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
                         tokens_v: torch.Tensor, first_tile: int, method: str, iters: int) -> bool:
     """Quantize [H, f*G, D] K/V of one row into tile slots with the Triton kernel
-    (a :data:`reference.TileKernel`).
+    (a :data:`append_ref.TileKernel`).
 
     Per-tile key frames (``key_frame="auto"``) as in the reference: the frame of each K tile
     is chosen in torch (``choose_key_frame``), then one launch quantizes the rotated tiles
@@ -148,7 +148,7 @@ def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.T
     non-finite input (the reference handles those).
     """
     from kvarn_compile.kernels import quantize_tiles_into, triton_available
-    from kvarn_compile.reference.quantize import choose_key_frame
+    from kvarn_compile.quant.quantize import choose_key_frame
 
     f = unpack(buffers)
     if not triton_available() or f.layout.fp8_factors \
@@ -182,7 +182,7 @@ def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.T
 
 @library.append_.register_kernel("cuda")
 def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
-    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+    append_ref.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                       tile_kernel=freeze_tiles_triton)
 
 
@@ -195,14 +195,14 @@ def _cp_append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check
 
 @library.commit_.register_kernel("cuda")
 def _commit_cuda(buffers, upto, method, iters, recent, check_finite, name):
-    reference.commit_(buffers, upto, method, iters, recent, check_finite, name,
+    append_ref.commit_(buffers, upto, method, iters, recent, check_finite, name,
                       tile_kernel=freeze_tiles_triton)
 
 
 def freeze_tiles_cpu(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
                      tokens_v: torch.Tensor, first_tile: int, method: str, iters: int) -> bool:
     """Quantize [H, f*G, D] K/V of one row into tile slots with the C++ CPU quantizer
-    (a :data:`reference.TileKernel`; ``kernels/cpu_quantize.py``).
+    (a :data:`append_ref.TileKernel`; ``kernels/cpu/quantize.py``).
 
     Bit-identical to the reference quantizer: codes, scales, zero points and per-tile key
     frames (``key_frame="auto"``, chosen per K tile in C++ by the reference rule). Takes op
@@ -211,9 +211,9 @@ def freeze_tiles_cpu(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tens
     non-contiguous buffers, a non-finite value, a scale overflowing its dtype (the
     reference handles or reports those).
     """
-    from kvarn_compile.kernels import cpu_quantize
+    from kvarn_compile.kernels.cpu import quantize as cpu_quantize
 
-    base, clip = reference.split_method(method)
+    base, clip = append_ref.split_method(method)
     f = unpack(buffers)
     if base not in ("kvarn", "hadamard") or clip not in ("none", "mse") \
             or f.layout.fp8_factors or f.k.row_scale.dtype not in cpu_quantize.SCALE_DTYPES \
@@ -239,13 +239,13 @@ def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_fin
     """The decode-step append in one C++ call where it applies (``cpu_attention.append_decode``:
     every row continues, no tile completes); else the reference's bookkeeping with the C++ tile
     quantizer (:func:`freeze_tiles_cpu`)."""
-    from kvarn_compile.kernels import cpu_attention
+    from kvarn_compile.kernels.cpu import attention as cpu_attention
 
-    reference.check_method(method)
+    append_ref.check_method(method)
     if not check_finite and cpu_attention.available() \
             and cpu_attention.append_decode(buffers, k, v, start_pos, recent, hold):
         return
-    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+    append_ref.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                       tile_kernel=freeze_tiles_cpu)
 
 
@@ -253,7 +253,7 @@ def _append_from_cpu(buffers, k, v, start_pos, method, iters, recent, hold, chec
                      cache_k, cache_v, fresh):
     """``append_from_`` with the CPU append called directly (the op's default kernel goes
     through ``torch.ops.kvarn.append_`` again: a second dispatch per layer and step)."""
-    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+    append_ref.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
                      check_finite, name, fresh, append=_append_cpu)
     _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
 
@@ -272,7 +272,7 @@ def _cp_append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_
 
 @library.commit_.register_kernel("cpu")
 def _commit_cpu(buffers, upto, method, iters, recent, check_finite, name):
-    reference.commit_(buffers, upto, method, iters, recent, check_finite, name,
+    append_ref.commit_(buffers, upto, method, iters, recent, check_finite, name,
                       tile_kernel=freeze_tiles_cpu)
 
 
@@ -287,7 +287,7 @@ def _tile_partials_triton_cuda(q_rot, q_plain, k_codes, k_row_scale, k_row_zero,
     length (the query is the newest token), so the kernel's kv_start bound is the only
     mask. The kernel merges its own splits; the result goes to split slot 0.
     """
-    from kvarn_compile.kernels.attention import kvarn_decode_attention
+    from kvarn_compile.kernels.triton.attention import kvarn_decode_attention
 
     out, lse = kvarn_decode_attention(q_rot.contiguous(), k_codes, k_row_scale, k_row_zero,
                                       k_col_scale, v_codes, v_row_scale, v_row_zero,

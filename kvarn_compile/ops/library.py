@@ -28,8 +28,8 @@ over into the packed state (transformers' eager prefill under ``generate(compile
                         bool fresh) -> ()          # adopt_ + append_ in one call
 
 Keyed forms for graphs that cannot take the packed state as an input (the Inductor
-pre-grad pass, :mod:`kvarn_compile.passes.inductor`): the state is found at run time in
-:mod:`kvarn_compile.registry` by a constant key, and the append returns an empty token
+pre-grad pass, :mod:`kvarn_compile.inductor_pass`): the state is found at run time in
+:mod:`kvarn_compile.ops.keyed` by a constant key, and the append returns an empty token
 tensor the attention takes, so the compiler keeps the append and orders it first. To the
 compiler these ops are functional (the state is invisible to it)::
 
@@ -40,7 +40,7 @@ compiler these ops are functional (the state is invisible to it)::
                            bool causal, int window) -> Tensor
     kvarn::reorder_keyed(Tensor k, Tensor rows, str key) -> Tensor
 
-Context-parallel forms (``kvarn_compile.context_parallel``: the state holds this rank's
+Context-parallel forms (``kvarn_compile.ops.context_parallel``: the state holds this rank's
 range of tiles; ``group`` is a registered process group's key; the attention runs one
 ``all_gather``). The backend puts them in place of the plain ops when asked to::
 
@@ -65,8 +65,8 @@ from __future__ import annotations
 
 import torch
 
-from kvarn_compile import context_parallel
-from kvarn_compile.ops import reference
+from kvarn_compile.ops import context_parallel
+from kvarn_compile.ops import append as append_ref, attention as attention_ref
 
 __all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
            "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_", "register_plain_kernel",
@@ -92,8 +92,8 @@ def _check_devices(op: str, buffers: list[torch.Tensor], **tensors: torch.Tensor
 def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             start_pos: torch.Tensor, method: str, iters: int, recent: int,
             hold: int, check_finite: bool, name: str) -> None:
-    """Quantize-on-append: write K/V [B, H, T, D] at start_pos [B] (see ops.reference)."""
-    reference.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
+    """Quantize-on-append: write K/V [B, H, T, D] at start_pos [B] (see ops.append)."""
+    append_ref.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
 
 
 @append_.register_fake
@@ -106,7 +106,7 @@ def _append_fake(buffers, k, v, start_pos, method, iters, recent, hold, check_fi
 def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str, iters: int,
             recent: int, check_finite: bool, name: str) -> None:
     """Commit tokens < upto[b] and freeze every tile that became complete."""
-    reference.commit_(buffers, upto, method, iters, recent, check_finite, name)
+    append_ref.commit_(buffers, upto, method, iters, recent, check_finite, name)
 
 
 @commit_.register_fake
@@ -118,7 +118,7 @@ def _commit_fake(buffers, upto, method, iters, recent, check_finite, name):
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
               scale: float, causal: bool, window: int) -> torch.Tensor:
     """Fused dual-scale dequant attention of q [B, Hq, Tq, D] over the packed cache."""
-    return reference.attention(q, buffers, mask, scale, causal, window).contiguous()
+    return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 
 
 @attention.register_fake
@@ -135,7 +135,7 @@ def reorder_(buffers: list[torch.Tensor], rows: torch.Tensor, name: str) -> None
     handed back (each handle's row i holds i; ``index_select(0, beam_idx)`` on it gives
     ``beam_idx``). Identity tags do nothing; anything but row tags raises ValueError.
     """
-    reference.reorder_(buffers, rows, name)
+    append_ref.reorder_(buffers, rows, name)
 
 
 @reorder_.register_fake
@@ -155,8 +155,8 @@ def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Te
            start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
            check_finite: bool, name: str, fresh: bool) -> None:
     """Before ``append_``: take over a prompt a non-compiled forward wrote to the model's
-    cache (see ``reference.adopt_``). A no-op (one storage-size check) once the cache is released."""
-    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+    cache (see ``append_ref.adopt_``). A no-op (one storage-size check) once the cache is released."""
+    append_ref.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
                      check_finite, name, fresh, append=_append_op)
 
 
@@ -173,7 +173,7 @@ def append_from_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  fresh: bool) -> None:
     """``adopt_`` then ``append_`` in one call (one dispatch per step instead of two); the
     first ten arguments are ``append_``'s."""
-    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+    append_ref.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
                      check_finite, name, fresh, append=_append_op)
     _append_op(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
 
@@ -216,7 +216,7 @@ def cp_append_from_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tenso
                     fresh: bool, group: str) -> None:
     """``append_from_`` of a context-parallel state (the adopted prompt is appended the same way)."""
     append = _cp_append_op(group)
-    reference.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
+    append_ref.adopt_(buffers, cache_k, cache_v, start_pos, method, iters, recent, hold,
                      check_finite, name, fresh, append=append)
     append(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name)
 
@@ -254,10 +254,10 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
 
     ``cache_k``/``cache_v``: the model's own cache tensors, which the graph no longer
     reads. A prompt a non-compiled forward wrote there is adopted first (see
-    ``reference.adopt_``); with ``release`` their storage is then freed (counted in the
+    ``append_ref.adopt_``); with ``release`` their storage is then freed (counted in the
     store), on every call that passes tensors that still hold storage.
     """
-    from kvarn_compile import registry
+    from kvarn_compile.ops import keyed as registry
 
     store, site = registry.resolve(key)
     # a cat cache (no model-owned tensors) grows with the sequence: room for this append
@@ -267,7 +267,7 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
         first, last = start_pos.aminmax()  # every row starting over at 0: a new sequence
         state.reserve(int(last) + k.shape[2], fresh=int(last) == 0, shortest=int(first) + k.shape[2])
     if cache_k is not None and cache_v is not None:
-        reference.adopt_(state.buffers, cache_k, cache_v, start_pos, method, iters, recent,
+        append_ref.adopt_(state.buffers, cache_k, cache_v, start_pos, method, iters, recent,
                          hold, check_finite, site, release, append=_append_op)
     _append_op(state.buffers, k, v, start_pos, method, iters, recent, hold, check_finite, site)
     if growable:
@@ -289,7 +289,7 @@ def _append_keyed_fake(k, v, start_pos, cache_k, cache_v, key, max_len, method, 
 def attention_keyed(q: torch.Tensor, token: torch.Tensor, mask: torch.Tensor | None, key: str,
                     scale: float, causal: bool, window: int) -> torch.Tensor:
     """``attention`` over the registry state ``key``; ``token`` comes from its append."""
-    from kvarn_compile import registry
+    from kvarn_compile.ops import keyed as registry
 
     store, site = registry.resolve(key)
     state = store.for_attention(site, q.shape[0])
@@ -305,12 +305,12 @@ def _attention_keyed_fake(q, token, mask, key, scale, causal, window):
 def reorder_keyed(k: torch.Tensor, rows: torch.Tensor, key: str) -> torch.Tensor:
     """``reorder_`` of the registry state ``key`` (if allocated); returns a copy of ``k``
     that the site's ``append_keyed`` takes, which orders the append after the reorder."""
-    from kvarn_compile import registry
+    from kvarn_compile.ops import keyed as registry
 
     store, site = registry.resolve(key)
     state = store.states.get((site, k.shape[0]))
     if state is not None:
-        reference.reorder_(state.buffers, rows, site)
+        append_ref.reorder_(state.buffers, rows, site)
     return k.clone()
 
 
@@ -326,7 +326,7 @@ def positions_start(positions: torch.Tensor, batch: int) -> torch.Tensor:
     contiguous run ``p, p+1, ..., p+T-1``: model code writes its cache at a positions
     tensor (``cache_position``, ``input_pos``), and the packed cache appends runs, so a
     tree-attention write raises instead of landing tokens in the wrong place."""
-    return reference.positions_start(positions, batch)
+    return append_ref.positions_start(positions, batch)
 
 
 @positions_start.register_fake
@@ -341,12 +341,12 @@ def tile_partials_(q_rot: torch.Tensor, q_plain: torch.Tensor | None, k_codes: t
                    v_col_scale: torch.Tensor, k_plain: torch.Tensor | None, n_tiles: torch.Tensor,
                    kv_lo: torch.Tensor, kv_hi: torch.Tensor, bias: torch.Tensor | None,
                    lse_part: torch.Tensor, scale: float, split_max: int) -> torch.Tensor:
-    """Per-split partials over the packed tiles (``reference.tile_partials``): writes the
+    """Per-split partials over the packed tiles (``attention_ref.tile_partials``): writes the
     per-split lse into ``lse_part`` [B, Hq, Tq, SPLIT_MAX] (filled with -inf by the caller)
     and returns the normalized o_part [B, Hq, Tq, SPLIT_MAX, D]. It exists for the
     lowering (``lowering/tiles.py``), whose Triton templates compete for it. ``q_plain``
     and ``k_plain`` (per-tile key frames) come together or not at all."""
-    o, lse = reference.tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero,
+    o, lse = attention_ref.tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero,
                                      k_col_scale, v_codes, v_row_scale, v_row_zero, v_col_scale,
                                      k_plain, n_tiles, kv_lo, kv_hi, bias, scale, split_max)
     lse_part.copy_(lse)

@@ -2,7 +2,7 @@
 
 ``kvarn_backend(..., context_parallel=group)`` runs the ordinary pass, then this: every
 ``kvarn::append_`` / ``append_from_`` / ``attention`` call gets the ``cp_`` op with the
-group's key as its last argument (:mod:`kvarn_compile.context_parallel`). The graph is
+group's key as its last argument (:mod:`kvarn_compile.ops.context_parallel`). The graph is
 otherwise unchanged, so the report, the graph diff and the cache hand-over stay the same.
 """
 

@@ -1,25 +1,20 @@
-"""Pure-torch reference math of KVarN: the readable oracle, the eager CPU implementation
-and the benchmark baseline of every kvarn_compile kernel.
+"""Deprecated name of :mod:`kvarn_compile.quant` (the pure-torch quantizer), kept for one release.
 
-* :mod:`.rotation` - the orthonormal head-dim rotations (Hadamard and fallbacks);
-* :mod:`.quantize` - normalization, RTN, scale folding, bit packing, dequant, and the
-  baselines (``method="kivi"``, ``method="hadamard"``);
-* :mod:`.cache` - a whole sequence as sink + packed tiles + tail, with byte accounting.
-
-``fake_quantize`` is the stable evaluation entry point (quantize then dequantize); it is
-never part of the runtime path, which stores packed codes.
+``kvarn_compile.reference``, ``.reference.quantize``, ``.reference.rotation`` and
+``.reference.cache`` are the modules of :mod:`kvarn_compile.quant` under their old names.
 """
 
-from kvarn_compile.reference.cache import QuantizedKV, quantize_cache, split_lengths
-from kvarn_compile.reference.quantize import (
-    NonFiniteError, QuantizedTiles, dequantize_kv, dequantize_tiles, fake_quantize, imbalance,
-    normalize_variance, pack_codes, quantize_kv, quantize_tiles, rtn_rows, unpack_codes,
-)
-from kvarn_compile.reference.rotation import is_hadamard_dim, rotate, rotation_matrix, unrotate
+import sys
+import warnings
 
-__all__ = [
-    "fake_quantize", "quantize_kv", "dequantize_kv", "quantize_tiles", "dequantize_tiles",
-    "QuantizedTiles", "QuantizedKV", "quantize_cache", "split_lengths", "normalize_variance",
-    "imbalance", "rtn_rows", "pack_codes", "unpack_codes", "rotation_matrix", "rotate",
-    "unrotate", "is_hadamard_dim", "NonFiniteError",
-]
+from kvarn_compile import quant
+from kvarn_compile.quant import cache, quantize, rotation
+from kvarn_compile.quant import *  # noqa: F401,F403
+
+__all__ = list(quant.__all__)
+
+for _module in (cache, quantize, rotation):
+    sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
+
+warnings.warn("kvarn_compile.reference is now kvarn_compile.quant; the old name goes in the next "
+              "release.", DeprecationWarning, stacklevel=2)

@@ -1,10 +1,11 @@
-"""Pure-torch implementations of the KVarN runtime ops over a packed layer state.
+"""The pure-torch reference of the cache-writing ops: ``kvarn::append_``, ``commit_``,
+``adopt_``, ``reorder_``, ``positions_start`` (and ``crop_``, ``materialize`` for tests).
 
-These functions are the default implementation of every ``torch.ops.kvarn.*`` op (see
+These functions are the default implementation of their ``torch.ops.kvarn.*`` op (see
 ``library.py``; device kernels override them in ``dispatch.py``), the oracle of every
 kernel and the baseline of the benchmarks. They are pure torch on any device and never
 call a kernel. They operate on the flat buffer list of :mod:`kvarn_compile.state`, read
-through :func:`~kvarn_compile.state.unpack`.
+through :func:`~kvarn_compile.state.unpack`. The attention side is :mod:`.attention`.
 
 Semantics in one place:
 
@@ -15,18 +16,10 @@ Semantics in one place:
   token before p; of the new tokens all but the newest ``hold`` are committed at once
   (hold=0: commit everything, the plain decoding case; hold=k: keep k draft tokens
   revisable for speculative decoding). Complete committed tiles beyond the sink and the
-  recent window are then rotated, normalized, quantized and packed in place. Every check
-  runs before any write, so a rejected call leaves the state unchanged.
+  recent window are then rotated, normalized, quantized and packed in place
+  (:func:`freeze_tiles`). Every check runs before any write, so a rejected call leaves the
+  state unchanged.
 * ``commit_(buffers, upto)`` marks tokens < upto[b] committed and freezes what it can.
-* ``attention(q, buffers, ...)`` attends the queries (the last Tq written tokens of each
-  row) over [sink, tiles, tail] without materializing dequantized K/V: the exact region
-  (sink + tail) and the packed tiles are attended apart and merged by log-sum-exp
-  (:mod:`.regions`, shared with the kernel path and the Inductor decomposition). Per
-  tile, the key row scale is folded into q, the key column scale into the scores, the
-  value row scale into the softmax weights and the value column scale into the output,
-  and the rotation is applied to q on the way in and undone on the output.
-* ``tile_partials(...)``: the tile region alone over every tile slot, static shapes, in
-  the flash-decoding convention (the reference of ``kvarn::tile_partials_``).
 """
 
 from __future__ import annotations
@@ -35,18 +28,12 @@ import torch
 
 from collections.abc import Callable
 
-from kvarn_compile.ops import regions
-from kvarn_compile.reference.quantize import NonFiniteError, quantize_kv, unpack_codes
-from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.quant.quantize import NonFiniteError, quantize_kv
 from kvarn_compile.state import Geometry, StateFields, unpack
 
-__all__ = ["append_", "commit_", "crop_", "attention", "materialize", "check_append",
-           "check_method", "check_range", "check_mask", "split_method", "adopt_", "reorder_",
-           "row_order", "positions_start", "tile_partials", "tile_inputs", "TILE_ARGS", "TILE_CHUNK",
+__all__ = ["append_", "commit_", "crop_", "materialize", "check_append", "check_method", "check_range",
+           "split_method", "freeze_tiles", "adopt_", "reorder_", "row_order", "positions_start",
            "TileKernel"]
-
-#: Tiles processed at once by the reference attention (bounds its scratch memory).
-TILE_CHUNK = 64
 
 #: A device kernel for tile quantization: ``fn(buffers, row, tokens_k, tokens_v,
 #: first_tile, method, iters) -> bool`` quantizes [H, f*G, D] token-major K/V of one batch
@@ -86,7 +73,7 @@ def check_method(method: str) -> None:
         raise ValueError(
             f"KVarN runtime cache: expected method 'kvarn' or 'hadamard', but got {method!r}. The "
             "packed cache reads every tile in the rotated frame; evaluate KIVI with "
-            "kvarn_compile.reference.quantize_cache or fake_quantize instead.")
+            "kvarn_compile.quant.quantize_cache or fake_quantize instead.")
 
 
 def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
@@ -148,7 +135,7 @@ def check_range(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
 
     fp32 models keep sink and tail in float16 by default (exact_dtype="auto"), so a finite
     fp32 value beyond 65504 would silently become inf there. (Tile scales that overflow
-    float16 are caught when the tile is quantized, see ``_freeze``.) Non-finite values
+    float16 are caught when the tile is quantized, see ``freeze_tiles``.) Non-finite values
     are the NaN/inf policy's business, not this check's.
     """
     if unpack(buffers).tail_k.dtype != torch.float16 or k.dtype == torch.float16:
@@ -167,7 +154,7 @@ def check_range(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             "KVarNConfig(exact_dtype='float32', scale_dtype='float32'). The cache was left unchanged.")
 
 
-def _freeze(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
+def freeze_tiles(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
             tokens_v: torch.Tensor, first_tile: int, method: str, iters: int,
             check: bool, name: str, tile_kernel: TileKernel | None = None) -> None:
     """Quantize [H, f*G, D] token-major K/V of one batch row into tile slots first_tile..
@@ -235,8 +222,8 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
            freeze_fn: Callable[..., None] | None = None) -> None:
     """Write one row's new tokens, update its counters and freeze complete tiles.
 
-    ``freeze_fn`` (default :func:`_freeze`, same arguments) stores the tiles that freeze: a
-    context-parallel rank stores only the tiles it owns (``kvarn_compile.context_parallel``).
+    ``freeze_fn`` (default :func:`freeze_tiles`, same arguments) stores the tiles that freeze: a
+    context-parallel rank stores only the tiles it owns (``kvarn_compile.ops.context_parallel``).
     """
     f = unpack(buffers)
     s, g, n_max, w = _geometry(buffers)
@@ -263,7 +250,7 @@ def _place(buffers: list[torch.Tensor], row: int, k_new: torch.Tensor, v_new: to
     done = min(max(int(committed[row]), commit_to), end)
     freeze = min(max(done - frozen_end - recent, 0) // g, n_max - tiles) if end > s else 0
     if freeze:   # first: it may raise (scale overflow) before anything of this row is written
-        (freeze_fn or _freeze)(buffers, row, seg_k[:, :freeze * g], seg_v[:, :freeze * g], tiles,
+        (freeze_fn or freeze_tiles)(buffers, row, seg_k[:, :freeze * g], seg_v[:, :freeze * g], tiles,
                                method, iters, check, name, tile_kernel)
     if p0 < s:   # sink part
         stop = min(end, s)
@@ -362,7 +349,7 @@ def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
     This is exactly what the runtime never builds; tests compare the fused attention
     against plain attention over these tensors.
     """
-    from kvarn_compile.reference.quantize import QuantizedTiles, dequantize_kv
+    from kvarn_compile.quant.quantize import QuantizedTiles, dequantize_kv
 
     f = unpack(buffers)
     geo = Geometry.of(f)
@@ -407,212 +394,6 @@ def _slot_positions(f: StateFields[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return torch.cat([sink_pos, tile_pos, tail_pos], 1), torch.cat([sink_ok, tile_ok, tail_ok], 1)
 
 
-# ------------------------------------------------------------------------------ attention
-def _scales(tiles, sl: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row scale, row zero, column scale) of tiles ``sl`` in fp32, fp8 factors applied."""
-    rs = tiles.row_scale[:, :, sl].float()
-    cs = tiles.col_scale[:, :, sl].float()
-    if tiles.row_factor is not None:
-        rs = rs * tiles.row_factor[:, :, sl].float()
-        cs = cs * tiles.col_factor[:, :, sl].float()
-    return rs, tiles.row_zero[:, :, sl].float(), cs
-
-
-def _tile_scores(f: StateFields[torch.Tensor], q_rot: torch.Tensor, sl: slice, kb: int,
-                 q_plain: torch.Tensor) -> torch.Tensor:
-    """Scores of rotated queries [B,H,g,Tq,D] against tiles sl: [B,H,g,Tq,n*G].
-
-    s[t] = col_scale[t] * (sum_c (q[c] * row_scale[c]) * code[c, t] + sum_c q[c] * row_zero[c])
-    with q the rotated query, or the un-rotated ``q_plain`` for tiles stored plain.
-    """
-    codes = unpack_codes(f.k.codes[:, :, sl], kb).float()                 # [B,H,n,D,G]
-    rs, rz, cs = _scales(f.k, sl)                                         # [B,H,n,D] x2, [B,H,n,G]
-    q_t = q_rot.unsqueeze(-2)                                             # [B,H,g,Tq,1,D]
-    if f.k_plain is not None:                                             # per-tile frame
-        plain = f.k_plain[:, :, sl].bool()[:, :, None, None, :, None]     # [B,H,1,1,n,1]
-        q_t = torch.where(plain, q_plain.unsqueeze(-2), q_t)              # [B,H,g,Tq,n,D]
-    qs = q_t * rs[:, :, None, None]                                       # [B,H,g,Tq,n,D]
-    dot = torch.einsum("bhgqnd,bhndt->bhgqnt", qs, codes)
-    bias = torch.einsum("bhgqnd,bhnd->bhgqn", q_t.expand_as(qs), rz).unsqueeze(-1)
-    out = (dot + bias) * cs[:, :, None, None]
-    return out.flatten(-2)
-
-
-def _tile_values(f: StateFields[torch.Tensor], p: torch.Tensor, sl: slice, vb: int) -> torch.Tensor:
-    """Rotated-frame output of weights p [B,H,g,Tq,n*G] over value tiles sl: [B,H,g,Tq,D].
-
-    o[c] = sum_tiles col_scale[c] * (sum_t (p[t] * row_scale[t]) * code[t, c] + sum_t p[t] * row_zero[t])
-    """
-    codes = unpack_codes(f.v.codes[:, :, sl], vb).float()                 # [B,H,n,G,D]
-    rs, rz, cs = _scales(f.v, sl)                                         # [B,H,n,G] x2, [B,H,n,D]
-    p = p.unflatten(-1, (codes.shape[2], codes.shape[3]))                 # [B,H,g,Tq,n,G]
-    weighted = torch.einsum("bhgqnt,bhntd->bhgqnd", p * rs[:, :, None, None], codes)
-    bias = (p * rz[:, :, None, None]).sum(-1, keepdim=True)
-    return ((weighted + bias) * cs[:, :, None, None]).sum(-2)
-
-
-def check_queries(q: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
-    bsz, heads, _, d = f.sink_k.shape
-    if q.dim() != 4 or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % heads:
-        raise ValueError(f"KVarN attention: expected queries [batch={bsz}, heads=k*{heads}, tq, "
-                         f"head_dim={d}], but got {tuple(q.shape)}.")
-
-
-def check_mask(f: StateFields[torch.Tensor], mask: torch.Tensor | None) -> None:
-    """Refuse a mask that does not cover every position the cache holds (mutates nothing)."""
-    if mask is None:
-        return
-    held = int(f.lengths.max())
-    if mask.shape[-1] < held:
-        raise ValueError(f"KVarN attention: the mask covers {mask.shape[-1]} key positions, but the "
-                         f"cache holds up to {held}; expected a mask as long as the cache.")
-
-
-def _tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
-                 scale: float, causal: bool, window: int, n_used: int, tile_offset: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the first ``n_used`` tile slots: (out fp32 [B,Hq,Tq,D] in the original
-    frame, lse [B,Hq,Tq]), with per-row fill, causality, window and mask applied.
-
-    ``tile_offset``: the sequence's tile number of slot 0 (a context-parallel rank holds
-    tiles ``tile_offset ..``; the counters of ``f`` count the whole sequence's tiles).
-    """
-    geo = Geometry.of(f)
-    bsz, heads, d, g = geo.batch, geo.kv_heads, geo.head_dim, geo.group
-    hq, tq = q.shape[1], q.shape[2]
-    grp = hq // heads
-    rot = rotation_matrix(d, q.device)
-    qg = q.float().reshape(bsz, heads, grp, tq, d)
-    q_rot = qg @ rot
-    chunks = [slice(a, min(a + TILE_CHUNK, n_used)) for a in range(0, n_used, TILE_CHUNK)]
-    scores = torch.cat([_tile_scores(f, q_rot, sl, geo.key_bits, qg) for sl in chunks], -1) * scale
-    j = tile_offset * g + torch.arange(n_used * g, device=q.device)      # sequence token index
-    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
-    visible = (j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
-    bias = regions.bias_at(mask, (geo.sink + j)[None, :].expand(bsz, -1), (bsz, hq, tq))
-    if bias is not None:
-        scores = scores + bias.reshape(bsz, heads, grp, tq, -1)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    p, denom, m_ref = regions.safe_lse(scores)
-    p, lse = regions.normalized(p, denom, m_ref)
-    out = sum(_tile_values(f, p[..., sl.start * g:sl.stop * g], sl, geo.value_bits) for sl in chunks)
-    return (out @ rot.T).reshape(bsz, hq, tq, d), lse.reshape(bsz, hq, tq)
-
-
-def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None = None,
-              scale: float | None = None, causal: bool = True, window: int = 0, *,
-              return_lse: bool = False):
-    """Attention of q [B, Hq, Tq, D] (the last Tq written tokens) over the packed cache.
-
-    mask: optional bool (True = attend) or additive float, broadcastable to
-    [B, Hq, Tq, M] and indexed by absolute key position (M must exceed every position).
-    window > 0 keeps keys with position > query position - window (sliding window).
-    Queries that can see no key get a zero output. Returns [B, Hq, Tq, D] in q's dtype;
-    with ``return_lse``, (out fp32, lse fp32 [B, Hq, Tq]) so partial results over parts of
-    a cache can be merged (:func:`kvarn_compile.ops.regions.merge_regions`).
-    """
-    f = unpack(buffers)
-    check_queries(q, f)
-    check_mask(f, mask)
-    scale = f.sink_k.shape[-1] ** -0.5 if scale is None else scale
-    out, lse = regions.exact_region(q, f, mask, scale, causal, window)
-    n_used = int(f.n_tiles.max()) if f.k.codes.shape[2] else 0
-    if n_used:
-        out_t, lse_t = _tile_region(q, f, mask, scale, causal, window, n_used)
-        out, lse = regions.merge_regions(out, lse, out_t, lse_t)
-    if return_lse:
-        return out, lse
-    return out.to(q.dtype)
-
-
-# ------------------------------------------------------------------------------ tile partials
-#: The tensor arguments of ``kvarn::tile_partials_``, in order (``q_plain``, ``k_plain`` and
-#: ``bias`` may be None: no per-tile key frames, no mask).
-TILE_ARGS = ("q_rot", "q_plain", "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
-             "v_codes", "v_row_scale", "v_row_zero", "v_col_scale", "k_plain", "n_tiles",
-             "kv_lo", "kv_hi", "bias")
-
-
-def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: bool,
-                window: int, rot: torch.Tensor | None = None):
-    """Everything a tile-partials kernel needs (:data:`TILE_ARGS`), from the attention's
-    arguments.
-
-    q_rot fp32 [B,Hq,Tq,D]; q_plain (the un-rotated fp32 queries, only when the state has
-    per-tile key frames); the 8 tile tensors (scales with their fp8 factors applied);
-    k_plain uint8 [B,H,N] or None; n_tiles [B]; kv_lo, kv_hi [B,Tq]; bias [B,Hq,Tq,N*G] or
-    None. Quantized token j of a row sits at absolute position S + j (see
-    ``regions.tile_bounds``). Static shapes only: it traces into the Inductor decomposition.
-    """
-    f = unpack(buffers)
-    bsz, _, s, d = f.sink_k.shape
-    n_max, g = f.k.codes.shape[2], f.k.col_scale.shape[-1]
-    hq, tq = q.shape[1], q.shape[2]
-    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
-    q_plain = q.float()
-    q_rot = q_plain @ (rotation_matrix(d, q.device) if rot is None else rot)
-    tensors = []
-    for tiles in (f.k, f.v):
-        rs, cs = tiles.row_scale, tiles.col_scale
-        if tiles.row_factor is not None:    # fp8 scales: fold their per-vector factor
-            rs = rs.float() * tiles.row_factor.float()
-            cs = cs.float() * tiles.col_factor.float()
-        tensors += [tiles.codes, rs, tiles.row_zero, cs]
-    positions = (s + torch.arange(n_max * g, device=q.device))[None, :].expand(bsz, -1)
-    bias = regions.bias_at(mask, positions, (bsz, hq, tq))
-    frames = f.k_plain is not None
-    return (q_rot, q_plain if frames else None, *tensors, f.k_plain, f.n_tiles, kv_lo, kv_hi, bias)
-
-
-def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
-                  v_codes, v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles, kv_lo,
-                  kv_hi, bias, scale: float, split_max: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-scale attention partials over every packed tile slot, static shapes (one split).
-
-    The reference of ``kvarn::tile_partials_`` and of its Triton templates: returns (o_part
-    fp32 [B, Hq, Tq, SPLIT_MAX, D], lse_part fp32 [B, Hq, Tq, SPLIT_MAX]); split 0 holds
-    the whole region, the others are empty (o = 0, lse = -inf). Scores, in the rotated
-    frame (or with the un-rotated ``q_plain`` for a tile whose ``k_plain`` flag is set)::
-
-        s[t] = scale * cs_k[t] * ((q * rs_k) @ code_k[:, t] + q @ rz_k)
-        o[c] = cs_v[c] * ((p * rs_v) @ code_v[:, c] + p @ rz_v) / sum(p)
-    """
-    bsz, hq, tq, d = q_rot.shape
-    heads, n_max = k_codes.shape[1], k_codes.shape[2]
-    g = k_col_scale.shape[-1]
-    kb, vb = 8 * k_codes.shape[-1] // g, 8 * v_codes.shape[-1] // d
-    grp = hq // heads
-    q_t = q_rot.float().reshape(bsz, heads, grp, tq, 1, d)                       # [B,H,g,Tq,1,D]
-    if k_plain is not None:                                                      # per-tile frame
-        plain = k_plain.bool()[:, :, None, None, :, None]                        # [B,H,1,1,N,1]
-        q_t = torch.where(plain, q_plain.float().reshape(bsz, heads, grp, tq, 1, d), q_t)
-    codes_k = unpack_codes(k_codes, kb).float()                                  # [B,H,N,D,G]
-    qs = q_t * k_row_scale.float()[:, :, None, None]                             # [B,H,g,Tq,N,D]
-    dot = torch.einsum("bhgqnd,bhndt->bhgqnt", qs, codes_k)
-    zero = (q_t * k_row_zero.float()[:, :, None, None]).sum(-1, keepdim=True)    # [B,H,g,Tq,N,1]
-    scores = ((dot + zero) * k_col_scale.float()[:, :, None, None]).flatten(-2) * scale
-    j = torch.arange(n_max * g, device=q_rot.device)
-    visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
-               & (j[None, None, :] < (n_tiles * g)[:, None, None]))               # [B,Tq,N*G]
-    if bias is not None:
-        scores = scores + bias.expand(bsz, hq, tq, n_max * g).reshape(scores.shape)
-    scores = scores.masked_fill(~visible[:, None, None], regions.NEG_INF)
-    p, denom, m_ref = regions.safe_lse(scores)
-    p, lse = regions.normalized(p, denom, m_ref)
-    codes_v = unpack_codes(v_codes, vb).float()                                  # [B,H,N,G,D]
-    pt = p.unflatten(-1, (n_max, g))                                             # [B,H,g,Tq,N,G]
-    weighted = torch.einsum("bhgqnt,bhntd->bhgqnd", pt * v_row_scale.float()[:, :, None, None], codes_v)
-    zsum = (pt * v_row_zero.float()[:, :, None, None]).sum(-1, keepdim=True)
-    out = ((weighted + zsum) * v_col_scale.float()[:, :, None, None]).sum(-2)   # [B,H,g,Tq,D]
-    out = out.reshape(bsz, hq, tq, 1, d)
-    lse = lse.reshape(bsz, hq, tq, 1)
-    if split_max > 1:
-        out = torch.cat([out, out.new_zeros(bsz, hq, tq, split_max - 1, d)], 3)
-        lse = torch.cat([lse, lse.new_full((bsz, hq, tq, split_max - 1), regions.NEG_INF)], 3)
-    return out, lse
-
-
 # ------------------------------------------------------------------------------ adoption
 def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Tensor,
            start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
@@ -627,7 +408,7 @@ def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Te
     sequence; otherwise (or for a view the caller cannot free) only a state that does not
     continue at p is restarted. ``append``: the append to use (default :func:`append_`).
     """
-    from kvarn_compile.registry import managed, unwritten_since_release
+    from kvarn_compile.ops.keyed import managed, unwritten_since_release
 
     if unwritten_since_release(cache_k) and unwritten_since_release(cache_v):
         return                                       # released, nothing written since (fast path)

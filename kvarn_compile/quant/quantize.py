@@ -34,7 +34,7 @@ import math
 import torch
 
 from kvarn_compile.config import CLIPS, KEY_FRAMES, METHODS, SCALE_DTYPES
-from kvarn_compile.reference.rotation import rotate, unrotate
+from kvarn_compile.quant.rotation import rotate, unrotate
 
 __all__ = [
     "normalize_variance", "imbalance", "rtn_rows", "pack_codes", "unpack_codes",
@@ -62,7 +62,7 @@ class NonFiniteError(ValueError):
 # Step 1: variance normalization
 # ------------------------------------------------------------------------------------------
 # Every statistic is computed in one exactly defined way, so that a kernel in another
-# language can reproduce it bit for bit (``kernels/cpu_quantize.py``): float64, summed left
+# language can reproduce it bit for bit (``kernels/cpu/quantize.py``): float64, summed left
 # to right (``cumsum``'s last element is the sequential sum; ``sum`` is blocked and
 # vectorized, its order is an implementation detail), IEEE division and sqrt (correctly
 # rounded everywhere), no exp/log (their last bit differs between libraries).

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from kvarn_compile.config import KVarNConfig
-from kvarn_compile.reference.quantize import QuantizedTiles, dequantize_kv, quantize_kv
+from kvarn_compile.quant.quantize import QuantizedTiles, dequantize_kv, quantize_kv
 
 __all__ = ["QuantizedKV", "quantize_cache", "split_lengths"]
 

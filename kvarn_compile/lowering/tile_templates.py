@@ -1,6 +1,6 @@
 """The KVarN Triton templates (CUDA only): sources, grid functions, TritonTemplate objects.
 
-The template sources are package data (``kvarn_compile/templates/*.py.jinja``) loaded with
+The template sources are package data (``kvarn_compile/lowering/templates/*.py.jinja``) loaded with
 ``importlib.resources``. The ``TritonTemplate`` objects are built lazily, on the first
 CUDA lowering: Inductor cannot even render a template without a GPU driver, so nothing
 here runs on a CPU-only machine (see docs/torch-notes.md section 4b).
@@ -9,7 +9,7 @@ How the templates share the kernels' bodies: a template is only the *driver* of 
 program (its grid position, the query rows it packs, the split range, the loads of
 q/kv bounds/bias, the stores). The per-tile math, i.e. the in-register unpack of the
 codes, the dual-scale fold into the scores and the values and the online-softmax step,
-is the ``@triton.jit`` helpers of :mod:`kvarn_compile.kernels.attention`
+is the ``@triton.jit`` helpers of :mod:`kvarn_compile.kernels.triton.attention`
 (``_load_k_tile_scores``, ``_accumulate_v_tile``, ``_online_softmax_step``), which the
 rendered module imports (the last lines of each template). Triton inlines them at
 compile time and includes their source in its own cache key; Inductor's cache key (the
@@ -30,8 +30,8 @@ TEMPLATE_FILES = ("kvarn_decode.py.jinja", "kvarn_prefill.py.jinja")
 
 
 def template_source(name: str) -> str:
-    """The text of ``kvarn_compile/templates/<name>`` (package data)."""
-    return (importlib.resources.files("kvarn_compile") / "templates" / name).read_text()
+    """The text of ``kvarn_compile/lowering/templates/<name>`` (package data)."""
+    return (importlib.resources.files("kvarn_compile.lowering") / "templates" / name).read_text()
 
 
 def kvarn_decode_grid(batch_kv_heads, rows, meta, *, cdiv):

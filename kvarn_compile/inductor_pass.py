@@ -9,7 +9,7 @@ The same pattern tables and rewrite as :func:`kvarn_compile.kvarn_backend`, in *
 a pre-grad pass runs inside Inductor after Dynamo's graph inputs are fixed, so it cannot
 add the packed states as graph inputs. The rewritten graph calls
 ``kvarn::append_keyed`` / ``kvarn::attention_keyed`` with a constant key instead; the ops
-find (and on the first append allocate) the state in :mod:`kvarn_compile.registry`. The
+find (and on the first append allocate) the state in :mod:`kvarn_compile.ops.keyed`. The
 append returns an empty token that the attention takes, so nothing is dead-code
 eliminated or reordered. Model-owned preallocated cache buffers the graph no longer
 reads are passed to ``kvarn::append_keyed``, which first adopts a prompt an uncompiled
@@ -41,7 +41,7 @@ from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import custom_graph_pass_base, kvarn_sources_hash
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.passes.rewrite import RewriteContext, rewrite_graph
-from kvarn_compile.registry import StateStore
+from kvarn_compile.ops.keyed import StateStore
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["KVarNInductorPass", "inductor_pass"]
@@ -60,7 +60,7 @@ class KVarNInductorPass(custom_graph_pass_base()):
         self.max_cache_len = checked_max_cache_len(max_cache_len)
         self.release_buffers = release_buffers
         self.spec_tokens = spec_tokens
-        #: the packed states, found by the compiled graphs through kvarn_compile.registry
+        #: the packed states, found by the compiled graphs through kvarn_compile.ops.keyed
         self.store = StateStore(config, spec_tokens=spec_tokens)
         self.report = Report(released_bytes=lambda: self.store.released_bytes)
         #: (before, after) normalized graph text of every rewritten graph (see testing.py)

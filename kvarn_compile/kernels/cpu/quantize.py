@@ -39,7 +39,7 @@ import logging
 
 import torch
 
-from kvarn_compile.kernels.cpu_attention import KernelBuildError, _cpu_model, _mode, build_extension, usable
+from kvarn_compile.kernels.cpu.attention import KernelBuildError, _cpu_model, _mode, build_extension, usable
 
 __all__ = ["available", "build", "quantize_kv", "freeze", "SCALE_DTYPES", "KernelBuildError"]
 
@@ -536,7 +536,7 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _consts() -> tuple[list[float], list[float]]:
-    from kvarn_compile.reference import quantize as q
+    from kvarn_compile.quant import quantize as q
 
     return ([q.STD_CLIP[0], q.STD_CLIP[1], q.SCALE_CLIP[0], q.SCALE_CLIP[1], q.IMBALANCE_EPS,
              q.DELTA_MIN, q.DOMINANCE_THRESHOLD, torch.finfo(torch.float32).tiny,
@@ -544,7 +544,7 @@ def _consts() -> tuple[list[float], list[float]]:
 
 
 def _rotation(d: int) -> torch.Tensor:
-    from kvarn_compile.reference.rotation import rotation_matrix
+    from kvarn_compile.quant.rotation import rotation_matrix
 
     return rotation_matrix(d, torch.device("cpu"))   # the tensor the reference multiplies by
 
@@ -558,13 +558,13 @@ def quantize_kv(x: torch.Tensor, kind: str, *, method: str = "kvarn", bits: int 
                 group: int = 128, iters: int = 8, scale_dtype: torch.dtype = torch.float16,
                 key_frame: str = "rotated", clip: str = "none"):
     """``reference.quantize_kv`` of CPU ``x`` [..., tokens, head_dim] in C++: the same
-    :class:`~kvarn_compile.reference.quantize.QuantizedTiles`, bit for bit.
+    :class:`~kvarn_compile.quant.quantize.QuantizedTiles`, bit for bit.
 
     Returns None where the kernel does not apply (the caller runs the reference): a NaN/inf
     in ``x`` (or in its rotation), fp8 scales. (``check_finite`` has no meaning here: the
     input is finite or the kernel declines.)
     """
-    from kvarn_compile.reference.quantize import (
+    from kvarn_compile.quant.quantize import (
         QuantizedTiles, _check_clip, _check_key_frame, _check_kind, _method_flags,
     )
 

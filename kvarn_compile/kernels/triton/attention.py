@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_compile.kernels.quantize import KERNEL_BITS, KERNEL_SCALE_DTYPES
-from kvarn_compile.reference.quantize import QuantizedTiles
+from kvarn_compile.kernels.triton.quantize import KERNEL_BITS, KERNEL_SCALE_DTYPES
+from kvarn_compile.quant.quantize import QuantizedTiles
 
 __all__ = ["kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits"]
 

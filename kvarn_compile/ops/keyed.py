@@ -1,7 +1,7 @@
 """Packed KV states addressed by a string key, for graphs that cannot take them as inputs.
 
 ``kvarn_backend`` hands every packed state to its compiled graphs as extra graph inputs.
-An Inductor pre-grad pass (:mod:`kvarn_compile.passes.inductor`) cannot add graph inputs,
+An Inductor pre-grad pass (:mod:`kvarn_compile.inductor_pass`) cannot add graph inputs,
 so the graphs it rewrites call the keyed ops (``kvarn::append_keyed``,
 ``kvarn::attention_keyed``) with a constant key ``"<namespace>/<site>"`` instead, and the
 ops find the state here at run time. Each pass object owns one :class:`StateStore` (its

@@ -185,7 +185,7 @@ def kv_report(model_name: str | None = None, *, tokens: int = 1024, windows: int
 
     from kvarn_compile.config import METHODS, PRESETS, get_config
     from kvarn_compile.eval.models import DEFAULT_MODEL, capture_kv, load_model, text_windows
-    from kvarn_compile.reference import quantize_cache
+    from kvarn_compile.quant import quantize_cache
 
     model, tok = load_model(model_name)
     ids = text_windows(tok, windows, tokens, corpus)

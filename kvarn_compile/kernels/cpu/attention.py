@@ -7,7 +7,7 @@ one online softmax (no separate torch pass, no log-sum-exp merge in Python):
   un-rotated q; their output accumulates in the plain frame;
 * packed tiles: the key row scale is folded into q, the key column scale into the scores,
   the value row scale into the softmax weights and the value column scale into the output
-  (the dual-scale fold of ``ops/reference.py``); codes are unpacked in registers inside
+  (the dual-scale fold of ``ops/append.py, ops/attention.py``); codes are unpacked in registers inside
   the score and value loops (16 lanes, register-blocked over up to 4 query rows), never
   into a dequantized K/V; their output accumulates in the rotated frame;
 * q is rotated, and the rotated part of the output rotated back, inside the call; scales
@@ -1107,7 +1107,7 @@ std::vector<torch::Tensor> kvarn_attention(
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode-step append fast path: the reference append (ops/reference.py) of the common case
+// Decode-step append fast path: the reference append (ops/append.py, ops/attention.py) of the common case
 // in one call. Every row continues its sequence (start == lengths == committed > 0), all new
 // tokens are committed (hold == 0) and no tile completes, so the write is: round the new
 // rows to the exact dtype, store them in the sink or the tail ring, bump the counters.
@@ -1293,7 +1293,7 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _rotations(d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from kvarn_compile.reference.rotation import rotation_matrix
+    from kvarn_compile.quant.rotation import rotation_matrix
 
     h = rotation_matrix(d, "cpu")
     return h.contiguous(), h.T.contiguous()
@@ -1360,7 +1360,7 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
 
     sink = (sink_k, sink_v) [B, H, S, D], tail = (tail_k, tail_v) [B, H, W, D] (ring
     buffer), k/v the tile buffers, as in ``state.py``; semantics of causal / window / mask
-    as in ``ops.reference.attention`` (mask: bool or additive float, broadcastable to
+    as in ``ops.attention.attention`` (mask: bool or additive float, broadcastable to
     [B, Hq, Tq, M], indexed by absolute key position). k_plain as in :func:`tile_attention`.
     """
     bsz, hq, tq, d = q.shape

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvarn_compile.ops import reference, regions
+from kvarn_compile.ops import append as append_ref, attention as attention_ref, regions
 from kvarn_compile.state import LayerState, StateLayout, TILE_FIELDS, allocate_layer, unpack
 
 __all__ = ["ContextParallel", "register", "resolve", "allocate", "append_", "attention",
@@ -100,7 +100,7 @@ def resolve(key: str) -> ContextParallel:
         return _GROUPS[key]
     except KeyError:
         raise ValueError(f"context_parallel: no process group registered as {key!r} in this "
-                         "process (kvarn_compile.context_parallel.register).") from None
+                         "process (kvarn_compile.ops.context_parallel.register).") from None
 
 
 # ------------------------------------------------------------------------------ state
@@ -152,7 +152,7 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             start_pos: torch.Tensor, method: str, iters: int, recent: int, hold: int,
             check_finite: bool, name: str, key: str, *, tile_kernel=None,
             upto: torch.Tensor | None = None) -> None:
-    """``reference.append_`` (or ``commit_`` with ``upto``) of the whole sequence, storing only
+    """``append_ref.append_`` (or ``commit_`` with ``upto``) of the whole sequence, storing only
     the tiles this rank owns. Runs on every rank; no collective."""
     cp = resolve(key)
     n_local = buffers[StateLayout.of(buffers).index("k_codes")].shape[2]
@@ -164,14 +164,14 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
         a, b = owned_tiles(first_tile, tokens_k.shape[1] // g, offset, n_local)
         if a < b:
             lo, hi = (a - first_tile) * g, (b - first_tile) * g
-            reference._freeze(buffers, row, tokens_k[:, lo:hi], tokens_v[:, lo:hi], a - offset,
+            append_ref.freeze_tiles(buffers, row, tokens_k[:, lo:hi], tokens_v[:, lo:hi], a - offset,
                               method, iters, check, name, kernel)
 
     if upto is not None:
-        reference.commit_(view, upto, method, iters, recent, check_finite, name,
+        append_ref.commit_(view, upto, method, iters, recent, check_finite, name,
                           tile_kernel=tile_kernel, freeze_fn=freeze)
     else:
-        reference.append_(view, k, v, start_pos, method, iters, recent, hold, check_finite, name,
+        append_ref.append_(view, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                           tile_kernel=tile_kernel, freeze_fn=freeze)
 
 
@@ -189,14 +189,14 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     tiles here, the ranks' tile partials merged after one ``all_gather``."""
     cp = resolve(key)
     f = unpack(buffers)
-    reference.check_queries(q, f)
-    reference.check_mask(f, mask)
+    attention_ref.check_queries(q, f)
+    attention_ref.check_mask(f, mask)
     n_local = f.k.codes.shape[2]
     offset = cp.tile_offset(n_local)
     out_e, lse_e = regions.exact_region(q, f, mask, scale, causal, window)
     n_used = max(0, min(int(f.n_tiles.max()) - offset, n_local)) if n_local else 0
     if n_used:
-        out_t, lse_t = reference._tile_region(q, f, mask, scale, causal, window, n_used,
+        out_t, lse_t = attention_ref.tile_region(q, f, mask, scale, causal, window, n_used,
                                               tile_offset=offset)
     else:
         out_t = torch.zeros_like(out_e)

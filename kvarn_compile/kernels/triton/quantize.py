@@ -1,6 +1,6 @@
 """Triton kernel: quantize whole KVarN tiles and write them, packed, into a tile cache.
 
-Math (the oracle is :func:`kvarn_compile.reference.quantize.quantize_kv`; docs/kvarn-method.md
+Math (the oracle is :func:`kvarn_compile.quant.quantize.quantize_kv`; docs/kvarn-method.md
 steps 1-6). For one tile of G consecutive tokens of one (batch row, kv head):
 
 1. rotate: every token row x[t, :] becomes x[t, :] @ H (H = ``rotation_matrix(D)``, fp32);
@@ -22,7 +22,7 @@ Launchers:
   into n_src tiles per (b, h) and tile i of row b is written at tile index dst_tile[b, i] of
   preallocated destination tensors [B, H, N, ...]. Nothing is allocated except the index.
 * :func:`quantize_tiles_triton` - convenience: token-major x [..., n * G, D] in, a fresh
-  :class:`~kvarn_compile.reference.quantize.QuantizedTiles` out (same layout as the reference).
+  :class:`~kvarn_compile.quant.quantize.QuantizedTiles` out (same layout as the reference).
 
 Limits (the launchers raise a clear error for each):
 
@@ -34,7 +34,7 @@ Limits (the launchers raise a clear error for each):
 * non-finite inputs are not handled in the kernel: one NaN/inf makes its whole tile
   garbage (NaN scales). The reference instead stores such tokens as NaN and quantizes the
   rest of the tile from the finite tokens. ``check_finite=True`` makes the launchers check
-  with torch (one host sync) and raise :class:`~kvarn_compile.reference.quantize.NonFiniteError`;
+  with torch (one host sync) and raise :class:`~kvarn_compile.quant.quantize.NonFiniteError`;
   :func:`quantize_tiles_triton` can instead fall back to the reference.
 
 Exactness: codes equal the reference's except where (B - lo) / Δ lies within a few ulps of a
@@ -49,11 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_compile.reference.quantize import (
+from kvarn_compile.quant.quantize import (
     DELTA_MIN, IMBALANCE_EPS, LOG_SCALE_CLIP, STD_CLIP, NonFiniteError, QuantizedTiles,
     quantize_kv,
 )
-from kvarn_compile.reference.rotation import rotation_matrix
+from kvarn_compile.quant.rotation import rotation_matrix
 
 __all__ = ["quantize_tiles_into", "quantize_tiles_triton", "KERNEL_BITS", "KERNEL_SCALE_DTYPES"]
 
@@ -310,7 +310,7 @@ def _check_bits(bits: int) -> None:
         if bits == 3:
             raise NotImplementedError(
                 "Expected bits in (2, 4, 8) for the Triton packing kernels, but got 3: 3-bit "
-                "codes straddle byte boundaries; use kvarn_compile.reference.quantize_kv.")
+                "codes straddle byte boundaries; use kvarn_compile.quant.quantize_kv.")
         raise ValueError(f"Expected bits in {KERNEL_BITS}, but got {bits!r}.")
 
 
@@ -319,7 +319,7 @@ def _check_scale_dtype(t: torch.Tensor, what: str) -> None:
         raise NotImplementedError(
             f"Expected {what} in one of {KERNEL_SCALE_DTYPES} for the Triton kernels, but got "
             "float8_e4m3fn: fp8 scales carry a per-vector fp16 factor the kernels do not "
-            "apply yet; use the reference (kvarn_compile.reference) for fp8 scale storage.")
+            "apply yet; use the reference (kvarn_compile.quant) for fp8 scale storage.")
     if t.dtype not in KERNEL_SCALE_DTYPES:
         raise TypeError(f"Expected {what} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
 

@@ -1,0 +1,227 @@
+"""The pure-torch reference of ``kvarn::attention`` and ``kvarn::tile_partials_``.
+
+``attention(q, buffers, ...)`` attends the queries (the last Tq written tokens of each row)
+over [sink, tiles, tail] without materializing dequantized K/V: the exact region (sink +
+tail) and the packed tiles are attended apart and merged by log-sum-exp (:mod:`.regions`,
+shared with the kernel path and the Inductor decomposition). ``tile_partials(...)`` is the
+tile region alone over every tile slot, static shapes, in the flash-decoding convention.
+
+The dual-scale tile math is written once (:func:`tile_scores`, :func:`tile_values`) and
+used by both: per tile, the key row scale is folded into q, the key column scale into the
+scores, the value row scale into the softmax weights and the value column scale into the
+output; the rotation is applied to q on the way in and undone on the output. Pure torch on
+any device; never calls a kernel (the kernels' oracle and the benchmarks' baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn_compile.ops import regions
+from kvarn_compile.quant.quantize import unpack_codes
+from kvarn_compile.quant.rotation import rotation_matrix
+from kvarn_compile.state import Geometry, StateFields, unpack
+
+__all__ = ["attention", "tile_region", "tile_partials", "tile_inputs", "tile_scores", "tile_values", "query_frames",
+           "check_queries", "check_mask", "TILE_ARGS", "TILE_CHUNK"]
+
+#: Tiles processed at once by the reference attention (bounds its scratch memory).
+TILE_CHUNK = 64
+
+#: The tensor arguments of ``kvarn::tile_partials_``, in order (``q_plain``, ``k_plain`` and
+#: ``bias`` may be None: no per-tile key frames, no mask).
+TILE_ARGS = ("q_rot", "q_plain", "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
+             "v_codes", "v_row_scale", "v_row_zero", "v_col_scale", "k_plain", "n_tiles",
+             "kv_lo", "kv_hi", "bias")
+
+
+# ------------------------------------------------------------------------------ tile math
+def query_frames(q_rot: torch.Tensor, q_plain: torch.Tensor | None,
+                 k_plain: torch.Tensor | None) -> torch.Tensor:
+    """Queries [B,H,g,Tq,D] as [B,H,g,Tq,1,D], or [B,H,g,Tq,n,D] with the un-rotated
+    ``q_plain`` for the tiles whose ``k_plain`` flag [B,H,n] is set (per-tile key frames)."""
+    q_t = q_rot.float().unsqueeze(-2)
+    if k_plain is not None:
+        plain = k_plain.bool()[:, :, None, None, :, None]                 # [B,H,1,1,n,1]
+        q_t = torch.where(plain, q_plain.float().unsqueeze(-2), q_t)
+    return q_t
+
+
+def tile_scores(q_t: torch.Tensor, codes: torch.Tensor, row_scale: torch.Tensor,
+                row_zero: torch.Tensor, col_scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unscaled scores [B,H,g,Tq,n*G] of queries ``q_t`` (:func:`query_frames`) against n
+    key tiles (codes [B,H,n,D,G*bits/8], scales with their fp8 factors applied)::
+
+        s[t] = cs[t] * (sum_c (q[c] * rs[c]) * code[c, t] + sum_c q[c] * rz[c])
+    """
+    codes = unpack_codes(codes, bits).float()                              # [B,H,n,D,G]
+    qs = q_t * row_scale.float()[:, :, None, None]                         # [B,H,g,Tq,n,D]
+    dot = torch.einsum("bhgqnd,bhndt->bhgqnt", qs, codes)
+    zero = (q_t * row_zero.float()[:, :, None, None]).sum(-1, keepdim=True)
+    return ((dot + zero) * col_scale.float()[:, :, None, None]).flatten(-2)
+
+
+def tile_values(p: torch.Tensor, codes: torch.Tensor, row_scale: torch.Tensor,
+                row_zero: torch.Tensor, col_scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rotated-frame output [B,H,g,Tq,D] of weights p [B,H,g,Tq,n*G] over n value tiles::
+
+        o[c] = sum_tiles cs[c] * (sum_t (p[t] * rs[t]) * code[t, c] + sum_t p[t] * rz[t])
+    """
+    codes = unpack_codes(codes, bits).float()                              # [B,H,n,G,D]
+    pt = p.unflatten(-1, (codes.shape[2], codes.shape[3]))                 # [B,H,g,Tq,n,G]
+    weighted = torch.einsum("bhgqnt,bhntd->bhgqnd", pt * row_scale.float()[:, :, None, None], codes)
+    zsum = (pt * row_zero.float()[:, :, None, None]).sum(-1, keepdim=True)
+    return ((weighted + zsum) * col_scale.float()[:, :, None, None]).sum(-2)
+
+
+def _tile_tensors(tiles, sl: slice = slice(None)) -> tuple[torch.Tensor, ...]:
+    """(codes, row scale, row zero, column scale) of tile slots ``sl``, fp8 factors applied."""
+    rs, cs = tiles.row_scale[:, :, sl], tiles.col_scale[:, :, sl]
+    if tiles.row_factor is not None:        # fp8 scales: fold their per-vector factor
+        rs = rs.float() * tiles.row_factor[:, :, sl].float()
+        cs = cs.float() * tiles.col_factor[:, :, sl].float()
+    return tiles.codes[:, :, sl], rs, tiles.row_zero[:, :, sl], cs
+
+
+# ------------------------------------------------------------------------------ attention
+def check_queries(q: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
+    bsz, heads, _, d = f.sink_k.shape
+    if q.dim() != 4 or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % heads:
+        raise ValueError(f"KVarN attention: expected queries [batch={bsz}, heads=k*{heads}, tq, "
+                         f"head_dim={d}], but got {tuple(q.shape)}.")
+
+
+def check_mask(f: StateFields[torch.Tensor], mask: torch.Tensor | None) -> None:
+    """Refuse a mask that does not cover every position the cache holds (mutates nothing)."""
+    if mask is None:
+        return
+    held = int(f.lengths.max())
+    if mask.shape[-1] < held:
+        raise ValueError(f"KVarN attention: the mask covers {mask.shape[-1]} key positions, but the "
+                         f"cache holds up to {held}; expected a mask as long as the cache.")
+
+
+def tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
+                scale: float, causal: bool, window: int, n_used: int, tile_offset: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the first ``n_used`` tile slots: (out fp32 [B,Hq,Tq,D] in the original
+    frame, lse [B,Hq,Tq]), with per-row fill, causality, window and mask applied.
+
+    ``tile_offset``: the sequence's tile number of slot 0 (a context-parallel rank holds
+    tiles ``tile_offset ..``; the counters of ``f`` count the whole sequence's tiles).
+    """
+    geo = Geometry.of(f)
+    bsz, heads, d, g = geo.batch, geo.kv_heads, geo.head_dim, geo.group
+    hq, tq = q.shape[1], q.shape[2]
+    grp = hq // heads
+    rot = rotation_matrix(d, q.device)
+    qg = q.float().reshape(bsz, heads, grp, tq, d)
+    q_rot = qg @ rot
+    chunks = [slice(a, min(a + TILE_CHUNK, n_used)) for a in range(0, n_used, TILE_CHUNK)]
+    plain = f.k_plain
+    scores = torch.cat([
+        tile_scores(query_frames(q_rot, qg, None if plain is None else plain[:, :, sl]),
+                    *_tile_tensors(f.k, sl), geo.key_bits) for sl in chunks], -1) * scale
+    j = tile_offset * g + torch.arange(n_used * g, device=q.device)      # sequence token index
+    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
+    visible = (j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
+    bias = regions.bias_at(mask, (geo.sink + j)[None, :].expand(bsz, -1), (bsz, hq, tq))
+    if bias is not None:
+        scores = scores + bias.reshape(bsz, heads, grp, tq, -1)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    p, denom, m_ref = regions.safe_lse(scores)
+    p, lse = regions.normalized(p, denom, m_ref)
+    out = sum(tile_values(p[..., sl.start * g:sl.stop * g], *_tile_tensors(f.v, sl), geo.value_bits)
+              for sl in chunks)
+    return (out @ rot.T).reshape(bsz, hq, tq, d), lse.reshape(bsz, hq, tq)
+
+
+def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None = None,
+              scale: float | None = None, causal: bool = True, window: int = 0, *,
+              return_lse: bool = False):
+    """Attention of q [B, Hq, Tq, D] (the last Tq written tokens) over the packed cache.
+
+    mask: optional bool (True = attend) or additive float, broadcastable to
+    [B, Hq, Tq, M] and indexed by absolute key position (M must exceed every position).
+    window > 0 keeps keys with position > query position - window (sliding window).
+    Queries that can see no key get a zero output. Returns [B, Hq, Tq, D] in q's dtype;
+    with ``return_lse``, (out fp32, lse fp32 [B, Hq, Tq]) so partial results over parts of
+    a cache can be merged (:func:`kvarn_compile.ops.regions.merge_regions`).
+    """
+    f = unpack(buffers)
+    check_queries(q, f)
+    check_mask(f, mask)
+    scale = f.sink_k.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = regions.exact_region(q, f, mask, scale, causal, window)
+    n_used = int(f.n_tiles.max()) if f.k.codes.shape[2] else 0
+    if n_used:
+        out_t, lse_t = tile_region(q, f, mask, scale, causal, window, n_used)
+        out, lse = regions.merge_regions(out, lse, out_t, lse_t)
+    if return_lse:
+        return out, lse
+    return out.to(q.dtype)
+
+
+# ------------------------------------------------------------------------------ tile partials
+def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: bool,
+                window: int, rot: torch.Tensor | None = None):
+    """Everything a tile-partials kernel needs (:data:`TILE_ARGS`), from the attention's
+    arguments.
+
+    q_rot fp32 [B,Hq,Tq,D]; q_plain (the un-rotated fp32 queries, only when the state has
+    per-tile key frames); the 8 tile tensors (scales with their fp8 factors applied);
+    k_plain uint8 [B,H,N] or None; n_tiles [B]; kv_lo, kv_hi [B,Tq]; bias [B,Hq,Tq,N*G] or
+    None. Quantized token j of a row sits at absolute position S + j (see
+    ``regions.tile_bounds``). Static shapes only: it traces into the Inductor decomposition.
+    """
+    f = unpack(buffers)
+    bsz, _, s, d = f.sink_k.shape
+    n_max, g = f.k.codes.shape[2], f.k.col_scale.shape[-1]
+    hq, tq = q.shape[1], q.shape[2]
+    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
+    q_plain = q.float()
+    q_rot = q_plain @ (rotation_matrix(d, q.device) if rot is None else rot)
+    tensors = [*_tile_tensors(f.k), *_tile_tensors(f.v)]
+    positions = (s + torch.arange(n_max * g, device=q.device))[None, :].expand(bsz, -1)
+    bias = regions.bias_at(mask, positions, (bsz, hq, tq))
+    frames = f.k_plain is not None
+    return (q_rot, q_plain if frames else None, *tensors, f.k_plain, f.n_tiles, kv_lo, kv_hi, bias)
+
+
+def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                  v_codes, v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles, kv_lo,
+                  kv_hi, bias, scale: float, split_max: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-scale attention partials over every packed tile slot, static shapes (one split).
+
+    The reference of ``kvarn::tile_partials_`` and of its Triton templates: returns (o_part
+    fp32 [B, Hq, Tq, SPLIT_MAX, D], lse_part fp32 [B, Hq, Tq, SPLIT_MAX]); split 0 holds
+    the whole region, the others are empty (o = 0, lse = -inf). Scores, in the rotated
+    frame (or with the un-rotated ``q_plain`` for a tile whose ``k_plain`` flag is set)::
+
+        s[t] = scale * cs_k[t] * ((q * rs_k) @ code_k[:, t] + q @ rz_k)
+        o[c] = cs_v[c] * ((p * rs_v) @ code_v[:, c] + p @ rz_v) / sum(p)
+    """
+    bsz, hq, tq, d = q_rot.shape
+    heads, n_max = k_codes.shape[1], k_codes.shape[2]
+    g = k_col_scale.shape[-1]
+    kb, vb = 8 * k_codes.shape[-1] // g, 8 * v_codes.shape[-1] // d
+    grp = hq // heads
+    q_t = query_frames(q_rot.reshape(bsz, heads, grp, tq, d),
+                       None if q_plain is None else q_plain.reshape(bsz, heads, grp, tq, d), k_plain)
+    scores = tile_scores(q_t, k_codes, k_row_scale, k_row_zero, k_col_scale, kb) * scale
+    j = torch.arange(n_max * g, device=q_rot.device)
+    visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
+               & (j[None, None, :] < (n_tiles * g)[:, None, None]))               # [B,Tq,N*G]
+    if bias is not None:
+        scores = scores + bias.expand(bsz, hq, tq, n_max * g).reshape(scores.shape)
+    scores = scores.masked_fill(~visible[:, None, None], regions.NEG_INF)
+    p, denom, m_ref = regions.safe_lse(scores)
+    p, lse = regions.normalized(p, denom, m_ref)
+    out = tile_values(p, v_codes, v_row_scale, v_row_zero, v_col_scale, vb)   # [B,H,g,Tq,D]
+    out = out.reshape(bsz, hq, tq, 1, d)
+    lse = lse.reshape(bsz, hq, tq, 1)
+    if split_max > 1:
+        out = torch.cat([out, out.new_zeros(bsz, hq, tq, split_max - 1, d)], 3)
+        lse = torch.cat([lse, lse.new_full((bsz, hq, tq, split_max - 1), regions.NEG_INF)], 3)
+    return out, lse
