@@ -58,8 +58,9 @@ def check_torch_version() -> None:
 
 # ------------------------------------------------------------------------------ sources hash
 #: Suffixes of the files that make up kvarn's compiled behaviour: Python sources (passes,
-#: ops, kernels, lowerings) and the Triton templates (``templates/*.py.jinja``).
-SOURCE_SUFFIXES = (".py", ".jinja")
+#: ops, kernels, lowerings), the Triton templates (``lowering/templates/*.py.jinja``) and
+#: the C++ kernel sources (``kernels/csrc``).
+SOURCE_SUFFIXES = (".py", ".jinja", ".cpp", ".h")
 
 
 def _hash_sources(root: pathlib.Path) -> str:

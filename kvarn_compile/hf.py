@@ -18,18 +18,24 @@ attention depends on the attention implementation:
 
 from __future__ import annotations
 
+import logging
+from typing import Any
 import warnings
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvarn_compile.autotune.knobs import Decision, QuantKnobs, select_quant_knobs
+from kvarn_compile.autotune.tuning import KnobTuning
 from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
 from kvarn_compile.ops import library as ops
 from kvarn_compile.ops.append import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward",
-           "static_cache_for", "kv_geometry"]
+           "static_cache_for", "kv_geometry", "TunedKVarNCache", "TunedKVarNLayer"]
+
+log = logging.getLogger(__name__)
 
 _STATE_ATTR = "_kvarn_layer_state"
 
@@ -291,3 +297,51 @@ def static_cache_for(model, max_cache_len: int, *, batch: int = 1):
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     cache.early_initialization(batch, heads, head_dim, param.dtype, param.device)
     return cache
+
+
+# ------------------------------------------------------------------------------ knob tuning
+class TunedKVarNLayer(KVarNLayer):
+    """A KVarNLayer that picks its (G, T) from the prefill K/V before allocating."""
+
+    def __init__(self, *args: Any, options: KnobTuning, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.options = options
+        self.decision: Decision | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.config.method == "kvarn":
+            s = self.config.sink
+            groups = self.options.group_sizes or (self.config.group_size,)
+            cands = [QuantKnobs(g, t) for g in groups for t in self.options.iters]
+            k = key_states[:, :, s:].float()
+            v = value_states[:, :, s:].float()
+            self.decision = select_quant_knobs(k, v, self.config, cands,
+                                               self.options.tolerance, self.options.timer)
+            chosen = self.decision.chosen
+            overrides: dict[str, Any] = {"sinkhorn_iters": chosen.iters,
+                                         "group_size": chosen.group_size}
+            if self.config.sink_tokens is None:   # keep the sink where the preset has it
+                overrides["sink_tokens"] = s
+            self.config = self.config.replace(**overrides)
+            log.info("kvarn knob tuning %s: %s", self.name, self.decision.summary())
+        super().lazy_initialization(key_states, value_states)
+
+class TunedKVarNCache(KVarNCache):
+    """A :class:`KVarNCache` whose layers choose (G, T) on the prefill K/V (see :mod:`kvarn_compile.autotune`).
+
+    The prefill must hold at least sink + G tokens for G to be measurable; otherwise the
+    preset's setting stays (the decision says why). ``decisions`` lists them per layer.
+    """
+
+    def __init__(self, config: Any, max_cache_len: int, preset: Any = "k4v2", *,
+                 tune: KnobTuning | None = None, spec_tokens: int = 0, **overrides: Any):
+        super().__init__(config, max_cache_len, preset, spec_tokens=spec_tokens, **overrides)
+        options = tune or KnobTuning()
+        self.layers = [TunedKVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
+                                       name=layer.name, model_config=config, options=options)
+                       for layer in self.layers]
+
+    @property
+    def decisions(self) -> dict[str, Decision]:
+        return {layer.name: layer.decision for layer in self.layers
+                if getattr(layer, "decision", None) is not None}

@@ -113,8 +113,10 @@ def test_tuned_cache_chooses_G_and_T_on_the_prefill_before_allocating():
     model_cfg = LlamaConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=64, vocab_size=64)
     opts = KnobTuning(tolerance=0.05, iters=(0, 8), group_sizes=(64, 256), timer=fake_timer)
-    cache = autotune.TunedKVarNCache(model_cfg, max_cache_len=1024, preset="k4v2",
-                                     group_size=64, tune=opts)
+    from kvarn_compile.hf import TunedKVarNCache
+
+    cache = TunedKVarNCache(model_cfg, max_cache_len=1024, preset="k4v2",
+                            group_size=64, tune=opts)
     k, v = outlier_kv(tokens=320)                          # sink 64 + 256 measured rows
     layer = cache.layers[0]
     layer.update(k, v)

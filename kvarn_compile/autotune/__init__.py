@@ -43,7 +43,7 @@ the preset). Where it runs:
   value known at that point); the chosen T applies from the next tile on, after a
   recompile of the graph without observers. G is not tuned there: the packed state is
   allocated when the graph is compiled, before any K/V exist, and G fixes its layout.
-* :class:`TunedKVarNCache` (a ``hf.KVarNCache``) chooses **G and T per layer before
+* :class:`kvarn_compile.hf.TunedKVarNCache` (a ``KVarNCache``) chooses **G and T per layer before
   allocation**: its layers allocate lazily at the first update, which sees the prefill K/V.
 
 The rule, the tolerance and every decision (with the reason of each rejection) go into
@@ -69,10 +69,10 @@ __all__ = [
     "TuneKey", "AutotuneDB", "DB", "export", "load", "LoadReport", "environment", "preset_name",
     "default_db_path", "add_cli_arguments", "cli_main",
     "QuantKnobs", "CandidateResult", "Decision", "select_quant_knobs", "median_timer",
-    "KnobTuning", "KnobTuner", "TunedKVarNCache", "RULE",
+    "KnobTuning", "KnobTuner", "RULE",
 ]
 
-_TUNING = ("KnobTuning", "KnobTuner", "TunedKVarNCache", "TunedKVarNLayer")
+_TUNING = ("KnobTuning", "KnobTuner")
 
 
 def __getattr__(name: str) -> Any:

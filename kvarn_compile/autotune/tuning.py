@@ -1,5 +1,5 @@
 """Knob tuning at run time: T per layer at its first tile (``kvarn_backend(tune_knobs=...)``)
-and (G, T) per layer before allocation (:class:`TunedKVarNCache`), under the rule of
+and (G, T) per layer before allocation (:class:`kvarn_compile.hf.TunedKVarNCache`), under the rule of
 :mod:`.knobs`.
 
 Importing this module registers the kernels of ``kvarn::tune_observe_`` (declared in
@@ -22,7 +22,7 @@ from kvarn_compile.config import KVarNConfig
 from kvarn_compile.ops import library
 from kvarn_compile.state import unpack
 
-__all__ = ["KnobTuning", "KnobTuner", "TunedKVarNCache", "TunedKVarNLayer", "first_tile_rows", "observe"]
+__all__ = ["KnobTuning", "KnobTuner", "first_tile_rows", "observe"]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class KnobTuning:
     """Options of the quantization-knob tuning (``kvarn_backend(..., tune_knobs=...)``).
 
     ``iters``: the T candidates; ``group_sizes``: G candidates (only where G can still
-    change: :class:`TunedKVarNCache`; the backend tunes T only); ``tolerance``: the allowed
+    change: :class:`kvarn_compile.hf.TunedKVarNCache`; the backend tunes T only); ``tolerance``: the allowed
     relative error increase over the preset's setting; ``timer``: see select_quant_knobs.
     """
 
@@ -254,64 +254,3 @@ def _sync_notes(notes: list[str], lines: list[str]) -> None:
     """Replace the knob-tuning lines of a report's notes with ``lines``."""
     notes[:] = [n for n in notes if not n.startswith(("quant-knob rule:", "quant knobs "))]
     notes.extend(lines)
-
-
-def _tuned_cache_classes():
-    from kvarn_compile.hf import KVarNCache, KVarNLayer
-
-    class TunedKVarNLayer(KVarNLayer):
-        """A KVarNLayer that picks its (G, T) from the prefill K/V before allocating."""
-
-        def __init__(self, *args: Any, options: KnobTuning, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.options = options
-            self.decision: Decision | None = None
-
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            if self.config.method == "kvarn":
-                s = self.config.sink
-                groups = self.options.group_sizes or (self.config.group_size,)
-                cands = [QuantKnobs(g, t) for g in groups for t in self.options.iters]
-                k = key_states[:, :, s:].float()
-                v = value_states[:, :, s:].float()
-                self.decision = select_quant_knobs(k, v, self.config, cands,
-                                                   self.options.tolerance, self.options.timer)
-                chosen = self.decision.chosen
-                overrides: dict[str, Any] = {"sinkhorn_iters": chosen.iters,
-                                             "group_size": chosen.group_size}
-                if self.config.sink_tokens is None:   # keep the sink where the preset has it
-                    overrides["sink_tokens"] = s
-                self.config = self.config.replace(**overrides)
-                log.info("kvarn knob tuning %s: %s", self.name, self.decision.summary())
-            super().lazy_initialization(key_states, value_states)
-
-    class TunedKVarNCache(KVarNCache):
-        """``hf.KVarNCache`` whose layers choose (G, T) on the prefill K/V (see the module doc).
-
-        The prefill must hold at least sink + G tokens for G to be measurable; otherwise the
-        preset's setting stays (the decision says why). ``decisions`` lists them per layer.
-        """
-
-        def __init__(self, config: Any, max_cache_len: int, preset: Any = "k4v2", *,
-                     tune: KnobTuning | None = None, spec_tokens: int = 0, **overrides: Any):
-            super().__init__(config, max_cache_len, preset, spec_tokens=spec_tokens, **overrides)
-            options = tune or KnobTuning()
-            self.layers = [TunedKVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
-                                           name=layer.name, model_config=config, options=options)
-                           for layer in self.layers]
-
-        @property
-        def decisions(self) -> dict[str, Decision]:
-            return {layer.name: layer.decision for layer in self.layers
-                    if getattr(layer, "decision", None) is not None}
-
-    return TunedKVarNLayer, TunedKVarNCache
-
-
-def __getattr__(name: str) -> Any:
-    # transformers loads on first use of the cache classes (it takes seconds to import)
-    if name in ("TunedKVarNCache", "TunedKVarNLayer"):
-        layer, cache = _tuned_cache_classes()
-        globals().update(TunedKVarNLayer=layer, TunedKVarNCache=cache)
-        return {"TunedKVarNCache": cache, "TunedKVarNLayer": layer}[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
