@@ -1,0 +1,117 @@
+"""Builds the C++ CPU kernels of ``kernels/csrc`` with ``torch.utils.cpp_extension.load``.
+
+Two extensions, each compiled on first use (a C++ compiler and ninja; about a minute, then
+cached under torch's extension directory, ``TORCH_EXTENSIONS_DIR``):
+
+* ``attention``: ``attention.cpp`` (the decode / tile attention; it defines the module)
+  and ``append.cpp`` (the decode-step append fast path), with ``-ffp-contract=fast``;
+  launchers in ``kernels/cpu/attention.py``;
+* ``quantize``: ``quantize.cpp`` (the tile quantizer), with ``-ffp-contract=off
+  -fno-fast-math`` (no fused multiply-add: every product rounds as in torch, so the
+  result is the reference's bit for bit); launchers in ``kernels/cpu/quantize.py``.
+
+Both include ``kvarn_common.h`` and build with ``-O3 -march=native -fopenmp``. The
+extension's name carries a hash of the sources (every ``csrc/*.h`` too) and flags, and a
+hash of the CPU model: an edited source is never served from an old build, and
+``-march=native`` builds never mix when the cache is shared between machines.
+
+``KVARN_CPU_KERNEL`` switches both kernels: ``0`` turns them off, ``require`` makes a
+failed build an error (:class:`KernelBuildError`; the test suite sets it, so CI fails when
+the shipped fast path does not build); otherwise a failed build logs a warning and the
+ops use the pure-torch reference (:func:`usable`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+
+__all__ = ["KernelBuildError", "CSRC", "load", "build_extension", "usable", "mode", "cpu_model"]
+
+log = logging.getLogger(__name__)
+
+#: The C++ sources, shipped next to the package (package data ``kernels/csrc/*``).
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+
+_COMMON = ["-O3", "-march=native"]
+#: extension -> (sources in ``CSRC``, extra_cflags)
+_EXTENSIONS: dict[str, tuple[tuple[str, ...], list[str]]] = {
+    # -fopenmp: at::parallel_for is inlined here as an OpenMP region (without it the loop
+    # runs on one thread); libgomp resolves to torch's own copy.
+    "attention": (("attention.cpp", "append.cpp"), [*_COMMON, "-ffp-contract=fast", "-fopenmp"]),
+    # -ffp-contract=off: no fused multiply-add, every product rounds as in torch.
+    "quantize": (("quantize.cpp",), [*_COMMON, "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """A C++ CPU kernel could not be built (``KVARN_CPU_KERNEL=require``)."""
+
+
+def mode() -> str:
+    """``KVARN_CPU_KERNEL``, lower-case: ``"0"`` (off), ``"require"`` or anything else (on)."""
+    return os.environ.get("KVARN_CPU_KERNEL", "1").strip().lower()
+
+
+def cpu_model() -> str:
+    """The CPU's model line of ``/proc/cpuinfo`` (or its flags), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha1()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()[:8]
+
+
+def load(kind: str):
+    """Build (or load the cached build of) extension ``kind`` (``"attention"`` or
+    ``"quantize"``) and return its module; raises whatever the build raises."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    files, cflags = _EXTENSIONS[kind]
+    sources = [CSRC / f for f in files]
+    inputs = sources + sorted(CSRC.glob("*.h"))
+    src = _digest(*(p.name.encode() + b"\0" + p.read_bytes() for p in inputs), " ".join(cflags).encode())
+    return load_extension(name=f"kvarn_cpu_{kind}_{src}_{_digest(cpu_model().encode())}",
+                          sources=[str(p) for p in sources], extra_cflags=cflags,
+                          extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def build_extension(module_fn, what: str):
+    """``module_fn()`` (build, or load the cached build of, a C++ extension); a failure
+    raises :class:`KernelBuildError` naming ``what`` with the compiler's first line."""
+    try:
+        return module_fn()
+    except Exception as err:  # no compiler, no ninja, headers missing ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise KernelBuildError(
+            f"kvarn: the C++ CPU {what} could not be built ({first}). It needs a C++ "
+            "compiler, ninja and the Python headers; set KVARN_CPU_KERNEL=0 to use the "
+            "pure-torch reference without trying.") from err
+
+
+def usable(build_fn, logger: logging.Logger = log) -> bool:
+    """True when ``build_fn()`` succeeds; a :class:`KernelBuildError` is raised again under
+    ``KVARN_CPU_KERNEL=require`` and otherwise logged on ``logger`` (the reference is used
+    instead)."""
+    try:
+        build_fn()
+        return True
+    except KernelBuildError as err:
+        if mode() == "require":
+            raise
+        logger.warning("%s Using the pure-torch reference instead.", err)
+        return False

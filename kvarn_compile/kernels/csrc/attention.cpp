@@ -1,0 +1,1058 @@
+// A whole KVarN decode attention step over the packed cache (kernels/cpu/attention.py is
+// its launcher and describes it): the exact sink and tail, the packed tiles unpacked in
+// registers (dual-scale fold), one online softmax, the rotations inside the call. Work is
+// split over (batch row, kv head, range of units), merged by log-sum-exp.
+// Built by kernels/cpu/build.py with -O3 -march=native -ffp-contract=fast -fopenmp,
+// together with append.cpp, into one extension whose module this file defines.
+#include "kvarn_common.h"
+
+#include <limits>
+#include <memory>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// 16-lane vectors (GCC/Clang vector extensions: one zmm with AVX-512, two ymm with AVX2).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define MAX_NR_4 1
+constexpr int MAX_NR = 4;   // query rows per register block (accumulators: NR * codes per byte)
+#else
+#define MAX_NR_4 0
+constexpr int MAX_NR = 2;
+#endif
+constexpr int EB = 32;      // exact-region tokens per block
+
+inline v16f vld(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vst(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+// 16 bytes -> 16 int32 lanes (vpmovzxbd; the generic conversion is scalarized by GCC)
+inline v16i bytes16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  v16i r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy((char*)&r + 32, &hi, 32);
+  return r;
+#else
+  v16b v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, v16i);
+#endif
+}
+inline v16f splat(float x) { return v16f{} + x; }
+#if defined(__AVX512F__)
+inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
+inline float hmax(v16f v) { return _mm512_reduce_max_ps((__m512)v); }
+#else
+inline float hsum(v16f v) {   // tree: a sequential sum is one long dependency chain
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+inline float hmax(v16f v) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = std::max(v[i], v[i + 8]);
+  for (int i = 0; i < 4; ++i) t[i] = std::max(t[i], t[i + 4]);
+  return std::max(std::max(t[0], t[2]), std::max(t[1], t[3]));
+}
+#endif
+
+// Codes at shift K (of BITS-bit codes packed in the bytes w) as floats.
+template <int BITS, int K>
+inline v16f codes_f(v16i w) {
+  constexpr int MASK = (1 << BITS) - 1;
+#if defined(__AVX512F__)
+  if (BITS == 4 || BITS == 2) {   // vpermps reads the low 4 index bits: a table lookup, no mask
+    const __m512 table = BITS == 4
+        ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+        : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    const v16i idx = K ? w >> (K * BITS) : w;
+    return (v16f)_mm512_permutexvar_ps((__m512i)idx, table);
+  }
+#endif
+  return __builtin_convertvector(K ? (w >> (K * BITS)) & MASK : (BITS == 8 ? w : w & MASK), v16f);
+}
+
+// exp on 16 lanes: 2^n * e^r, n = round(x / ln 2), |r| <= ln2 / 2, degree-7 Taylor (rel. err
+// < 1e-7). Results below 2^-126 flush to 0 (exp(-inf) = 0); NaN propagates.
+inline v16f vexp(v16f x) {
+  const v16f lo = splat(-87.33654475f), hi = splat(88.3762626647949f);
+  const v16i dead = x < lo;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  const v16f magic = splat(12582912.f);                 // 1.5 * 2^23: round to nearest
+  const v16f n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v16f r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  v16f p = splat(1.f / 5040.f);
+  p = p * r + splat(1.f / 720.f);
+  p = p * r + splat(1.f / 120.f);
+  p = p * r + splat(1.f / 24.f);
+  p = p * r + splat(1.f / 6.f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.f);
+  p = p * r + splat(1.f);
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  const v16f out = p * (v16f)e;
+  return dead ? v16f{} : out;
+}
+
+// out[i] = sum of the lanes of v[i], i < 16 (a transposing add tree: ~3 ops per vector
+// instead of a full horizontal sum each)
+inline v16f reduce16(const v16f* v) {
+#if defined(__AVX512F__)
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {      // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {      // per 128-bit lane: the lane sums of 4 vectors
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)        // add 128-bit lanes pairwise
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return (v16f)_mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+#else
+  v16f out;
+  for (int i = 0; i < 16; ++i) out[i] = hsum(v[i]);
+  return out;
+#endif
+}
+
+// ---------------------------------------------------------------- dtype conversion
+enum Dt { F32 = 0, F16 = 1, BF16 = 2 };
+
+int dt_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat: return F32;
+    case torch::kHalf: return F16;
+    case torch::kBFloat16: return BF16;
+    default: TORCH_CHECK(false, "kvarn CPU kernel: expected fp32/fp16/bf16, but got ", t.scalar_type());
+  }
+  return F32;
+}
+
+// dst[i] = float(src[off + i]), i < n
+void to_float(const void* src, int dt, int64_t off, float* dst, int n) {
+  if (dt == F32) { std::memcpy(dst, (const float*)src + off, sizeof(float) * n); return; }
+  const uint16_t* s = (const uint16_t*)src + off;
+  if (dt == BF16) {
+    for (int i = 0; i < n; ++i) { uint32_t u = (uint32_t)s[i] << 16; std::memcpy(dst + i, &u, 4); }
+    return;
+  }
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + i))));
+#endif
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(s[i], c10::Half::from_bits()));
+}
+
+// dst[(t % per) * (n / per) + t / per] = float(src[off + t]): the order the unpacked codes
+// of a row come out in (all codes at shift 0 first, then shift 1, ...).
+void to_float_perm(const void* src, int dt, int64_t off, float* tmp, float* dst, int n, int per) {
+  if (per == 1) { to_float(src, dt, off, dst, n); return; }
+  to_float(src, dt, off, tmp, n);
+  const int nb = n / per;
+#if defined(__AVX512F__)
+  if (nb % 16 == 0 && (per == 2 || per == 4)) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int j = 0; j < nb; j += 16) {
+      const float* x = tmp + j * per;
+      if (per == 2) {
+        const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+        _mm512_storeu_ps(dst + j, _mm512_permutex2var_ps(a, ev, b));
+        _mm512_storeu_ps(dst + nb + j, _mm512_permutex2var_ps(a, od, b));
+      } else {    // t % 4: split by t % 2, then each half by (t / 2) % 2
+        const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+        const __m512 c = _mm512_loadu_ps(x + 32), d = _mm512_loadu_ps(x + 48);
+        const __m512 e0 = _mm512_permutex2var_ps(a, ev, b), o0 = _mm512_permutex2var_ps(a, od, b);
+        const __m512 e1 = _mm512_permutex2var_ps(c, ev, d), o1 = _mm512_permutex2var_ps(c, od, d);
+        _mm512_storeu_ps(dst + j, _mm512_permutex2var_ps(e0, ev, e1));            // t % 4 == 0
+        _mm512_storeu_ps(dst + 2 * nb + j, _mm512_permutex2var_ps(e0, od, e1));   // t % 4 == 2
+        _mm512_storeu_ps(dst + nb + j, _mm512_permutex2var_ps(o0, ev, o1));       // t % 4 == 1
+        _mm512_storeu_ps(dst + 3 * nb + j, _mm512_permutex2var_ps(o0, od, o1));   // t % 4 == 3
+      }
+    }
+    return;
+  }
+#endif
+  for (int k = 0; k < per; ++k)
+    for (int j = 0; j < nb; ++j) dst[k * nb + j] = tmp[j * per + k];
+}
+
+// Unpack `rows` packed rows of `cols` codes (any supported width: 2/3/4/8) to one byte per
+// code in natural order (the generic path for widths/row sizes the vector loops skip).
+void unpack_bytes(const uint8_t* src, int rows, int cols, int bits, uint8_t* dst) {
+  const int mask = (1 << bits) - 1;
+  const int rb = cols * bits / 8;
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* s = src + (int64_t)r * rb;
+    uint8_t* d = dst + (int64_t)r * cols;
+    if (bits == 3) {
+      for (int g = 0; g < cols / 8; ++g) {
+        const uint32_t w = s[3 * g] | ((uint32_t)s[3 * g + 1] << 8) | ((uint32_t)s[3 * g + 2] << 16);
+        for (int i = 0; i < 8; ++i) d[8 * g + i] = (w >> (3 * i)) & 7;
+      }
+    } else {
+      const int per = 8 / bits;
+      for (int i = 0; i < cols; ++i) d[i] = (s[i / per] >> ((i % per) * bits)) & mask;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- tile inner loops
+// Scores of NR rows against one K tile [D, G] packed along tokens (NB bytes per channel row):
+// s[r][k * NB + j] = sum_c qs[r][c] * code[c, j * PER + k]
+template <int KB, int NR>
+void k_scores(const uint8_t* codes, int D, int NB, const float* qs, int qstride, float* s, int sstride) {
+  constexpr int PER = 8 / KB;
+  for (int jb = 0; jb < NB; jb += 16) {
+    v16f acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = v16f{};
+    const uint8_t* p = codes + jb;
+    for (int c = 0; c < D; ++c, p += NB) {
+      const v16i w = bytes16(p);
+      v16f x[PER];
+      x[0] = codes_f<KB, 0>(w);
+      if (PER > 1) x[1] = codes_f<KB, (PER > 1 ? 1 : 0)>(w);
+      if (PER > 2) x[2] = codes_f<KB, (PER > 2 ? 2 : 0)>(w);
+      if (PER > 3) x[3] = codes_f<KB, (PER > 3 ? 3 : 0)>(w);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const float qv = qs[r * qstride + c];
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) acc[r][k] += qv * x[k];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) vst(s + r * sstride + k * NB + jb, acc[r][k]);
+  }
+}
+
+// Weighted sum of NR rows of weights over one V tile [G, D] packed along channels (NB bytes
+// per token row): o[r][k * NB + j] = sum_t w[r][t'] * code[t, j * PER + k], where the
+// weights are in the K score order t' = (t % kper) * knb + t / kper.
+template <int VB, int NR>
+void v_sums(const uint8_t* codes, int NB, int kper, int knb, const float* w, int wstride, float* o, int ostride) {
+  constexpr int PER = 8 / VB;
+  for (int jb = 0; jb < NB; jb += 16) {
+    v16f acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = v16f{};
+    for (int kk = 0; kk < kper; ++kk) {
+      const float* wk = w + kk * knb;
+      const uint8_t* p = codes + (int64_t)kk * NB + jb;
+      for (int j = 0; j < knb; ++j, p += (int64_t)kper * NB) {
+        const v16i b = bytes16(p);
+        v16f x[PER];
+        x[0] = codes_f<VB, 0>(b);
+        if (PER > 1) x[1] = codes_f<VB, (PER > 1 ? 1 : 0)>(b);
+        if (PER > 2) x[2] = codes_f<VB, (PER > 2 ? 2 : 0)>(b);
+        if (PER > 3) x[3] = codes_f<VB, (PER > 3 ? 3 : 0)>(b);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+          const float wv = wk[r * wstride + j];
+#pragma GCC unroll 4
+          for (int k = 0; k < PER; ++k) acc[r][k] += wv * x[k];
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) vst(o + r * ostride + k * NB + jb, acc[r][k]);
+  }
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 forms of the two tile loops above, on native 8-lane registers: GCC lowers the 16-lane
+// vector extensions to stack spills and lane inserts there (5x slower). Same results: each
+// score / weighted sum accumulates over the same terms in the same order.
+inline __m256 fmadd8(__m256 a, __m256 b, __m256 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+
+template <int BITS>
+inline void codes8(const uint8_t* p, __m256* x) {     // 8 bytes -> PER x 8 codes as floats
+  constexpr int PER = 8 / BITS;
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  if (BITS == 8) { x[0] = _mm256_cvtepi32_ps(w); return; }
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  x[0] = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
+  for (int k = 1; k < PER; ++k)
+    x[k] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, k * BITS), mask));
+}
+
+template <int KB, int NR>
+void k_scores8(const uint8_t* codes, int D, int NB, const float* qs, int qstride, float* s, int sstride) {
+  constexpr int PER = 8 / KB;
+  for (int jb = 0; jb < NB; jb += 8) {
+    __m256 acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = _mm256_setzero_ps();
+    const uint8_t* p = codes + jb;
+    for (int c = 0; c < D; ++c, p += NB) {
+      __m256 x[PER];
+      codes8<KB>(p, x);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(qs + r * qstride + c);
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) acc[r][k] = fmadd8(qv, x[k], acc[r][k]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) _mm256_storeu_ps(s + r * sstride + k * NB + jb, acc[r][k]);
+  }
+}
+
+template <int VB, int NR>
+void v_sums8(const uint8_t* codes, int NB, int kper, int knb, const float* w, int wstride, float* o, int ostride) {
+  constexpr int PER = 8 / VB;
+  for (int jb = 0; jb < NB; jb += 8) {
+    __m256 acc[NR][PER];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) acc[r][k] = _mm256_setzero_ps();
+    for (int kk = 0; kk < kper; ++kk) {
+      const float* wk = w + kk * knb;
+      const uint8_t* p = codes + (int64_t)kk * NB + jb;
+      for (int j = 0; j < knb; ++j, p += (int64_t)kper * NB) {
+        __m256 x[PER];
+        codes8<VB>(p, x);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+          const __m256 wv = _mm256_broadcast_ss(wk + r * wstride + j);
+#pragma GCC unroll 4
+          for (int k = 0; k < PER; ++k) acc[r][k] = fmadd8(wv, x[k], acc[r][k]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < PER; ++k) _mm256_storeu_ps(o + r * ostride + k * NB + jb, acc[r][k]);
+  }
+}
+#define KVARN_K_SCORES k_scores8
+#define KVARN_V_SUMS v_sums8
+#else
+#define KVARN_K_SCORES k_scores
+#define KVARN_V_SUMS v_sums
+#endif
+
+// The small dense loops below have AVX2 forms too: a 16-lane accumulator carried across a
+// loop is kept in memory there (moved through general registers, ~10x slower), which made
+// the rotations and the exact region (sink and tail) a fixed cost of ~70 us per call.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define KVARN_AVX2_ONLY 1
+inline __m256 reduce8(const __m256* v) {     // out[i] = sum of the lanes of v[i], i < 8
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#else
+#define KVARN_AVX2_ONLY 0
+#endif
+
+// out[j] = scale * (init[j] + sum_i x[i] * M[rows[i] * D + j]), j < D (rows null: i;
+// init null: 0): a row of queries times the rotation, or the merge's rotation back.
+inline void vec_mat(const float* x, const float* M, const int* rows, int D, const float* init,
+                    float scale, float* out) {
+#if KVARN_AVX2_ONLY
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int j = 0; j < D; j += 16) {
+    __m256 a0 = init ? _mm256_loadu_ps(init + j) : _mm256_setzero_ps();
+    __m256 a1 = init ? _mm256_loadu_ps(init + j + 8) : _mm256_setzero_ps();
+    for (int i = 0; i < D; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i);
+      const float* m = M + (int64_t)(rows ? rows[i] : i) * D + j;
+      a0 = fmadd8(xv, _mm256_loadu_ps(m), a0);
+      a1 = fmadd8(xv, _mm256_loadu_ps(m + 8), a1);
+    }
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(a0, sv));
+    _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(a1, sv));
+  }
+#else
+  for (int j = 0; j < D; j += 16) {   // accumulate in a register, not through memory
+    v16f acc = init ? vld(init + j) : v16f{};
+    for (int i = 0; i < D; ++i) acc += x[i] * vld(M + (int64_t)(rows ? rows[i] : i) * D + j);
+    vst(out + j, acc * splat(scale));
+  }
+#endif
+}
+
+// v[i] = scale * <q, k[i]>, i < n (n a multiple of 16; k: n rows of D floats)
+inline void exact_scores(const float* q, const float* k, int n, int D, float scale, float* v) {
+#if KVARN_AVX2_ONLY
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int i0 = 0; i0 < n; i0 += 8) {        // 8 tokens' dot products, then one add tree
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    const float* kr = k + (int64_t)i0 * D;
+    for (int c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = fmadd8(qv, _mm256_loadu_ps(kr + (int64_t)i * D + c), acc[i]);
+    }
+    _mm256_storeu_ps(v + i0, _mm256_mul_ps(reduce8(acc), sv));
+  }
+#else
+  for (int i0 = 0; i0 < n; i0 += 16) {       // 16 tokens' dot products, then one add tree
+    v16f acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = v16f{};
+    const float* kr = k + (int64_t)i0 * D;
+    for (int c = 0; c < D; c += 16) {         // 16 independent accumulators
+      const v16f qv = vld(q + c);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] += qv * vld(kr + (int64_t)i * D + c);
+    }
+    vst(v + i0, reduce16(acc) * splat(scale));
+  }
+#endif
+}
+
+// o[r][c] += sum_i w[r][i] * x[i][c] for NR rows over cnt exact rows x [cnt, D] (fp32)
+template <int NR>
+void exact_pv(const float* x, int cnt, int D, const float* w, int wstride, float* o, int ostride) {
+#if KVARN_AVX2_ONLY
+  for (int c = 0; c < D; c += 16) {
+    __m256 acc[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = _mm256_loadu_ps(o + r * ostride + c);
+      acc[r][1] = _mm256_loadu_ps(o + r * ostride + c + 8);
+    }
+    for (int i = 0; i < cnt; ++i) {
+      const __m256 x0 = _mm256_loadu_ps(x + (int64_t)i * D + c), x1 = _mm256_loadu_ps(x + (int64_t)i * D + c + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const __m256 wv = _mm256_broadcast_ss(w + r * wstride + i);
+        acc[r][0] = fmadd8(wv, x0, acc[r][0]);
+        acc[r][1] = fmadd8(wv, x1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(o + r * ostride + c, acc[r][0]);
+      _mm256_storeu_ps(o + r * ostride + c + 8, acc[r][1]);
+    }
+  }
+  return;
+#endif
+  for (int c = 0; c < D; c += 16) {
+    v16f acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = vld(o + r * ostride + c);
+    for (int i = 0; i < cnt; ++i) {
+      const v16f xv = vld(x + (int64_t)i * D + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[r] += w[r * wstride + i] * xv;
+    }
+    for (int r = 0; r < NR; ++r) vst(o + r * ostride + c, acc[r]);
+  }
+}
+typedef void (*PFn)(const float*, int, int, const float*, int, float*, int);
+PFn pick_pv(int nr) {
+  switch (nr) {
+    case 1: return exact_pv<1>;
+    case 2: return exact_pv<2>;
+#if MAX_NR_4
+    case 3: return exact_pv<3>;
+    case 4: return exact_pv<4>;
+#endif
+  }
+  return nullptr;
+}
+
+typedef void (*KFn)(const uint8_t*, int, int, const float*, int, float*, int);
+typedef void (*VFn)(const uint8_t*, int, int, int, const float*, int, float*, int);
+
+template <int B>
+KFn k_fn(int nr) {
+  switch (nr) {
+    case 1: return KVARN_K_SCORES<B, 1>;
+    case 2: return KVARN_K_SCORES<B, 2>;
+#if MAX_NR_4
+    case 3: return KVARN_K_SCORES<B, 3>;
+    case 4: return KVARN_K_SCORES<B, 4>;
+#endif
+  }
+  return nullptr;
+}
+template <int B>
+VFn v_fn(int nr) {
+  switch (nr) {
+    case 1: return KVARN_V_SUMS<B, 1>;
+    case 2: return KVARN_V_SUMS<B, 2>;
+#if MAX_NR_4
+    case 3: return KVARN_V_SUMS<B, 3>;
+    case 4: return KVARN_V_SUMS<B, 4>;
+#endif
+  }
+  return nullptr;
+}
+KFn pick_k(int bits, int nr) { return bits == 2 ? k_fn<2>(nr) : bits == 4 ? k_fn<4>(nr) : k_fn<8>(nr); }
+VFn pick_v(int bits, int nr) { return bits == 2 ? v_fn<2>(nr) : bits == 4 ? v_fn<4>(nr) : v_fn<8>(nr); }
+
+// ---------------------------------------------------------------- online softmax
+// v: n (multiple of 16) scaled scores of one row, -inf where hidden. Turns v into
+// exp(v - m_new), updates (m, l); returns alpha = exp(m_old - m_new), or -1 when the
+// block hides every position (then v is zeroed and m, l are unchanged). A NaN score (a
+// visible NaN key) poisons the row like it does the reference's softmax: l becomes NaN
+// (and m finite) for good, and the merge writes NaN.
+#if KVARN_AVX2_ONLY
+inline float hsum8(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+inline float hmax8(__m256 v) {
+  const __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+// vexp on 8 lanes (the same approximation; min/max operand order keeps NaN)
+inline __m256 vexp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654475f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
+  const __m256 magic = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(fmadd8(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+  __m256 r = fmadd8(n, _mm256_set1_ps(-0.693359375f), x);
+  r = fmadd8(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = fmadd8(p, r, _mm256_set1_ps(0.5f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f));
+  p = fmadd8(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+inline float softmax_step(float* v, int n, float& m, float& l) {
+#if KVARN_AVX2_ONLY
+  __m256 mx8 = _mm256_set1_ps(NEG_INF), nan8 = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    mx8 = _mm256_max_ps(x, mx8);                              // a NaN x keeps mx8
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan8) || std::isnan(l)) {
+    if (!(m > NEG_INF)) m = 0.f;
+    l = std::numeric_limits<float>::quiet_NaN();
+    std::memset(v, 0, sizeof(float) * n);
+    return 1.f;
+  }
+  const float peak8 = hmax8(mx8);
+  if (!(peak8 > NEG_INF)) { std::memset(v, 0, sizeof(float) * n); return -1.f; }
+  const float m_new8 = std::max(m, peak8);
+  const float alpha8 = std::exp(m - m_new8);
+  const __m256 mv8 = _mm256_set1_ps(m_new8);
+  __m256 ps8 = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 p = vexp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), mv8));
+    _mm256_storeu_ps(v + i, p);
+    ps8 = _mm256_add_ps(ps8, p);
+  }
+  l = l * alpha8 + hsum8(ps8);
+  m = m_new8;
+  return alpha8;
+#endif
+  v16f mx = splat(NEG_INF);
+  v16i nan{};
+  for (int i = 0; i < n; i += 16) {
+    const v16f x = vld(v + i);
+    mx = x > mx ? x : mx;
+    nan |= x != x;
+  }
+  bool poisoned = false;
+  for (int i = 0; i < 16; ++i) poisoned |= nan[i] != 0;
+  if (poisoned || std::isnan(l)) {
+    if (!(m > NEG_INF)) m = 0.f;
+    l = std::numeric_limits<float>::quiet_NaN();
+    std::memset(v, 0, sizeof(float) * n);
+    return 1.f;
+  }
+  const float peak = hmax(mx);
+  if (!(peak > NEG_INF)) { std::memset(v, 0, sizeof(float) * n); return -1.f; }
+  const float m_new = std::max(m, peak);
+  const float alpha = std::exp(m - m_new);
+  const v16f mv = splat(m_new);
+  v16f ps{};
+  for (int i = 0; i < n; i += 16) { const v16f p = vexp(vld(v + i) - mv); vst(v + i, p); ps += p; }
+  l = l * alpha + hsum(ps);
+  m = m_new;
+  return alpha;
+}
+
+inline void scale_rows(float* a, int d, float alpha) {
+  if (alpha == 1.f) return;
+  for (int c = 0; c < d; ++c) a[c] *= alpha;
+}
+
+// ---------------------------------------------------------------- the call
+struct Call {
+  const float* q = nullptr;      // [B, HQ, TQ, D] un-rotated (null: tiles only, no plain tiles)
+  const float* qrot = nullptr;   // [B, HQ, TQ, D] rotated, or null: q @ rot
+  const float* rot = nullptr;    // [D, D]
+  const float* rot_t = nullptr;  // [D, D] rot^T, or null: the output stays rotated
+  const void *sink_k = nullptr, *sink_v = nullptr, *tail_k = nullptr, *tail_v = nullptr;
+  int exact_dt = F32, S = 0, W = 0;
+  const uint8_t *kc = nullptr, *vc = nullptr;
+  const void *krs, *krz, *kcs, *vrs, *vrz, *vcs;
+  int scale_dt = F32;
+  const int64_t* lengths = nullptr;   // null: tiles-only mode (positions = tile token index)
+  const int64_t* n_tiles = nullptr;
+  const int64_t* kv_start = nullptr;  // [B, TQ], tiles-only mode
+  const uint8_t* k_plain = nullptr;   // [B, H, N]
+  const void* mask = nullptr; int mask_float = 0; int64_t msb = 0, msh = 0, msq = 0, msm = 0;
+  int B, H, HQ, TQ, D, N, G, kb, vb;
+  float scale; bool causal = false; int window = 0;
+  int splits = 1;
+  float* out; float* lse;             // [B, HQ, TQ, D], [B, HQ, TQ]
+};
+
+void run(const Call& a) {
+  const int B = a.B, H = a.H, HQ = a.HQ, TQ = a.TQ, D = a.D, N = a.N, G = a.G;
+  const int grp = HQ / H, R = grp * TQ;
+  const bool fused = a.lengths != nullptr;
+  // packed row sizes and the vector path (16-byte blocks) or the byte-unpack path
+  const int knb_packed = G * a.kb / 8, vnb_packed = D * a.vb / 8;
+  const bool k_native = (a.kb == 2 || a.kb == 4 || a.kb == 8) && knb_packed % 16 == 0;
+  const bool v_native = (a.vb == 2 || a.vb == 4 || a.vb == 8) && vnb_packed % 16 == 0;
+  const int kbits = k_native ? a.kb : 8, vbits = v_native ? a.vb : 8;
+  const int kper = 8 / kbits, vper = 8 / vbits;
+  const int knb = G / kper, vnb = D / vper;   // bytes per row as the loops read them
+  KFn kf[MAX_NR + 1]; VFn vf[MAX_NR + 1]; PFn pf[MAX_NR + 1];
+  for (int nr = 1; nr <= MAX_NR; ++nr) { kf[nr] = pick_k(kbits, nr); vf[nr] = pick_v(vbits, nr); pf[nr] = pick_pv(nr); }
+  const int splits = a.splits;
+  const int64_t ntasks = (int64_t)B * H * splits;
+  std::vector<float> part_plain(fused ? ntasks * R * D : 0), part_rot(ntasks * R * D);
+  std::vector<float> part_m(ntasks * R, NEG_INF), part_l(ntasks * R, 0.f);
+  std::atomic<int64_t> next{0};
+  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
+
+  // value-code order of the rotated accumulators: index k * vnb + j holds channel j * vper + k
+  std::vector<int> chan(D);
+  for (int i = 0; i < D; ++i) chan[i] = (i % vnb) * vper + i / vnb;
+  // Merge the splits of one (batch row, kv head) into the output; run by the task that
+  // finishes its last split (one parallel region: no second barrier).
+  auto merge = [&](int64_t bh, float* rot, float* plain) {
+    const int b = bh / H, h = bh % H;
+    for (int r = 0; r < R; ++r) {
+      const int gi = r / TQ, tq = r % TQ;
+      const int64_t orow = ((int64_t)b * HQ + h * grp + gi) * TQ + tq;
+      float M = NEG_INF;
+      for (int sp = 0; sp < splits; ++sp) M = std::max(M, part_m[(bh * splits + sp) * R + r]);
+      float* o = a.out + orow * D;
+      if (!(M > NEG_INF)) {
+        std::fill(o, o + D, 0.f);
+        if (a.lse) a.lse[orow] = NEG_INF;
+        continue;
+      }
+      bool poisoned = false;
+      for (int sp = 0; sp < splits; ++sp) {
+        const int64_t i = (bh * splits + sp) * R + r;
+        poisoned |= part_m[i] > NEG_INF && std::isnan(part_l[i]);
+      }
+      if (poisoned) {
+        std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+        if (a.lse) a.lse[orow] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      float L = 0.f;
+      std::fill(rot, rot + D, 0.f);
+      std::fill(plain, plain + D, 0.f);
+      for (int sp = 0; sp < splits; ++sp) {
+        const int64_t i = (bh * splits + sp) * R + r;
+        if (!(part_m[i] > NEG_INF)) continue;
+        const float w = std::exp(part_m[i] - M);
+        L += w * part_l[i];
+        const float* pr = part_rot.data() + i * D;
+        for (int c = 0; c < D; ++c) rot[c] += w * pr[c];
+        if (fused) {
+          const float* pp = part_plain.data() + i * D;
+          for (int c = 0; c < D; ++c) plain[c] += w * pp[c];
+        }
+      }
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      if (a.lse) a.lse[orow] = L > 0.f ? std::log(L) + M : NEG_INF;
+      if (a.rot_t) {
+        vec_mat(rot, a.rot_t, chan.data(), D, plain, inv, o);
+      } else {
+        for (int i = 0; i < D; ++i) o[chan[i]] = (rot[i] + (fused ? plain[chan[i]] : 0.f)) * inv;
+      }
+    }
+  };
+  // rotated queries q @ rot, once for all tasks
+  std::vector<float> qrot_buf;
+  const float* qrot = a.qrot;
+  if (!qrot) {
+    const int64_t rows = (int64_t)B * HQ * TQ;
+    qrot_buf.assign(rows * D, 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      vec_mat(a.q + r * D, a.rot, nullptr, D, nullptr, 1.f, qrot_buf.data() + r * D);
+    qrot = qrot_buf.data();
+  }
+  // Per query row (b, query head, tq): 1 when the mask hides nothing of the packed-tile
+  // region [S, S + n_tiles * G) (the usual decode mask), so the tile loop skips its per-token
+  // mask lookups there; positions outside a row's causal/window range are still hidden.
+  std::vector<char> tiles_open((size_t)B * HQ * TQ, 0);
+  if (a.mask && fused) {
+    for (int b = 0; b < B; ++b) {
+      const int64_t p_end = a.S + std::min<int64_t>(std::max<int64_t>(a.n_tiles[b], 0), N) * G;
+      for (int qh = 0; qh < HQ; ++qh)
+        for (int tq = 0; tq < TQ; ++tq) {
+          const int64_t off = b * a.msb + (int64_t)qh * a.msh + tq * a.msq;
+          bool open = true;
+          if (a.mask_float) {
+            const float* mf = (const float*)a.mask + off;
+            for (int64_t p = a.S; p < p_end && open; ++p) open = mf[p * a.msm] == 0.f;
+          } else {
+            const uint8_t* mb = (const uint8_t*)a.mask + off;
+            for (int64_t p = a.S; p < p_end && open; ++p) open = mb[p * a.msm] != 0;
+          }
+          tiles_open[((size_t)b * HQ + qh) * TQ + tq] = open;
+        }
+    }
+  }
+  std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[B * H]);
+  for (int64_t i = 0; i < (int64_t)B * H; ++i) done[i].store(0, std::memory_order_relaxed);
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    std::vector<float> qs((size_t)R * D), s((size_t)R * std::max(G, EB)),
+        tmp((size_t)R * D), bias(R), zsum(R), alpha(R), kfl((size_t)EB * D), vfl((size_t)EB * D);
+    std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(D), ctmp(std::max(G, D));
+    std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
+    std::vector<int64_t> lo(TQ), hi(TQ);
+    std::vector<char> live(R);
+    std::vector<float> mrot(D), mplain(D);
+    int64_t task = -1;
+    auto finish = [&]() {
+      const int64_t bh = task / splits;
+      if (done[bh].fetch_add(1, std::memory_order_acq_rel) == splits - 1) merge(bh, mrot.data(), mplain.data());
+    };
+    for (; (task = next.fetch_add(1)) < ntasks; finish()) {
+      const int sp = task % splits;
+      const int64_t bh = task / splits;
+      const int b = bh / H, h = bh % H;
+      float* acc_rot = part_rot.data() + task * R * D;
+      float* acc_plain = fused ? part_plain.data() + task * R * D : nullptr;
+      float* m = part_m.data() + task * R;
+      float* l = part_l.data() + task * R;
+      const int nt = (int)std::min<int64_t>(std::max<int64_t>(a.n_tiles[b], 0), N);
+      const int units = nt + (fused ? 2 : 0);
+      const int per = (units + splits - 1) / splits;
+      const int u0 = sp * per, u1 = std::min(units, u0 + per);
+      if (u0 >= u1) continue;
+      const int64_t qoff = ((int64_t)b * HQ + (int64_t)h * grp) * TQ * D;   // rows r = gi * TQ + tq
+      const float* qp = a.q ? a.q + qoff : nullptr;
+      const float* qr = qrot + qoff;
+      // visible positions per query: [lo, hi]
+      int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = std::numeric_limits<int64_t>::min();
+      const int64_t len = fused ? a.lengths[b] : 0;
+      for (int tq = 0; tq < TQ; ++tq) {
+        if (fused) {
+          const int64_t qpos = len - TQ + tq;
+          lo[tq] = a.window > 0 ? qpos - a.window + 1 : std::numeric_limits<int64_t>::min();
+          hi[tq] = a.causal ? qpos : std::numeric_limits<int64_t>::max();
+        } else {
+          lo[tq] = a.kv_start ? a.kv_start[(int64_t)b * TQ + tq] : std::numeric_limits<int64_t>::min();
+          hi[tq] = std::numeric_limits<int64_t>::max();
+        }
+        lo_min = std::min(lo_min, lo[tq]);
+        hi_max = std::max(hi_max, hi[tq]);
+      }
+      auto apply_mask = [&](int r, int64_t pos, float x) -> float {   // row r's mask at pos
+        const int gi = r / TQ, tq = r % TQ;
+        const int64_t off = b * a.msb + (int64_t)(h * grp + gi) * a.msh + tq * a.msq + pos * a.msm;
+        if (a.mask_float) return x + ((const float*)a.mask)[off];          // additive
+        return ((const uint8_t*)a.mask)[off] ? x : NEG_INF;                // bool: hides
+      };
+      const int64_t tile_pos0 = fused ? a.S : 0;
+
+      for (int u = u0; u < u1; ++u) {
+        if (fused && (u == 0 || u == nt + 1)) {
+          // ------------------------------------------------ exact region (sink or tail)
+          const bool tail = u != 0;
+          const int slots = tail ? a.W : a.S;
+          if (!slots) continue;
+          const void* kb_ = tail ? a.tail_k : a.sink_k;
+          const void* vb_ = tail ? a.tail_v : a.sink_v;
+          const int64_t row0 = bh * slots;
+          const int64_t base = a.S + (int64_t)a.n_tiles[b] * G;
+          // ring slot sl holds position base + (sl - (base - S)) mod W
+          int64_t off0 = tail ? (0 - (base - a.S)) % a.W : 0;
+          if (off0 < 0) off0 += a.W;
+          for (int t0 = 0; t0 < slots; t0 += EB) {
+            int cnt = 0; int64_t pos[EB]; int slot[EB];
+            int64_t off = tail ? (off0 + t0) % a.W : 0;
+            for (int sl = t0; sl < std::min(slots, t0 + EB); ++sl) {
+              int64_t p;
+              bool ok;
+              if (tail) {
+                p = base + off;
+                if (++off == a.W) off = 0;
+                ok = p < len && len > a.S;
+              } else {
+                p = sl;
+                ok = p < len;
+              }
+              if (!ok || p < lo_min || p > hi_max) continue;
+              pos[cnt] = p; slot[cnt] = sl; ++cnt;
+            }
+            if (!cnt) continue;
+            const int n16 = (cnt + 15) / 16 * 16;
+            const bool run_of_slots = slot[cnt - 1] - slot[0] == cnt - 1;   // one conversion call
+            if (run_of_slots) to_float(kb_, a.exact_dt, (row0 + slot[0]) * D, kfl.data(), cnt * D);
+            else for (int i = 0; i < cnt; ++i) to_float(kb_, a.exact_dt, (row0 + slot[i]) * D, kfl.data() + i * D, D);
+            std::fill(kfl.begin() + (int64_t)cnt * D, kfl.begin() + (int64_t)n16 * D, 0.f);
+            for (int r = 0; r < R; ++r) {
+              const int tq = r % TQ;
+              float* v = s.data() + r * EB;
+              const float* qrow = qp + r * D;
+              exact_scores(qrow, kfl.data(), n16, D, a.scale, v);
+              for (int i = 0; i < cnt; ++i) {
+                if (pos[i] < lo[tq] || pos[i] > hi[tq]) v[i] = NEG_INF;
+                else if (a.mask) v[i] = apply_mask(r, pos[i], v[i]);
+              }
+              for (int i = cnt; i < n16; ++i) v[i] = NEG_INF;
+              const float al = softmax_step(v, n16, m[r], l[r]);
+              live[r] = al >= 0.f;
+              if (al >= 0.f && al != 1.f) { scale_rows(acc_plain + r * D, D, al); scale_rows(acc_rot + r * D, D, al); }
+            }
+            if (run_of_slots) to_float(vb_, a.exact_dt, (row0 + slot[0]) * D, vfl.data(), cnt * D);
+            else for (int i = 0; i < cnt; ++i) to_float(vb_, a.exact_dt, (row0 + slot[i]) * D, vfl.data() + i * D, D);
+            // (rows that see none of these tokens have all-zero weights: as in p @ V, a
+            // NaN value there still reaches them)
+            for (int r0 = 0; r0 < R; r0 += MAX_NR) {
+              const int nr = std::min(MAX_NR, R - r0);
+              pf[nr](vfl.data(), cnt, D, s.data() + r0 * EB, EB, acc_plain + r0 * D, D);
+            }
+          }
+          continue;
+        }
+        // -------------------------------------------------- one packed tile
+        const int j = fused ? u - 1 : u;
+        const int64_t p0 = tile_pos0 + (int64_t)j * G, p1 = p0 + G - 1;
+        if (p1 < lo_min || p0 > hi_max) continue;
+        const int64_t tile = bh * N + j;
+        to_float(a.krs, a.scale_dt, tile * D, ks.data(), D);
+        to_float(a.krz, a.scale_dt, tile * D, kz.data(), D);
+        to_float_perm(a.kcs, a.scale_dt, tile * G, ctmp.data(), kcs.data(), G, kper);
+        for (int i = 0; i < G; i += 16) vst(kcs.data() + i, vld(kcs.data() + i) * splat(a.scale));
+        to_float_perm(a.vrs, a.scale_dt, tile * G, ctmp.data(), vs.data(), G, kper);
+        to_float_perm(a.vrz, a.scale_dt, tile * G, ctmp.data(), vz.data(), G, kper);
+        to_float_perm(a.vcs, a.scale_dt, tile * D, ctmp.data(), vcs.data(), D, vper);
+        const bool plain = a.k_plain && a.k_plain[tile];
+        const float* qsrc = plain ? qp : qr;
+        for (int r = 0; r < R; ++r) {
+          const float* x = qsrc + r * D;
+          float* o = qs.data() + r * D;
+#if KVARN_AVX2_ONLY
+          __m256 b8 = _mm256_setzero_ps();
+          for (int c = 0; c < D; c += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + c);
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(xv, _mm256_loadu_ps(ks.data() + c)));
+            b8 = fmadd8(xv, _mm256_loadu_ps(kz.data() + c), b8);
+          }
+          bias[r] = hsum8(b8);
+#else
+          v16f bacc{};
+          for (int c = 0; c < D; c += 16) {
+            const v16f xv = vld(x + c);
+            vst(o + c, xv * vld(ks.data() + c));
+            bacc += xv * vld(kz.data() + c);
+          }
+          bias[r] = hsum(bacc);
+#endif
+        }
+        const uint8_t* kcodes = a.kc + tile * D * knb_packed;
+        if (!k_native) { unpack_bytes(kcodes, D, G, a.kb, k8.data()); kcodes = k8.data(); }
+        for (int r0 = 0; r0 < R; r0 += MAX_NR) {
+          const int nr = std::min(MAX_NR, R - r0);
+          kf[nr](kcodes, D, knb, qs.data() + r0 * D, D, s.data() + r0 * G, G);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int tq = r % TQ;
+          float* v = s.data() + r * G;
+          const v16f bv = splat(bias[r]);
+          for (int i = 0; i < G; i += 16) vst(v + i, (vld(v + i) + bv) * vld(kcs.data() + i));
+          const bool masked = a.mask && !tiles_open[((size_t)b * HQ + h * grp + r / TQ) * TQ + tq];
+          if (p0 < lo[tq] || p1 > hi[tq] || masked) {
+            for (int i = 0; i < G; ++i) {     // score order i = k * knb + jj is token jj * kper + k
+              const int64_t p = p0 + (int64_t)(i % knb) * kper + i / knb;
+              if (p < lo[tq] || p > hi[tq]) v[i] = NEG_INF;
+              else if (masked) v[i] = apply_mask(r, p, v[i]);
+            }
+          }
+          const float al = softmax_step(v, G, m[r], l[r]);
+          live[r] = al >= 0.f;
+          alpha[r] = al;
+          if (al < 0.f) { zsum[r] = 0.f; continue; }
+#if KVARN_AVX2_ONLY
+          __m256 z8 = _mm256_setzero_ps();
+          for (int i = 0; i < G; i += 8) {
+            const __m256 p = _mm256_loadu_ps(v + i);
+            z8 = fmadd8(p, _mm256_loadu_ps(vz.data() + i), z8);
+            _mm256_storeu_ps(v + i, _mm256_mul_ps(p, _mm256_loadu_ps(vs.data() + i)));
+          }
+          zsum[r] = hsum8(z8);
+#else
+          v16f z{};
+          for (int i = 0; i < G; i += 16) {
+            const v16f p = vld(v + i);
+            z += p * vld(vz.data() + i);
+            vst(v + i, p * vld(vs.data() + i));
+          }
+          zsum[r] = hsum(z);
+#endif
+        }
+        const uint8_t* vcodes = a.vc + tile * G * vnb_packed;
+        if (!v_native) { unpack_bytes(vcodes, G, D, a.vb, v8.data()); vcodes = v8.data(); }
+        for (int r0 = 0; r0 < R; r0 += MAX_NR) {
+          const int nr = std::min(MAX_NR, R - r0);
+          vf[nr](vcodes, vnb, kper, knb, s.data() + r0 * G, G, tmp.data() + r0 * D, D);
+        }
+        for (int r = 0; r < R; ++r) {
+          if (!live[r]) continue;
+          float* o = acc_rot + r * D;
+          const float* t = tmp.data() + r * D;
+          const v16f al = splat(alpha[r]), z = splat(zsum[r]);
+          for (int c = 0; c < D; c += 16)
+            vst(o + c, vld(o + c) * al + vld(vcs.data() + c) * (vld(t + c) + z));
+          if (fused && alpha[r] != 1.f) scale_rows(acc_plain + r * D, D, alpha[r]);
+        }
+      }
+    }
+  });
+
+}
+
+int64_t pick_splits(int64_t bh, int64_t units) {
+  // enough tasks to balance the threads, each at least ~4 units (a unit: one tile, the sink
+  // or the tail)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t want = (8 * threads + bh - 1) / bh;
+  return std::max<int64_t>(1, std::min<int64_t>(want, units / 4));
+}
+
+const void* ptr_or_null(const std::optional<torch::Tensor>& t) {
+  return t.has_value() && t->defined() && t->numel() ? t->data_ptr() : nullptr;
+}
+
+void check_contig(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "kvarn CPU kernel: expected a contiguous CPU tensor for ", name);
+}
+
+}  // namespace
+
+// Tiles and (optionally) the exact regions. Exact mode when `lengths` is given: positions,
+// causal/window/mask visibility, the sink/tail, q rotation and the rotation back; otherwise
+// tiles only in the rotated frame (kv_start: first visible tile token per (b, tq)).
+std::vector<torch::Tensor> kvarn_attention(
+    std::optional<torch::Tensor> q, std::optional<torch::Tensor> q_rot, std::optional<torch::Tensor> rot,
+    std::optional<torch::Tensor> rot_t,
+    std::optional<torch::Tensor> sink_k, std::optional<torch::Tensor> sink_v,
+    std::optional<torch::Tensor> tail_k, std::optional<torch::Tensor> tail_v,
+    torch::Tensor kc, torch::Tensor krs, torch::Tensor krz, torch::Tensor kcs,
+    torch::Tensor vc, torch::Tensor vrs, torch::Tensor vrz, torch::Tensor vcs,
+    std::optional<torch::Tensor> lengths, torch::Tensor n_tiles, std::optional<torch::Tensor> kv_start,
+    std::optional<torch::Tensor> k_plain, std::optional<torch::Tensor> mask,
+    double scale, bool causal, int64_t window, int64_t kb, int64_t vb) {
+  Call a;
+  const torch::Tensor& qref = q.has_value() && q->defined() ? *q : *q_rot;
+  a.B = qref.size(0); a.HQ = qref.size(1); a.TQ = qref.size(2); a.D = qref.size(3);
+  a.H = kc.size(1); a.N = kc.size(2); a.G = kcs.size(3); a.kb = kb; a.vb = vb;
+  TORCH_CHECK(a.D % 16 == 0 && a.G % 16 == 0 && a.HQ % a.H == 0,
+              "kvarn CPU kernel: expected head_dim and group size multiples of 16 and q heads a multiple of kv heads");
+  TORCH_CHECK(kb == 2 || kb == 3 || kb == 4 || kb == 8, "kvarn CPU kernel: unsupported key bits ", kb);
+  TORCH_CHECK(vb == 2 || vb == 3 || vb == 4 || vb == 8, "kvarn CPU kernel: unsupported value bits ", vb);
+  TORCH_CHECK(kc.size(3) == a.D && kc.size(4) * 8 == a.G * kb && vc.size(3) == a.G && vc.size(4) * 8 == a.D * vb,
+              "kvarn CPU kernel: code buffers do not match the tile geometry");
+  for (auto* t : {&kc, &krs, &krz, &kcs, &vc, &vrs, &vrz, &vcs, &n_tiles}) check_contig(*t, "the tile buffers");
+  a.q = (const float*)ptr_or_null(q);
+  a.qrot = (const float*)ptr_or_null(q_rot);
+  a.rot = (const float*)ptr_or_null(rot);
+  a.rot_t = (const float*)ptr_or_null(rot_t);
+  TORCH_CHECK(a.qrot || (a.q && a.rot), "kvarn CPU kernel: expected q_rot, or q and rot");
+  for (auto* t : {&q, &q_rot, &rot, &rot_t})
+    if (t->has_value() && (*t)->defined()) {
+      check_contig(**t, "q / rotation");
+      TORCH_CHECK((*t)->scalar_type() == torch::kFloat, "kvarn CPU kernel: expected fp32 queries and rotation");
+    }
+  a.kc = kc.data_ptr<uint8_t>(); a.vc = vc.data_ptr<uint8_t>();
+  a.krs = krs.data_ptr(); a.krz = krz.data_ptr(); a.kcs = kcs.data_ptr();
+  a.vrs = vrs.data_ptr(); a.vrz = vrz.data_ptr(); a.vcs = vcs.data_ptr();
+  a.scale_dt = dt_of(krs);
+  for (auto* t : {&krz, &kcs, &vrs, &vrz, &vcs})
+    TORCH_CHECK(t->scalar_type() == krs.scalar_type(), "kvarn CPU kernel: expected one scale dtype");
+  a.n_tiles = n_tiles.data_ptr<int64_t>();
+  if (lengths.has_value() && lengths->defined()) {
+    TORCH_CHECK(a.q != nullptr, "kvarn CPU kernel: the exact regions need the un-rotated q");
+    check_contig(*lengths, "lengths");
+    a.lengths = lengths->data_ptr<int64_t>();
+    for (auto* t : {&sink_k, &sink_v, &tail_k, &tail_v}) check_contig(**t, "sink / tail");
+    a.exact_dt = dt_of(*sink_k);
+    TORCH_CHECK(sink_v->scalar_type() == sink_k->scalar_type() && tail_k->scalar_type() == sink_k->scalar_type()
+                && tail_v->scalar_type() == sink_k->scalar_type(), "kvarn CPU kernel: expected one exact dtype");
+    a.S = sink_k->size(2); a.W = tail_k->size(2);
+    a.sink_k = sink_k->data_ptr(); a.sink_v = sink_v->data_ptr();
+    a.tail_k = tail_k->data_ptr(); a.tail_v = tail_v->data_ptr();
+    if (mask.has_value() && mask->defined()) {
+      const auto& mk = *mask;
+      TORCH_CHECK(mk.dim() == 4 && (mk.scalar_type() == torch::kFloat || mk.scalar_type() == torch::kByte),
+                  "kvarn CPU kernel: expected a 4-d fp32 or uint8 mask");
+      a.mask = mk.data_ptr(); a.mask_float = mk.scalar_type() == torch::kFloat;
+      a.msb = mk.stride(0); a.msh = mk.stride(1); a.msq = mk.stride(2); a.msm = mk.stride(3);
+    }
+  }
+  if (kv_start.has_value() && kv_start->defined() && kv_start->numel()) {
+    check_contig(*kv_start, "kv_start");
+    a.kv_start = kv_start->data_ptr<int64_t>();
+  }
+  if (k_plain.has_value() && k_plain->defined() && k_plain->numel()) {
+    check_contig(*k_plain, "k_plain");
+    TORCH_CHECK(k_plain->scalar_type() == torch::kByte && k_plain->numel() == (int64_t)a.B * a.H * a.N,
+                "kvarn CPU kernel: expected k_plain as uint8 [B, H, N]");
+    TORCH_CHECK(a.q != nullptr, "kvarn CPU kernel: plain key tiles need the un-rotated q");
+    a.k_plain = k_plain->data_ptr<uint8_t>();
+  }
+  a.scale = (float)scale; a.causal = causal; a.window = (int)window;
+  int64_t units = 0;
+  const int64_t* nt = a.n_tiles;
+  for (int b = 0; b < a.B; ++b) units = std::max<int64_t>(units, std::min<int64_t>(std::max<int64_t>(nt[b], 0), a.N));
+  units += a.lengths ? 2 : 0;
+  a.splits = (int)pick_splits((int64_t)a.B * a.H, units);
+  auto out = torch::empty({a.B, a.HQ, a.TQ, a.D}, qref.options().dtype(torch::kFloat));
+  auto lse = torch::empty({a.B, a.HQ, a.TQ}, qref.options().dtype(torch::kFloat));
+  a.out = out.data_ptr<float>(); a.lse = lse.data_ptr<float>();
+  run(a);
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kvarn_attention", torch::wrap_pybind_function(kvarn_attention), "kvarn_attention");
+  m.def("kvarn_append_decode", torch::wrap_pybind_function(kvarn_append_decode), "kvarn_append_decode");
+}
