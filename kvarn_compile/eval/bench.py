@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BENCH_DEFAULTS", "run_bench", "bench_table", "plot_bench", "add_bench_arguments",
-           "validate_bench_args", "bench_from_args", "SCHEMA"]
+__all__ = ["BENCH_DEFAULTS", "run_bench", "bench_table", "plot_bench", "add_bench_command",
+           "add_bench_arguments", "validate_bench_args", "bench_from_args", "bench_command", "SCHEMA"]
 
 BENCH_DEFAULTS = {"lengths": (1024, 2048, 4096), "steps": 12, "chunk": 512, "preset": "k4v2",
                   "warmup": 2, "plot": "kvarn-bench.png"}
@@ -233,6 +233,21 @@ def plot_bench(res: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
 
 
 # ------------------------------------------------------------------------------ CLI
+BENCH_HELP = "speed and KV bytes vs context length: KVarN vs Inductor fp vs eager"
+BENCH_DESCRIPTION = ("Decode speed and KV-cache bytes at several context lengths: the model compiled "
+                     "with kvarn_backend vs the same model compiled by plain torch.compile (Inductor) "
+                     "over a full-precision static cache, and eager. Table on stdout, JSON and a PNG "
+                     "plot.")
+
+
+def add_bench_command(sub) -> argparse.ArgumentParser:
+    """The ``bench`` subcommand and its arguments, on the subparsers ``sub``."""
+    from kvarn_compile.eval.args import add_command
+
+    return add_command(sub, "bench", help=BENCH_HELP, description=BENCH_DESCRIPTION,
+                       arguments=add_bench_arguments)
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     from kvarn_compile.eval.args import int_at_least, output_file
     from kvarn_compile.config import PRESETS
@@ -283,3 +298,10 @@ def bench_from_args(args: argparse.Namespace) -> dict[str, Any]:
     print(f"plot: {path}")
     res["plot"] = str(path)
     return res
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """Run ``kvarn-compile bench`` with checked ``args``: under ``--threads``, results to ``--json``."""
+    from .cli import run_with_threads
+
+    return run_with_threads(args, "bench", bench_from_args)

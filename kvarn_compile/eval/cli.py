@@ -1,4 +1,5 @@
-"""Arguments and entry point of ``kvarn-compile eval`` (wired into :mod:`kvarn_compile.cli`)."""
+"""Arguments and entry point of ``kvarn-compile eval`` (wired into :mod:`kvarn_compile.cli`), and
+``--threads`` (:func:`add_threads_argument`, :func:`using_threads`), which ``run`` and ``bench`` share."""
 
 from __future__ import annotations
 
@@ -6,10 +7,23 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["add_eval_arguments", "eval_main"]
+__all__ = ["add_eval_command", "add_eval_arguments", "validate_eval_args", "eval_main",
+           "add_threads_argument", "using_threads", "run_with_threads"]
 
 EVAL_HELP = "quality evaluation: static vs pseudo-decode KL, diagnostics, product path, retrieval"
+
+
+def add_eval_command(sub) -> argparse.ArgumentParser:
+    """The ``eval`` subcommand and its arguments, on the subparsers ``sub``."""
+    from kvarn_compile.eval.args import add_common_arguments
+
+    p = sub.add_parser("eval", help=EVAL_HELP, description=EVAL_HELP[0].upper() + EVAL_HELP[1:] + ".")
+    add_eval_arguments(p)
+    add_common_arguments(p, json_flag=False)
+    return p
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,12 +32,12 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     from kvarn_compile.config import PRESETS
 
     from .harness import ALL_METHODS, RULES
-    from .suite import QUICK_RETRIEVAL_LINES, RETRIEVAL_LINES
+    from .settings import QUICK_RETRIEVAL_LINES, RETRIEVAL_LINES
 
     add_model_arguments(p, corpus_default=None)
     p.add_argument("--key-outliers", action="store_true",
                    help="stress model: add k_proj-bias-like offsets (100, 150) to two key channels "
-                        "of the first 4 layers (kvarn_compile.eval.models.add_key_outliers)")
+                        "of the first 4 layers (kvarn_compile.eval.key_outliers.add_key_outliers)")
     p.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS),
                    help="default: k2v2 k4v2 k4v4 (--quick: k2v2)")
     p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS,
@@ -100,8 +114,20 @@ def using_threads(value: str | int | None, command: str = "eval"):
         torch.set_num_threads(threads)
 
 
+def run_with_threads(args: argparse.Namespace, command: str,
+                     work: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
+    """``work(args)`` with the threads ``--threads`` asks for; its results go to ``--json``."""
+    from kvarn_compile.eval.args import write_json
+
+    with using_threads(args.threads, command):
+        results = work(args)
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
 def settings_from_args(args: argparse.Namespace):
-    from .suite import EvalSettings, quick_settings
+    from .settings import EvalSettings, quick_settings
 
     over = {}
     pairs = {"model": "model", "corpus": "corpus", "presets": "presets", "methods": "methods",
@@ -200,8 +226,9 @@ def _threads(value: str | int | None, command: str = "eval") -> int | None:
 
 
 def eval_main(args: argparse.Namespace) -> int:
+    from .findings import FaithfulnessError
     from .report import markdown_summary, write_outputs
-    from .suite import FaithfulnessError, run_eval
+    from .suite import run_eval
 
     settings = settings_from_args(args)
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvarn_compile.config import KVarNConfig, get_config
-from kvarn_compile.quant import fake_quantize, quantize_cache
+from kvarn_compile.quant import fake_quantize, quantize_cache, split_lengths
 
 __all__ = [
     "ALL_METHODS", "DEFAULT_METHODS", "OUTLIER_METHODS", "RULES", "QuantBackend", "PseudoQuantCache", "PseudoQuantLayer",
@@ -160,6 +160,21 @@ def quantize_prefix(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], config: KVa
             k, v = quantize_cache(k, v, config).dequantize()
         out.append((k, v))
     return out
+
+
+def _static_prefix(kv, q_full, config: KVarNConfig | None, prefix: int):
+    """Static cache of the first ``prefix`` tokens from the whole window's quantized K/V.
+
+    Tiles are quantized independently, so the complete tiles of a prefix are exactly the
+    first tiles of the whole window's quantization; the prefix's own incomplete tail is exact.
+    """
+    if config is None:
+        return [(k[..., :prefix, :], v[..., :prefix, :]) for k, v in kv]
+    sink, n_q, _ = split_lengths(prefix, config)
+    end = sink + n_q
+    return [(torch.cat([kh[..., :end, :], k[..., end:prefix, :]], -2),
+             torch.cat([vh[..., :end, :], v[..., end:prefix, :]], -2))
+            for (k, v), (kh, vh) in zip(kv, q_full)]
 
 
 def _cache_from_kv(model, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

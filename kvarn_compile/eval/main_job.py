@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULTS", "run_main_job", "print_main_job", "add_run_arguments", "validate_run_args",
-           "run_from_args"]
+__all__ = ["DEFAULTS", "run_main_job", "print_main_job", "add_run_command", "add_run_arguments",
+           "validate_run_args", "run_from_args", "run_command"]
 
 #: Defaults of ``kvarn-compile run``: a context where a KV cache dominates decode cost (on 2 CPU
 #: cores KVarN decode only ties with Inductor fp32 at 2k tokens), short enough for about three
@@ -197,6 +197,22 @@ def validate_settings(*, prompt_tokens: int, new_tokens: int, chunk: int,
 
 
 # ------------------------------------------------------------------------------ CLI
+RUN_HELP = "the main job: KVarN vs full precision on the real model"
+RUN_DESCRIPTION = ("The main job: load the model, compile it with kvarn_backend and, next to it, "
+                   "the same model with plain torch.compile (Inductor) over a full-precision "
+                   "static cache; prefill a long prompt of real text through both, decode in one "
+                   "interleaved loop and print KV bytes (in use and allocated), agreement with "
+                   "the uncompressed model and decode speed with its spread.")
+
+
+def add_run_command(sub) -> argparse.ArgumentParser:
+    """The ``run`` subcommand and its arguments, on the subparsers ``sub``."""
+    from kvarn_compile.eval.args import add_command
+
+    return add_command(sub, "run", help=RUN_HELP, description=RUN_DESCRIPTION,
+                       arguments=add_run_arguments)
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     from kvarn_compile.config import PRESETS
 
@@ -248,7 +264,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_grad_enabled(False)
     results: dict[str, Any] = {}
     if args.kv_report:
-        from kvarn_compile.eval.args import kv_report, print_kv_report
+        from .kv_report import kv_report, print_kv_report
 
         rep = kv_report(args.model, tokens=1024, windows=1, corpus=args.corpus,
                         progress=not args.no_progress)
@@ -261,6 +277,13 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     print_main_job(res)
     results["main"] = res
     return results
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``kvarn-compile run`` with checked ``args``: under ``--threads``, results to ``--json``."""
+    from .cli import run_with_threads
+
+    return run_with_threads(args, "run", run_from_args)
 
 
 # ------------------------------------------------------------------------------ output

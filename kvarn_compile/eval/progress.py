@@ -11,6 +11,8 @@ On a terminal the running phase's line is redrawn every second (``[0:12] compile
 (KVarN) ... 7 s``) and finished with its duration; elsewhere (a log file, a pipe) each phase
 prints one line when it starts and one when it ends. With ``enabled=False`` nothing is
 printed, but the durations are still recorded.
+
+``kvarn-compile eval`` counts its coarse steps on one tqdm bar instead (:class:`_Progress`).
 """
 
 from __future__ import annotations
@@ -106,3 +108,26 @@ class Phases:
         finally:
             bar.close()
             self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
+
+
+class _Progress:
+    """A tqdm bar on stderr (or nothing), counting coarse steps of :func:`~.suite.run_eval`."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="kvarn eval", file=sys.stderr, dynamic_ncols=True)
+
+    def step(self, label: str, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(n)
+
+    def label(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -202,7 +202,7 @@ def _per_length(d: dict[str, Any]) -> str:
 
 
 def finding_lines(fnd: dict[str, Any]) -> list[str]:
-    """One readable sentence per finding of :func:`~.suite._findings` (unknown ones as JSON)."""
+    """One readable sentence per finding of :func:`~.findings._findings` (unknown ones as JSON)."""
     out = []
     for name, val in fnd.items():
         if name == "kivi_pseudo_gt_static_last_block":
