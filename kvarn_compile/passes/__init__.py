@@ -1,10 +1,32 @@
 """The KVarN FX pass: find attention and the KV-cache update feeding it, rewrite both.
 
-* :mod:`.patterns` - the tables of recognized spellings (cache writes, KV reads, attention);
-* :mod:`.rewrite` - pairing, checks and the rewrite to ``kvarn::append_`` + ``kvarn::attention``;
-* :mod:`.fx_utils` - node matching helpers and the mutation-preserving DCE.
+The tables of recognized spellings (every row says which model code it covers; a site that
+does not match exactly is left alone and reported with a reason):
+
+* :mod:`.cache_writes` - ``CACHE_WRITES``: how a layer writes its new K/V rows into a cache
+  (``index_copy_``, ``index_put_``, slice or positions assignment, ``narrow().copy_``,
+  ``torch.cat``), and ``resolve_write``;
+* :mod:`.reads` - ``KV_STEPS`` and ``trace_kv``: the view steps from an attention operand back
+  to its cache (the cache's layout, the batch rows and positions read, the GQA expansion);
+* :mod:`.attention_forms` - ``ATTENTIONS``: ``scaled_dot_product_attention`` and the eager
+  matmul/einsum + softmax chain (``AttentionSite``, ``MaskSpec``);
+* :mod:`.window_caches` - ``WINDOW_CACHES``: sliding-window caches, refused.
+
+The pass over a graph:
+
+* :mod:`.matching` - pairing an attention with the writes feeding its K and V, and the checks;
+* :mod:`.sites` - every attention site of a graph (``find_sites``), ``SiteReport``, site names;
+  unrecognized attention and attention inside called subgraphs reported;
+* :mod:`.rewrite` - the rewrite to ``kvarn::append_`` + ``kvarn::attention``, the cache
+  hand-over, ``RewriteContext``, ``rewrite_graph``.
+
+Helpers: :mod:`.fx_utils` (node matching, example values and sizes, ``Unsupported``, the
+mutation-preserving DCE), :mod:`.graph_text` (the normalized graph text of the graph log and
+the golden graph tests), :mod:`.context_parallel` (a rewritten graph's kvarn ops pointed at
+their context-parallel forms).
 """
 
-from kvarn_compile.passes.rewrite import SiteReport, find_sites, rewrite_graph
+from kvarn_compile.passes.rewrite import rewrite_graph
+from kvarn_compile.passes.sites import SiteReport, find_sites
 
 __all__ = ["SiteReport", "find_sites", "rewrite_graph"]

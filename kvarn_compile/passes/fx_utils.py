@@ -1,4 +1,6 @@
-"""Small helpers over Dynamo (torch-IR) FX graphs: op matching, example values, naming."""
+"""Small helpers over Dynamo (torch-IR) FX graphs, shared by the pass's modules: op matching,
+example values and compile-time sizes, basic indexes, naming a node in a reason (and
+:class:`Unsupported`, the exception a reason travels in), the mutation-preserving DCE."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 import torch.fx as fx
 
 __all__ = ["is_op", "is_size_query", "example", "arg", "module_path", "dce", "single_user", "source_line", "describe",
-           "SDPA"]
+           "SDPA", "Unsupported", "same_size", "sizes_equal"]
+
 
 SDPA = torch._C._nn.scaled_dot_product_attention
 
@@ -121,6 +124,10 @@ def describe(node: Any) -> str:
     return f"{op} ({where})" if where else op
 
 
+class Unsupported(Exception):
+    """A matched site that cannot be rewritten faithfully; the message is the reason."""
+
+
 def module_path(node: fx.Node) -> str:
     """Dotted module path of the module that produced ``node`` (from nn_module_stack)."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -165,5 +172,67 @@ def dce(graph: fx.Graph, keep: Iterable[fx.Node] = ()) -> None:
     graph.eliminate_dead_code(is_impure_node=lambda n: n in kept or _impure(n))
 
 
-def nodes_between(users: Iterable[fx.Node]) -> list[fx.Node]:
-    return list(users)
+# ------------------------------------------------------------------------------ sizes and indexes
+def same_size(a: Any, b: Any) -> bool:
+    """``a == b`` known at compile time: ints, or SymInts (or the nodes producing them)
+    with one and the same expression."""
+    a, b = example(a), example(b)
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        try:
+            return bool(statically_known_true(a == b))
+        except Exception:  # noqa: BLE001 - not provable
+            return str(getattr(a, "node", a)) == str(getattr(b, "node", b))
+    return False
+
+
+def sizes_equal(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def _shape(node: Any) -> tuple | None:
+    val = example(node)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _expand_index(index: Any, ndim: int) -> list | None:
+    """A getitem/setitem index as one entry per axis, ``None`` entries for inserted axes and
+    Ellipsis expanded to whole slices; None when it is not a plain basic index."""
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if sum(e is Ellipsis for e in entries) > 1:
+        return None
+    used = sum(e is not None and e is not Ellipsis for e in entries)
+    if used > ndim:
+        return None
+    out = []
+    for e in entries:
+        if e is Ellipsis:
+            out.extend([slice(None)] * (ndim - used))
+            used = ndim
+        else:
+            out.append(e)
+    return out + [slice(None)] * (ndim - sum(e is not None for e in out))
+
+
+def _full(sl: slice, size: Any) -> bool:
+    """``sl`` covers a whole axis of ``size``."""
+    return isinstance(sl, slice) and sl.step in (None, 1) and sl.start in (None, 0) \
+        and (sl.stop is None or same_size(sl.stop, size)
+             or (isinstance(sl.stop, int) and isinstance(size, int) and sl.stop >= size))
+
+
+def _noop_cast(n: fx.Node) -> bool:
+    """``x.to(...)``, ``x.float()``, ``x.type_as(y)``... that changes neither dtype nor device:
+    PyTorch returns ``x`` itself (an alias)."""
+    if n.op != "call_method" or n.target not in ("to", "type", "type_as", "float", "double",
+                                                 "half", "bfloat16", "contiguous"):
+        return False
+    src, out = example(n.args[0]), example(n)
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return False
+    if n.target == "contiguous":
+        return src.is_contiguous()
+    return src.dtype == out.dtype and src.device == out.device

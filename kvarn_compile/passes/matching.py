@@ -1,0 +1,313 @@
+"""Pairing an attention with the cache writes feeding its K and V, and the checks a pair passes.
+
+:func:`_pair` traces each operand back to its cache (:func:`~kvarn_compile.passes.reads.trace_kv`),
+takes the one recognized write into that cache (``CACHE_WRITES``), refuses sliding-window
+caches, resolves the write against the layout the read found and checks heads, batch rows,
+positions, dtypes and the mask, and that nothing else uses the cache (:func:`_check_readers`).
+:func:`_read_kind` decides which positions the attention reads and kvarn::attention's causal
+flag. The result is a :class:`_Match`; a failed check raises
+:class:`~kvarn_compile.passes.fx_utils.Unsupported` with the reason the report shows, naming
+the node where the chain from the cache broke.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+
+from kvarn_compile.passes.attention_forms import AttentionSite
+from kvarn_compile.passes.cache_writes import CacheWrite, resolve_write
+from kvarn_compile.passes.fx_utils import (
+    Unsupported, _noop_cast, describe, example, is_op, is_size_query, same_size,
+)
+from kvarn_compile.passes.reads import ChainBroken, KVRead, trace_kv
+from kvarn_compile.passes.window_caches import refuse_sliding_window
+
+
+@dataclasses.dataclass
+class _Match:
+    site: AttentionSite
+    wk: CacheWrite
+    wv: CacheWrite
+    rk: KVRead
+    rv: KVRead
+    #: the cache axes holding batch, heads, positions, head dim (identity: [B, H, S, D])
+    perm: tuple[int, int, int, int] = (0, 1, 2, 3)
+    batch: int = 1
+    #: how the attention reads the positions: "full" (the whole preallocated cache), "exact"
+    #: (exactly the positions written so far), "prefix" (positions [0, lk) of a longer cache)
+    read_kind: str = "full"
+    lk: Any = None              # the key length the model's attention sees (int, SymInt or node)
+    causal: bool = True         # kvarn::attention's causal flag (see _pair)
+
+
+def _inplace_writes(node: fx.Node) -> list[fx.Node]:
+    """Users of ``node`` (or of views of it) that write it in place."""
+    out, frontier, seen = [], [node], {node}
+    while frontier:
+        x = frontier.pop()
+        for u in x.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.args and u.args[0] is x and (
+                    is_op(u, "setitem", "index_put_") or (u.op == "call_method" and str(u.target).endswith("_"))):
+                out.append(u)
+            elif u.args and u.args[0] is x and (is_op(u, "getitem", "narrow") or _noop_cast(u)):
+                frontier.append(u)
+    return out
+
+
+def _cache_upstream(node: fx.Node, writes: dict[fx.Node, list[CacheWrite]]) -> fx.Node | None:
+    """A cache write that ``node`` is computed from (a recognized write's cache, or a tensor
+    written in place), searched through ``node``'s inputs; None when there is none."""
+    frontier, seen = [node], {node}
+    while frontier and len(seen) < 400:
+        x = frontier.pop(0)
+        if x in writes:
+            return writes[x][0].write_nodes[0]
+        if x.op in ("placeholder", "call_function", "call_method"):
+            found = _inplace_writes(x)
+            if found:
+                return found[0]
+        for a in x.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                frontier.append(a)
+    return None
+
+
+_NO_CACHE = ("its keys/values do not come from a recognized KV-cache update "
+             "(attention without a cache, e.g. an encoder or a cache-less forward)")
+
+
+def _trace(operand: Any, labels: list[str], which: str,
+           writes: dict[fx.Node, list[CacheWrite]]) -> tuple[KVRead, CacheWrite]:
+    """The read of ``operand`` back to its cache and the one write into that cache, or
+    Unsupported with a reason that names the node where the chain from the cache broke."""
+    try:
+        read = trace_kv(operand, labels)
+    except ChainBroken as err:
+        refuse_sliding_window(err.node)     # keys a window cache keeps the newest W of
+        write = _cache_upstream(err.node, writes)
+        if write is None:
+            raise Unsupported(_NO_CACHE) from None
+        raise Unsupported(f"its {which} come from the KV cache written by {describe(write)}, but "
+                          f"reach the attention through {describe(err.node)}, which {err.why}; "
+                          "the pass does not follow that step") from None
+    src = read.source
+    refuse_sliding_window(src)              # a window cache (slice of the newest W, or roll)
+    found = writes.get(src)
+    if found:
+        if len(found) > 1:
+            raise Unsupported("the cache is written more than once in one step")
+        return read, found[0]
+    unknown = _inplace_writes(src)
+    if unknown:
+        raise Unsupported(f"its {which[:-2] if which == 'values' else which[:-1]} cache is written by "
+                          f"{describe(unknown[0])}, which the pass does not recognize as a KV-cache "
+                          "update")
+    write = _cache_upstream(src, writes) if src.op != "placeholder" else None
+    if write is not None:
+        raise Unsupported(f"its {which} come from the KV cache written by {describe(write)}, but "
+                          f"reach the attention through {describe(src)}, which is not a view the "
+                          "pass follows (transpose, slice, GQA expand/repeat, no-op cast)")
+    raise Unsupported(_NO_CACHE)
+
+
+def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
+    rk, wk = _trace(site.k, site.k_labels, "keys", writes)
+    rv, wv = _trace(site.v, site.v_labels, "values", writes)
+    refuse_sliding_window(rk.source)
+    if (wk.cache is None) != (wv.cache is None):
+        raise Unsupported(f"keys and values use different cache updates ({wk.spelling} / {wv.spelling})")
+    if rk.source is rv.source:
+        raise Unsupported("keys and values share one cache tensor")
+    if rk.axes != rv.axes:
+        raise Unsupported("the key and value caches have different layouts")
+    axes = rk.axes
+    perm = (axes["b"], axes["h"], axes["s"], axes["d"])
+    for w in (wk, wv):
+        reason = resolve_write(w, axes["s"], axes["b"])
+        if reason is not None:
+            raise Unsupported(reason)
+    if wk.cache is None and axes["b"] != 0:
+        raise Unsupported("a torch.cat cache whose batch axis is not the first")
+    if wk.start_kind != wv.start_kind or (
+            wk.start_kind == "positions" and wk.start is not wv.start) or (
+            wk.start_kind == "int" and not same_size(wk.start, wv.start)):
+        raise Unsupported("keys and values are written at positions the pass cannot prove equal")
+    qv, kraw, vraw = example(site.q), example(wk.new), example(wv.new)
+    if qv is None or kraw is None or vraw is None or kraw.dim() != 4 or qv.dim() != 4 \
+            or tuple(kraw.shape) != tuple(vraw.shape):
+        raise Unsupported("the new keys/values are not [batch, kv_heads, tokens, head_dim] of one shape")
+    kn = [kraw.shape[a] for a in perm]                  # [B, H, T, D]
+    qs = [qv.shape[a] for a in site.q_perm] if site.q_perm else list(qv.shape)
+    if any(not isinstance(x, int) for x in (kn[0], kn[1], kn[3], qs[1])):
+        raise Unsupported("dynamic batch, head or head_dim sizes (e.g. the same compiled model ran "
+                          "with a second batch size); this graph runs in full precision - compile "
+                          "a fresh model per batch size to keep the cache compressed")
+    if qs[-1] != kn[-1] or qs[1] % kn[1]:
+        raise Unsupported(f"query heads {qs[1]} / head_dim {qs[-1]} do not fit "
+                          f"kv heads {kn[1]} / head_dim {kn[-1]}")
+    if rk.repeat != rv.repeat or qs[1] % (kn[1] * rk.repeat):
+        raise Unsupported(f"the keys are expanded to {kn[1] * rk.repeat} heads and the values to "
+                          f"{kn[1] * rv.repeat}, for {qs[1]} query heads")
+    if kn[-1] % 16:
+        raise Unsupported(f"head_dim {kn[-1]} is not a multiple of 16")
+    out = example(site.out)
+    if out is None or out.dtype != qv.dtype:
+        raise Unsupported(f"the attention output is {getattr(out, 'dtype', None)}, the queries "
+                          f"{qv.dtype} (kvarn::attention returns the queries' dtype)")
+    batch = kn[0]
+    if not same_size(qs[0], batch):
+        raise Unsupported(f"the queries have batch {qs[0]} and the new keys {batch}")
+    for w, read in ((wk, rk), (wv, rv)):
+        rows = read.batch if read.batch is not None else example(read.source).shape[axes["b"]]
+        if not same_size(rows, batch):
+            raise Unsupported(f"the attention reads {rows} batch rows of the cache and the update "
+                              f"writes {batch}")
+        _check_readers(site, w, read)
+    tq = qs[2]
+    if _known_different(kn[2], tq):
+        raise Unsupported(f"the cache update writes {kn[2]} tokens for {tq} queries: not a "
+                          "self-attention cache that grows with the queries (e.g. cross-attention "
+                          "over an encoder's K/V, written once); it keeps its full-precision cache")
+    m = _Match(site, wk, wv, rk, rv, perm, batch)
+    _read_kind(m, tq, kn[2])
+    if site.mask is not None:
+        mv = example(site.mask.node)
+        if mv is None or not 2 <= mv.dim() <= 4 or not same_size(mv.shape[-1], m.lk) \
+                or not (same_size(mv.shape[-2], tq) or same_size(mv.shape[-2], 1)):
+            raise Unsupported("the attention mask is not [batch|1, heads|1, queries, cache length]")
+    return m
+
+
+def _read_kind(m: _Match, tq: Any, t: Any) -> None:
+    """Which positions the model's attention reads, and kvarn::attention's causal flag:
+
+    * a cat cache, read whole: exactly the positions written; the model's own semantics;
+    * the whole preallocated cache ("full"): unwritten slots are read too, so the model
+      must hide them with a mask or is_causal; it is read causally, which hides nothing a
+      causal mask shows;
+    * positions [0, start + T) of a preallocated cache, the same end as the write
+      (``cache[:bsz, :start_pos + seqlen]``, llama): exactly the positions written ("exact");
+    * another prefix [0, n) (``k[..., :input_pos_maxp1, :]``, litgpt): like "full" with n
+      slots; a mask is required (kvarn::attention raises if its n columns do not cover the
+      positions held), unwritten slots are hidden causally.
+    """
+    site, w, r = m.site, m.wk, m.rk
+    stop = r.stop
+    if not same_size(stop, m.rv.stop) and not (stop is None and m.rv.stop is None):
+        raise Unsupported("the keys and values are read up to different positions")
+    if w.cache is None:
+        if stop is not None:
+            raise Unsupported("the attention reads part of a torch.cat cache")
+        m.read_kind, m.causal, m.lk = "exact", site.is_causal, _key_len(site)
+        return
+    cap = example(w.cache).shape[m.perm[2]]
+    if stop is None or same_size(stop, cap):
+        m.read_kind, m.lk = "full", cap
+    elif w.end is not None and same_size(stop, w.end):
+        m.read_kind, m.lk = "exact", stop
+    elif (w.start_kind == "positions" and isinstance(stop, int) and stop > 1 and same_size(stop, t)
+          and site.is_causal and site.mask is None and same_size(tq, t)
+          and site.form == "scaled_dot_product_attention"):
+        # transformers sdpa_attention_forward, prefill of an empty StaticCache (Qwen2, Qwen3):
+        #   key = key[:, :, :q_length, :]; sdpa(q, key, value, attn_mask=None, is_causal=True)
+        # transformers only emits it when the mask was skipped because the cache is empty
+        # (q_offset == 0, a Python int Dynamo guards on); then the first q_length slots are
+        # exactly the tokens this step wrote, so attending the whole packed cache is the same.
+        m.read_kind, m.lk = "full", stop
+    else:
+        m.read_kind, m.lk = "prefix", stop
+    if m.read_kind == "exact":
+        m.causal = site.is_causal
+        return
+    if m.read_kind == "prefix" and site.mask is None:
+        raise Unsupported(f"the attention reads positions [0, {getattr(stop, 'name', stop)}) of the "
+                          "cache without a mask; the pass cannot tell which of them are written")
+    if site.mask is None and not site.is_causal:
+        raise Unsupported("no mask over a preallocated cache: the model attends unwritten slots")
+    m.causal = True
+
+
+#: View steps that never copy, even on the stride-0 handle a cat cache becomes: a shape
+#: query on the end of a chain of these is answered from the handle (or the kept buffer).
+_SHAPE_VIEWS = ("transpose", "permute", "getitem", "unsqueeze", "expand", "mT")
+
+
+def _view_path(node: fx.Node, root: fx.Node) -> list[fx.Node] | None:
+    """The view steps from ``root`` (excluded) to ``node`` (included) when each takes the
+    previous one as its first argument and is a copy-free view (:data:`_SHAPE_VIEWS`, no-op
+    casts); None otherwise."""
+    path = []
+    while node is not root:
+        if not (isinstance(node, fx.Node) and node.args and isinstance(node.args[0], fx.Node)
+                and (is_op(node, *_SHAPE_VIEWS) or _noop_cast(node)
+                     or (node.op == "call_function" and node.target is getattr
+                         and node.args[1] == "mT"))):
+            return None
+        path.append(node)
+        node = node.args[0]
+    return path[::-1]
+
+
+def _check_readers(site: AttentionSite, w: CacheWrite, read: KVRead) -> None:
+    """The cache is used by this write and this read only (and, for a graph input, handed
+    back unchanged as an output, e.g. ``self.cache_k = self.cache_k.to(x)``); the read's
+    intermediate values (expanded heads, transposes) are used by the read only."""
+    allowed = set(w.write_nodes) | set(read.nodes) | set(site.nodes)
+    handed_back = w.cache is not None and w.cache.op == "placeholder"
+    root = w.cache if w.cache is not None else w.full
+    for node in read.nodes + [n for n in w.write_nodes if n.users and w.cache is not None]:
+        for u in node.users:
+            if u.op == "output" and handed_back and _noop_cast(node):
+                continue                        # self.cache_k = self.cache_k.to(x): the input itself
+            if is_size_query(u, node) and _view_path(node, root) is not None:
+                continue                        # b, s, h, d = keys.shape: answered without the data
+            if u not in allowed:
+                raise Unsupported(f"the cache as the attention reads it ({describe(node)}) is also "
+                                  f"used by {u.name} ({describe(u)})")
+    frontier, seen = [root], {root}
+    while frontier:
+        x = frontier.pop()
+        for u in x.users:
+            if u in seen:
+                continue
+            if u in allowed:
+                if u.args and u.args[0] is x and (_noop_cast(u) or is_op(u, "getitem")):
+                    seen.add(u)
+                    frontier.append(u)          # a view in the read: check its other users
+                continue
+            if u.op == "output":
+                if w.cache is None or (root.op == "placeholder" and (x is root or _noop_cast(x))):
+                    continue
+                raise Unsupported("the graph returns the cache tensor itself")
+            if is_size_query(u, x):
+                continue                        # the shape only: the handle or buffer keeps it
+            if u.args and u.args[0] is x and (_noop_cast(u) or is_op(u, "getitem")) \
+                    and w.cache is not None:
+                seen.add(u)
+                frontier.append(u)
+                continue
+            raise Unsupported(f"the cache is also read by {u.name} ({describe(u)}); "
+                              "rewriting would change what that reader sees")
+
+
+def _key_len(site: AttentionSite) -> Any:
+    """The number of keys of the attention's K operand (its positions axis)."""
+    return example(site.k).shape[site.k_labels.index("s")]
+
+
+def _known_different(a: Any, b: Any) -> bool:
+    """``a != b`` provable at compile time (ints, or symbols whose value ranges exclude it:
+    Dynamo specializes sizes 0 and 1, so a symbolic size is never 1)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a != b))
+    except Exception:  # noqa: BLE001 - unknown: not provably different
+        return False
