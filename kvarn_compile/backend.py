@@ -11,13 +11,12 @@ graph inputs and compiles the result with Inductor (or runs it eagerly with
 ``compiler="eager"``). After every call it frees the model's own preallocated K/V buffers
 that the graph no longer uses. ``backend.report`` says what was rewritten, what was not and
 why. For ``backend="inductor"`` the same pass runs as an Inductor pre-grad pass:
-:func:`kvarn_compile.inductor_pass` (:mod:`kvarn_compile.inductor_pass`).
+:func:`kvarn_compile.inductor_pass` (:mod:`kvarn_compile.pre_grad_pass`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,154 +27,28 @@ import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
-from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
-from kvarn_compile.passes.rewrite import RewriteContext, SiteReport, rewrite_graph
-from kvarn_compile.ops.keyed import claim, releasable, release_storage
+from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
+from kvarn_compile.ops.buffers import claim, releasable, release_storage
+from kvarn_compile.report import Report, rewrite_context, run_rewrite
 from kvarn_compile.state import (
     MIN_GROWN_SLOTS, LayerState, allocate_layer, grow_axis_indices,
 )
 
-__all__ = ["kvarn_backend", "KVarNBackend", "Report"]
+__all__ = ["kvarn_backend", "KVarNBackend", "Report"]  # Report: kvarn_compile.report
 
 log = logging.getLogger(__name__)
-
-
-def _log_graph(msg: str, graph_id: int, gm: fx.GraphModule) -> None:
-    """A graph before/after the rewrite, at DEBUG on this module's logger (``msg`` takes the
-    graph's number and its readable code, which is only generated when the level is on).
-
-    ``TORCH_LOGS="+kvarn_compile"`` turns it on through torch._logging (torch parses
-    TORCH_LOGS when it is imported, before a third-party artifact could be registered, so
-    the variable names the module); ``torch._logging.set_logs(modules={"kvarn_compile":
-    logging.DEBUG})`` does the same in-process.
-    """
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug(msg, graph_id, gm.print_readable(print_output=False))
-
-
-class Report:
-    """Every attention site seen by a backend, over all the graphs it compiled.
-
-    ``str(report)`` lists the sites per graph, the bytes of the packed states (in use and
-    allocated, when the backend passes ``states``) and of the released model buffers, then
-    the notes; the lowering notes (one per site and graph) are summarized once per op and
-    shape bucket: how many sites, which choice won, the range of each choice's timings.
-    """
-
-    def __init__(self, released_bytes: Callable[[], int] | None = None,
-                 states: Callable[[], Any] | None = None) -> None:
-        self.sites: list[SiteReport] = []
-        self.graphs = 0
-        self.notes: list[str] = []
-        self._released_elsewhere = released_bytes
-        self._states = states
-
-    @property
-    def released_bytes(self) -> int:
-        """Bytes of model-owned full-precision K/V buffers freed so far (they are freed when
-        the compiled graphs run; a second StaticCache adds its own bytes)."""
-        extra = self._released_elsewhere() if self._released_elsewhere else 0
-        return sum(s.released_bytes for s in self.sites) + extra
-
-    @property
-    def rewritten(self) -> list[SiteReport]:
-        return [s for s in self.sites if s.rewritten]
-
-    @property
-    def unchanged(self) -> list[SiteReport]:
-        return [s for s in self.sites if not s.rewritten]
-
-    def state_bytes(self) -> dict[str, int] | None:
-        """``{"used": ..., "allocated": ...}`` bytes of the packed states (None: not known)."""
-        if self._states is None:
-            return None
-        states = list(self._states())
-        return {"used": sum(sum(s.used_bytes().values()) for s in states),
-                "allocated": sum(s.nbytes for s in states)}
-
-    def __str__(self) -> str:
-        lines = [f"KVarN rewrite report: {len(self.rewritten)} attention site(s) rewritten, "
-                 f"{len(self.unchanged)} left unchanged, in {self.graphs} graph(s)"]
-        for graph in range(1, self.graphs + 1):
-            sites = [s for s in self.sites if s.graph == graph]
-            if sites:
-                lines.append(f" graph {graph}:")
-                lines.extend(s.line() for s in sites)
-        held = self.state_bytes()
-        if held and held["allocated"]:
-            lines.append(f" packed KV states: {_mib(held['used'])} in use (tokens held), "
-                         f"{_mib(held['allocated'])} allocated (capacity)")
-        if self.released_bytes:
-            lines.append(f" released {self.released_bytes} bytes ({_mib(self.released_bytes)}) of "
-                         "model-owned full-precision K/V buffers")
-        lines.extend(f" note: {n}" for n in summarize_notes(self.notes))
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-_LOWERING_NOTE = re.compile(r"^lowering (?P<op>\S+): (?P<body>.*) \[(?P<key>[^\[\]]*)\]$")
-_TIMING = re.compile(r"(?P<name>\S+) (?P<ms>[0-9.]+) ms")
-
-
-def summarize_notes(notes: list[str]) -> list[str]:
-    """The notes, with the lowering lines (``lowering OP: WINNER of N choice(s) [...], HOW;
-    TIMINGS [KEY]``, one per site and graph) folded into one line per op and key: the count,
-    the winners, how they were chosen and each choice's timing range. Other notes are kept
-    as they are, in order."""
-    out: list[str | None] = []
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for note in notes:
-        m = _LOWERING_NOTE.match(note)
-        if m is None:
-            out.append(note)
-            continue
-        op, body, key = m["op"], m["body"], m["key"]
-        winner = body.split(" of ", 1)[0]
-        how = ("replayed" if "replayed" in body else "benchmarked" if "benchmarked" in body
-               else "single choice")
-        timing_text = body.split("; ", 1)[1] if "; " in body else ""
-        g = groups.get((op, key))
-        if g is None:
-            g = groups[(op, key)] = {"count": 0, "winners": {}, "how": {}, "ms": {}}
-            out.append(None)              # placeholder: the group's line goes where it first appeared
-            g["slot"] = len(out) - 1
-        g["count"] += 1
-        g["winners"][winner] = g["winners"].get(winner, 0) + 1
-        g["how"][how] = g["how"].get(how, 0) + 1
-        for t in _TIMING.finditer(timing_text):
-            g["ms"].setdefault(t["name"], []).append(float(t["ms"]))
-    for (op, key), g in groups.items():
-        fields = dict(part.split("=", 1) for part in key.split("|") if "=" in part)
-        bucket = " ".join(f"{k}={fields.pop(k)}" for k in ("query", "length_bucket") if k in fields)
-        fields.pop("op", None)
-        rest = " ".join(f"{k}={v}" for k, v in fields.items()) if fields else key
-        winners = ", ".join(f"{w} x{n}" if len(g["winners"]) > 1 else w
-                            for w, n in sorted(g["winners"].items(), key=lambda kv: -kv[1]))
-        how = ", ".join(f"{h} x{n}" if g["count"] > 1 else h for h, n in g["how"].items())
-        times = ", ".join(f"{name} {min(v):.3g}-{max(v):.3g} ms" if min(v) != max(v) else f"{name} {v[0]:.3g} ms"
-                          for name, v in sorted(g["ms"].items(), key=lambda kv: min(kv[1])))
-        out[g["slot"]] = (f"lowering {op} at {g['count']} site(s), {bucket or 'bucket ' + key}: "
-                          f"{winners} ({how}){'; ' + times if times else ''} [{rest}]")
-    return [n for n in out if n is not None]
 
 
 class KVarNBackend:
     """A torch.compile backend (see :func:`kvarn_backend`). Thread-safe."""
 
-    def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
-                 release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
-                 mode: str | None = None, tune_knobs: Any = None, context_parallel: Any = None):
+    def __init__(self, config: KVarNConfig, options: KVarNOptions | None = None, *,
+                 compiler: str = "inductor", mode: str | None = None, tune_knobs: Any = None,
+                 context_parallel: Any = None):
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"Expected compiler 'inductor' or 'eager', but got {compiler!r}.")
         self.config = config
-        self.max_cache_len = checked_max_cache_len(max_cache_len)
-        self.release_buffers = release_buffers
-        self.spec_tokens = spec_tokens
+        self.options = options or KVarNOptions()
         self.compiler = compiler
         self.mode = mode
         self.states: dict[tuple[str, int], LayerState] = {}
@@ -192,8 +65,10 @@ class KVarNBackend:
         self._param_models: dict[int, tuple[Any, int]] = {}
         self._n_models = 0
         self.report = Report(states=lambda: self.states.values())
-        #: (before, after) normalized graph text of every compiled graph (see testing.py)
-        self.graph_log: list[tuple[str, str]] = []
+        #: ``on_graph(stage, gm)``, stage "before"/"after" the rewrite: a test's graph recorder
+        #: (:func:`kvarn_compile.testing.record_graphs`); None in production
+        self.on_graph: Callable[[str, fx.GraphModule], None] | None = None
+        self._rewritten_sites: set[str] = set()
         self._lock = threading.Lock()
         if compiler == "inductor":   # Inductor lowerings (templates, autotuning) of the kvarn ops
             from kvarn_compile import lowering
@@ -261,8 +136,9 @@ class KVarNBackend:
         """Bytes held by all packed states of this backend (live tensors)."""
         return sum(s.nbytes for s in self.states.values())
 
-    def _check_consistent(self, reports: list[SiteReport]) -> None:
-        check_consistent(self.__dict__.setdefault("_rewritten_sites", set()), reports)
+    max_cache_len = property(lambda self: self.options.max_cache_len)
+    release_buffers = property(lambda self: self.options.release_buffers)
+    spec_tokens = property(lambda self: self.options.spec_tokens)
 
     def __deepcopy__(self, memo: dict) -> "KVarNBackend":
         # transformers deep-copies CompileConfig(backend=...); the backend owns the packed
@@ -281,14 +157,10 @@ class KVarNBackend:
         mode = kwargs.pop("mode", None) or self.mode
         if mode is not None and mode != "default" and not any(
                 isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
-            note = f"mode={mode!r} is ignored on CPU (it only selects CUDA-graph/autotune options)"
-            if note not in self.report.notes:
-                self.report.notes.append(note)
+            self.report.note(f"mode={mode!r} is ignored on CPU (it only selects CUDA-graph/"
+                             "autotune options)")
             mode = None
         with self._lock:
-            self.report.graphs += 1
-            graph_id = self.report.graphs
-            _log_graph("kvarn graph %d before rewrite:\n%s", graph_id, gm)
             new_gm = _copy_graph_module(gm)
             param_at = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
             tag = self._model_tag([example_inputs[i] for i in param_at])
@@ -300,27 +172,17 @@ class KVarNBackend:
                 site_states.append(self._get_state(tag + name, **kw))
                 return site_states[-1]
 
-            ctx = RewriteContext(get_state=get_state, method=self.config.op_method,
-                                 iters=self.config.sinkhorn_iters, recent=self.config.recent_window,
-                                 hold=self.spec_tokens, check_finite=self.config.check_finite,
-                                 max_cache_len=self.max_cache_len,
-                                 release_buffers=self.release_buffers,
-                                 separate_adopt=self.knob_tuner is not None)
-            extra, reports = rewrite_graph(new_gm, list(example_inputs), ctx, graph_id)
-            for r in reports:
-                r.name = tag + r.name
-            if extra and self.context_parallel is not None:
-                from kvarn_compile.passes.context_parallel import use_context_parallel_ops
+            def use_context_parallel(extra: list[Any]) -> None:
+                if extra and self.context_parallel is not None:
+                    from kvarn_compile.passes.context_parallel import use_context_parallel_ops
 
-                use_context_parallel_ops(new_gm, self.context_parallel.key)
-            self._check_consistent(reports)
-            self.report.sites.extend(reports)
-            from kvarn_compile.passes.graph_text import normalize_graph
+                    use_context_parallel_ops(new_gm, self.context_parallel.key)
 
-            self.graph_log.append((normalize_graph(gm), normalize_graph(new_gm)))
-            _log_graph("kvarn graph %d after rewrite:\n%s", graph_id, new_gm)
-            for r in reports:
-                log.info("kvarn: %s", r.line().strip())
+            ctx = rewrite_context(self, get_state=get_state,
+                                  separate_adopt=self.knob_tuner is not None)
+            extra, _ = run_rewrite(self, gm, new_gm, list(example_inputs), ctx, what="graph",
+                                         seen=self._rewritten_sites, rename=lambda n: tag + n,
+                                         finish=use_context_parallel)
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched
             return self._compile(gm, list(example_inputs), mode)
         # this frame may no longer run uncompiled (its model's caches are released)
@@ -373,7 +235,7 @@ class KVarNBackend:
             # call (kvarn::append_from_ has taken over any prompt written there before), on
             # every call, so a new cache passed in their place (a second StaticCache) or a
             # buffer the model wrote again (a reset, an uncompiled prefill) is freed too.
-            # Freed memory stays mapped and reads zeros (registry.release_storage).
+            # Freed memory stays mapped and reads zeros (ops.buffers.release_storage).
             for i, site in released:
                 if releasable(args[i]):
                     site.released_bytes += release_storage(args[i])
@@ -392,10 +254,8 @@ class KVarNBackend:
         else:
             why = (f"{where} memory cannot be freed under a live tensor without making a later "
                    "access to it an illegal memory access")
-        note = (f"model-owned {where} K/V buffers are kept in full precision: {why}; use "
-                "kvarn_compile.hf.KVarNCache or a cat-style cache to avoid allocating them")
-        if note not in self.report.notes:
-            self.report.notes.append(note)
+        self.report.note(f"model-owned {where} K/V buffers are kept in full precision: {why}; use "
+                         "kvarn_compile.hf.KVarNCache or a cat-style cache to avoid allocating them")
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], mode: str | None,
                  static: list[Any] | None = None, dynamic: list[Any] | None = None):
@@ -407,7 +267,7 @@ class KVarNBackend:
         first = len(lowering.DECISIONS)
         compiled = compile_fx_with_pass(gm, inputs, mode, static_inputs=static,
                                         dynamic_dim2_inputs=dynamic)
-        self.report.notes.extend(d.line() for d in lowering.DECISIONS[first:])
+        self.report.add_lowerings(lowering.DECISIONS[first:])
         return compiled
 
 
@@ -480,28 +340,6 @@ def sizer(tokens: Any, gm: fx.GraphModule) -> Callable[[tuple[Any, ...]], int]:
     return value
 
 
-def check_consistent(seen: set[str], reports: list[SiteReport]) -> None:
-    """Refuse a graph that leaves unchanged a site an earlier graph rewrote.
-
-    A transformers static sliding-window layer is written with ``index_copy_`` (it looks
-    like a full-attention cache and is rewritten) until its window fills, then with roll +
-    copy_ (refused): its tokens would then live in two places. Stop with a clear error
-    instead of computing on a cache that lost them. ``seen``: names rewritten so far.
-    """
-    for r in reports:
-        if r.rewritten:
-            seen.add(r.name)
-        elif r.name in seen:
-            raise RuntimeError(
-                f"kvarn_backend: attention site {r.name} was rewritten in an earlier graph but "
-                f"is left unchanged now ({r.reason}); its KV cache would be split between the "
-                "packed state and the model's buffers. This happens with a cache that stops "
-                "growing with the queries: a sliding-window layer once its window fills, or a "
-                "cross-attention cache whose encoder length equals the first decoder chunk. "
-                "Such layers are not supported; compile a model whose sliding layers keep a "
-                "full cache, or pass release_buffers=False and leave such models uncompiled.")
-
-
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (Dynamo keeps using the original); its
     Python code is generated when first needed (the compiler hashes it once anyway)."""
@@ -511,8 +349,9 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return lazy_graph_module(gm, graph)
 
 
-def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 8192,
-                  release_buffers: bool = True, spec_tokens: int = 0, compiler: str = "inductor",
+def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int | None = None,
+                  release_buffers: bool | None = None, spec_tokens: int | None = None,
+                  options: KVarNOptions | None = None, compiler: str = "inductor",
                   mode: str | None = None, tune_knobs: Any = None, context_parallel: Any = None,
                   **config_overrides: Any) -> KVarNBackend:
     """A torch.compile backend that stores every attention's KV cache KVarN-packed.
@@ -521,16 +360,17 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
         preset: a preset name (``k4v2`` default, ``k4v4``, ``k2v2``, ``k4v2_g64``,
             ``k4v4_g64``) or a :class:`KVarNConfig`; ``**config_overrides`` change fields
             (e.g. ``group_size=64``, ``method="kivi"``).
-        max_cache_len: tokens per sequence for caches whose capacity the model does not
-            fix (``torch.cat`` caches such as transformers' DynamicCache). Preallocated
-            caches keep their own length.
-        release_buffers: free the memory of model-owned full-precision cache buffers that
-            the rewritten graphs no longer use, after every call that passes them (a prompt
-            an uncompiled forward wrote there is first adopted into the packed cache). On
-            CPU (Linux) their pages go back to the operating system while the tensors stay
-            valid: they read zeros and may still be reset, written, copied or printed. CUDA
-            buffers are kept (see ``kvarn_compile.ops.keyed``).
-        spec_tokens: newest tokens of each write kept uncommitted (speculative decoding).
+        max_cache_len, release_buffers, spec_tokens: the front-end options (defaults 8192,
+            True, 0), or all of them as ``options=KVarNOptions(...)``; see
+            :class:`kvarn_compile.KVarNOptions`. ``max_cache_len``: tokens per sequence for
+            caches whose capacity the model does not fix (``torch.cat`` caches such as
+            transformers' DynamicCache). ``release_buffers``: free the memory of model-owned
+            full-precision cache buffers that the rewritten graphs no longer use, after every
+            call that passes them (a prompt an uncompiled forward wrote there is first
+            adopted into the packed cache); on CPU (Linux) their pages go back to the
+            operating system while the tensors stay valid (they read zeros); CUDA buffers are
+            kept (see :mod:`kvarn_compile.ops.buffers`). ``spec_tokens``: newest tokens of
+            each write kept uncommitted (speculative decoding).
         compiler: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is).
         mode: a torch.compile mode; also accepted as the keyword torch.compile/transformers pass.
         tune_knobs: ``True`` or a :class:`kvarn_compile.autotune.KnobTuning`: choose the
@@ -541,7 +381,7 @@ def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 81
             the packed tiles; one ``all_gather`` per attention; see
             :mod:`kvarn_compile.ops.context_parallel`).
     """
-    return KVarNBackend(get_config(preset, **config_overrides), max_cache_len=max_cache_len,
-                        release_buffers=release_buffers, spec_tokens=spec_tokens,
-                        compiler=compiler, mode=mode, tune_knobs=tune_knobs,
-                        context_parallel=context_parallel)
+    opts = options_from(options, max_cache_len=max_cache_len, release_buffers=release_buffers,
+                        spec_tokens=spec_tokens)
+    return KVarNBackend(get_config(preset, **config_overrides), opts, compiler=compiler,
+                        mode=mode, tune_knobs=tune_knobs, context_parallel=context_parallel)

@@ -16,14 +16,11 @@ the field, the value it got and what is allowed, e.g.::
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import torch
 
 __all__ = ["KVarNConfig", "PRESETS", "get_config", "METHODS", "SCALE_DTYPES", "KEY_FRAMES", "CLIPS",
-           "checked_max_cache_len"]
-
-Method = Literal["kvarn", "kivi", "hadamard"]
+           "checked_max_cache_len", "KVarNOptions", "options_from"]
 
 #: Quantizers the packed format supports. All share one storage layout (codes, a row
 #: scale and zero point per tile row, a scale per tile column); they differ in the
@@ -217,3 +214,50 @@ def checked_max_cache_len(value: object) -> int:
         raise ValueError(f"Expected max_cache_len to be a positive int (tokens per sequence), "
                          f"but got {value!r}.")
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class KVarNOptions:
+    """How a front-end keeps its packed caches, validated once; taken by
+    :func:`~kvarn_compile.kvarn_backend`, :func:`~kvarn_compile.inductor_pass` and
+    :class:`~kvarn_compile.hf.KVarNCache` (``options=``, or the same names as keywords).
+
+    Attributes:
+        max_cache_len: tokens per sequence for caches whose capacity the model does not fix
+            (``torch.cat`` caches such as transformers' DynamicCache; ``KVarNCache``'s
+            capacity). Preallocated model caches keep their own length.
+        release_buffers: free the memory of model-owned full-precision cache buffers that
+            the rewritten graphs no longer read (``KVarNCache`` has none).
+        spec_tokens: newest tokens of each write kept uncommitted, so they can still be
+            rewritten (speculative decoding).
+    """
+
+    max_cache_len: int = 8192
+    release_buffers: bool = True
+    spec_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        checked_max_cache_len(self.max_cache_len)
+        if not isinstance(self.release_buffers, bool):
+            raise ValueError(f"Expected release_buffers to be True or False, but got "
+                             f"{self.release_buffers!r}.")
+        if not isinstance(self.spec_tokens, int) or isinstance(self.spec_tokens, bool) \
+                or self.spec_tokens < 0:
+            raise ValueError(f"Expected spec_tokens to be an int >= 0 (uncommitted tokens per "
+                             f"write), but got {self.spec_tokens!r}.")
+
+
+def options_from(options: KVarNOptions | None = None, **given: object) -> KVarNOptions:
+    """``options``, or :class:`KVarNOptions` built from the keywords ``given`` that are not
+    None; both at once is an error (one place sets each option)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if options is None:
+        return KVarNOptions(**given)
+    if not isinstance(options, KVarNOptions):
+        raise ValueError(f"Expected options to be a kvarn_compile.KVarNOptions, but got "
+                         f"{type(options).__name__}.")
+    if given:
+        raise ValueError(f"Expected either options=KVarNOptions(...) or the keywords "
+                         f"{sorted(given)}, but got both; put them in the options object.")
+    return options
+

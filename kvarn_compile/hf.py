@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn_compile.autotune.knobs import Decision, QuantKnobs, select_quant_knobs
 from kvarn_compile.autotune.tuning import KnobTuning
-from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
+from kvarn_compile.config import KVarNConfig, KVarNOptions, checked_max_cache_len, get_config, options_from
 from kvarn_compile.ops import library as ops
 from kvarn_compile.ops.append import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
@@ -181,14 +181,18 @@ class KVarNCache(Cache):
         preset: a KVarN preset name or a :class:`KVarNConfig`; ``**overrides`` change fields.
         spec_tokens: how many of the newest tokens of each write stay uncommitted (never
             quantized) until the next write, so that speculative decoding can crop them.
+        options: ``max_cache_len`` and ``spec_tokens`` as one :class:`kvarn_compile.KVarNOptions`
+            (the object ``kvarn_backend`` and ``inductor_pass`` take), instead of the keywords.
         context_parallel: a ProcessGroup (or ``True``: the default group): this rank keeps
             1/ranks of each layer's tiles (:mod:`kvarn_compile.ops.context_parallel`); needs the
             ``kvarn`` attention (:func:`use_kvarn_attention`).
     """
 
-    def __init__(self, config, max_cache_len: int, preset: str | KVarNConfig = "k4v2", *,
-                 spec_tokens: int = 0, context_parallel=None, **overrides):
-        max_cache_len = checked_max_cache_len(max_cache_len)
+    def __init__(self, config, max_cache_len: int | None = None, preset: str | KVarNConfig = "k4v2", *,
+                 spec_tokens: int | None = None, options: KVarNOptions | None = None,
+                 context_parallel=None, **overrides):
+        self.options = options_from(options, max_cache_len=max_cache_len, spec_tokens=spec_tokens)
+        max_cache_len, spec_tokens = self.options.max_cache_len, self.options.spec_tokens
         cp = None
         if context_parallel is not None:
             from kvarn_compile.ops import context_parallel as cp_module
@@ -333,9 +337,12 @@ class TunedKVarNCache(KVarNCache):
     preset's setting stays (the decision says why). ``decisions`` lists them per layer.
     """
 
-    def __init__(self, config: Any, max_cache_len: int, preset: Any = "k4v2", *,
-                 tune: KnobTuning | None = None, spec_tokens: int = 0, **overrides: Any):
-        super().__init__(config, max_cache_len, preset, spec_tokens=spec_tokens, **overrides)
+    def __init__(self, config: Any, max_cache_len: int | None = None, preset: Any = "k4v2", *,
+                 tune: KnobTuning | None = None, spec_tokens: int | None = None,
+                 options: KVarNOptions | None = None, **overrides: Any):
+        super().__init__(config, max_cache_len, preset, spec_tokens=spec_tokens, options=options,
+                         **overrides)
+        max_cache_len, spec_tokens = self.options.max_cache_len, self.options.spec_tokens
         options = tune or KnobTuning()
         self.layers = [TunedKVarNLayer(self.kvarn_config, max_cache_len, spec_tokens=spec_tokens,
                                        name=layer.name, model_config=config, options=options)

@@ -27,6 +27,15 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """A test that compiles starts and ends with a reset Dynamo (no graphs, guards or
+    recompile counts left over from another test)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,9 +1,10 @@
-"""The package's shape: no import circles, one leaf for private torch APIs, one op library.
+"""The package's shape: imports run down a declared order of floors, no import circles, one
+leaf for private torch APIs, one op library.
 
 Read from the sources (``ast``), not by importing: every ``import`` counts, also the ones
-inside functions (a lazy import hides a circle from Python but not from a reader), except
-those under ``if TYPE_CHECKING:``. ``python tests/test_architecture.py`` prints the module
-graph's circles (none) and each module's kvarn imports.
+inside functions (a lazy import hides a circle or an upward edge from Python but not from a
+reader), except those under ``if TYPE_CHECKING:``. ``python tests/test_architecture.py``
+prints the upward imports (none), the circles (none) and each module's floor and kvarn imports.
 """
 
 from __future__ import annotations
@@ -14,6 +15,49 @@ import sys
 
 PACKAGE = "kvarn_compile"
 ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
+
+#: The floors of the package, lowest first: a module may import its own floor and the floors
+#: below it, never one above (docs/architecture.md draws the same order). A module's floor is
+#: that of the longest prefix listed.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundation", ("config", "state", "_torch_compat", "paths")),
+    ("quant", ("quant", "reference")),              # reference: quant's old name, one release
+    ("kernels", ("kernels",)),
+    ("ops", ("ops",)),
+    ("autotune", ("autotune",)),
+    ("passes/lowering", ("passes", "lowering")),
+    ("report", ("report",)),
+    ("front-ends", ("backend", "pre_grad_pass", "hf", "distributed", "")),   # "": the package API
+    ("eval", ("eval",)),
+    ("cli", ("cli",)),
+    ("testing", ("testing",)),
+)
+
+
+def floor_of(module: str) -> int:
+    """Index in :data:`FLOORS` of ``module`` (a dotted kvarn_compile module name)."""
+    rel = module.removeprefix(PACKAGE).lstrip(".")
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            hit = rel == prefix or rel.startswith(prefix + ".") or (prefix == "" and rel == "")
+            if hit and len(prefix) > best:
+                best, level = len(prefix), i
+    if level is None:
+        raise KeyError(f"{module} has no floor: add it to FLOORS in tests/test_architecture.py")
+    return level
+
+
+def upward_imports(graph: dict[str, dict[str, set[str]]] | None = None) -> list[str]:
+    """Every import that runs up the floors, as "a (floor) -> b (floor)"."""
+    graph = import_graph() if graph is None else graph
+    out = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps["kvarn"]):
+            if dep in graph and floor_of(dep) > floor_of(module):
+                out.append(f"{module} ({FLOORS[floor_of(module)][0]}) -> {dep} "
+                           f"({FLOORS[floor_of(dep)][0]})")
+    return out
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -115,15 +159,34 @@ def test_the_import_graph_reader_sees_a_circle():
              "kvarn_compile.b": {"kvarn": {"kvarn_compile.a"}, "external": set()},
              "kvarn_compile.c": {"kvarn": {"kvarn_compile.a"}, "external": set()}}
     assert import_cycles(graph) == [["kvarn_compile.a", "kvarn_compile.b"]]
-    tree_src = "def f():\n    from kvarn_compile.ops import reference\n"
+    tree_src = "def f():\n    from kvarn_compile.ops import attention\n"
     path = pathlib.Path(__file__).with_name("_lazy_import_probe.py")
     path.write_text(tree_src)
     try:
-        found = imports_of("kvarn_compile.x", path, {"kvarn_compile.ops.reference": path,
+        found = imports_of("kvarn_compile.x", path, {"kvarn_compile.ops.attention": path,
                                                      "kvarn_compile.ops": path})
     finally:
         path.unlink()
-    assert found["kvarn"] == {"kvarn_compile.ops.reference"}
+    assert found["kvarn"] == {"kvarn_compile.ops.attention"}
+
+
+def test_the_floor_checker_sees_an_upward_import():
+    """The checker itself can fail: a pass importing a front-end (lazily) runs up the floors."""
+    graph = {"kvarn_compile.passes.inductor": {"kvarn": {"kvarn_compile.backend"}, "external": set()},
+             "kvarn_compile.backend": {"kvarn": {"kvarn_compile.passes.rewrite"}, "external": set()},
+             "kvarn_compile.passes.rewrite": {"kvarn": set(), "external": set()}}
+    assert upward_imports(graph) == ["kvarn_compile.passes.inductor (passes/lowering) -> "
+                                     "kvarn_compile.backend (front-ends)"]
+    assert floor_of("kvarn_compile") == floor_of("kvarn_compile.hf")
+    assert floor_of("kvarn_compile.kernels.cpu.attention") < floor_of("kvarn_compile.ops.dispatch")
+
+
+def test_every_module_has_a_floor_and_imports_only_run_down():
+    graph = import_graph()
+    for module in graph:
+        floor_of(module)          # raises for a module no floor names
+    up = upward_imports(graph)
+    assert not up, "imports running up the floors (lazy ones included):\n  " + "\n  ".join(up)
 
 
 def test_no_import_circles_in_the_package():
@@ -158,16 +221,19 @@ def test_every_op_is_declared_in_the_op_library():
             assert f'custom_op("kvarn::{name}"' in src, name
 
 
-def test_the_reference_is_pure_torch():
-    """The oracle never calls a kernel: ops/reference.py imports no kernel or dispatch."""
+def test_the_references_are_pure_torch():
+    """The oracles never call a kernel: the op references (ops/append.py, ops/attention.py,
+    ops/regions.py) import no kernel, dispatch or lowering."""
     graph = import_graph()
-    deps = graph[f"{PACKAGE}.ops.reference"]["kvarn"]
-    assert not {d for d in deps if d.startswith((f"{PACKAGE}.kernels", f"{PACKAGE}.ops.dispatch",
-                                                 f"{PACKAGE}.lowering"))}, deps
+    for ref in ("append", "attention", "regions"):
+        deps = graph[f"{PACKAGE}.ops.{ref}"]["kvarn"]
+        assert not {d for d in deps if d.startswith((f"{PACKAGE}.kernels", f"{PACKAGE}.ops.dispatch",
+                                                     f"{PACKAGE}.lowering"))}, (ref, deps)
 
 
 if __name__ == "__main__":
     g = import_graph()
+    print("upward imports:", "\n  ".join([""] + upward_imports(g)) or "none")
     print("import circles:", import_cycles(g) or "none")
     for module, deps in g.items():
-        print(f"{module}: {', '.join(sorted(deps['kvarn'])) or '-'}")
+        print(f"{module} [{FLOORS[floor_of(module)][0]}]: {', '.join(sorted(deps['kvarn'])) or '-'}")

@@ -11,7 +11,7 @@
   quantized region and its log-sum-exp for merging with the exact sink/tail.
   Launchers: :func:`kvarn_decode_attention` (stacked tensors),
   :func:`kvarn_decode_attention_tiles` (``QuantizedTiles``), :func:`combine_splits`.
-  Reference: softmax attention over ``reference.dequantize_tiles`` (see tests/test_kernels.py).
+  Reference: softmax attention over ``quant.dequantize_tiles`` (see tests/kernels/test_triton.py).
 
 Without a GPU the kernels run on CPU tensors under the Triton interpreter: set
 ``TRITON_INTERPRET=1`` before triton is first imported. The launchers are imported lazily,

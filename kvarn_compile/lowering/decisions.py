@@ -36,6 +36,8 @@ class LoweringDecision:
     timings_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def line(self) -> str:
+        """One readable line (messages, benchmark JSON); the report summarizes the records
+        themselves (:func:`kvarn_compile.report.summarize_lowerings`)."""
         how = ("replayed from the autotune DB (no benchmark)" if self.replayed else
                "benchmarked" if len(self.offered) > 1 else "single choice")
         t = ", ".join(f"{k} {v:.4f} ms" for k, v in sorted(self.timings_ms.items(),

@@ -3,7 +3,7 @@
 The template sources are package data (``kvarn_compile/lowering/templates/*.py.jinja``) loaded with
 ``importlib.resources``. The ``TritonTemplate`` objects are built lazily, on the first
 CUDA lowering: Inductor cannot even render a template without a GPU driver, so nothing
-here runs on a CPU-only machine (see docs/torch-notes.md section 4b).
+here runs on a CPU-only machine (tests render them standalone: :func:`render_standalone`).
 
 How the templates share the kernels' bodies: a template is only the *driver* of one
 program (its grid position, the query rows it packs, the split range, the loads of
@@ -15,7 +15,7 @@ rendered module imports (the last lines of each template). Triton inlines them a
 compile time and includes their source in its own cache key; Inductor's cache key (the
 rendered text) gets ``KVARN_SRC``, a hash of kvarn's sources, so an edited helper is never
 served from a stale cache. The standalone ``_kvarn_decode_attn_kernel`` calls the very same
-helpers, and its tests (tests/test_kernels.py, interpreter on CPU) cover them.
+helpers, and its tests (tests/kernels/test_triton.py, interpreter on CPU) cover them.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def render_standalone(name: str, tensors: dict, constexprs: dict, directory, out
     ``constexprs``; ``stride``/``size`` read those arguments; ``store_output`` is a
     ``tl.store`` at the dot product of its indices with OUT's strides. The kernel body is
     the template's own text, so this runs the template's logic under ``TRITON_INTERPRET=1``
-    on CPU (tests/test_lowering.py) and outside a compiled graph on a GPU (the benchmark).
+    on CPU (tests/lowering/test_lowering.py) and outside a compiled graph on a GPU (the benchmark).
     Launch it with :func:`launch_standalone`. ``directory``: where the module file goes
     (Triton reads the source of a jit function from its file).
     """

@@ -408,7 +408,7 @@ def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Te
     sequence; otherwise (or for a view the caller cannot free) only a state that does not
     continue at p is restarted. ``append``: the append to use (default :func:`append_`).
     """
-    from kvarn_compile.ops.keyed import managed, unwritten_since_release
+    from kvarn_compile.ops.buffers import managed, unwritten_since_release
 
     if unwritten_since_release(cache_k) and unwritten_since_release(cache_v):
         return                                       # released, nothing written since (fast path)

@@ -116,12 +116,18 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     return out.to(q.dtype)
 
 
+#: The C++ decode step (``kernels/cpu/attention.py``) runs ``kvarn::attention`` on CPU for up to
+#: this many query tokens; longer query blocks run the reference (and, compiled, the Inductor
+#: decomposition). The lowering reads the same rule (``lowering.attention.cpu_kernel_covers``).
+CPU_KERNEL_MAX_QUERIES = 16
+
+
 @library.attention.register_kernel("cpu")
 def attention_cpu(q, buffers, mask, scale, causal, window):
     """The CPU kernel of ``kvarn::attention`` (the C++ decode step where it applies)."""
     from kvarn_compile.kernels.cpu import attention as cpu_attention
 
-    if q.shape[2] <= 16 and cpu_attention.available():      # KVARN_CPU_KERNEL=0: off
+    if q.shape[2] <= CPU_KERNEL_MAX_QUERIES and cpu_attention.available():   # KVARN_CPU_KERNEL=0: off
         return attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
     return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 

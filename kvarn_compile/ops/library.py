@@ -1,7 +1,8 @@
-"""Every ``torch.ops.kvarn.*`` op: its schema, its fake kernel and its default implementation.
+"""Every ``torch.ops.kvarn.*`` op: its schema and its fake kernel.
 
 This module is the one place that declares ops. The default implementation of each op is
-its pure-torch reference (:mod:`.reference`), on any device; device kernels register
+one call of its pure-torch reference (:mod:`.append`, :mod:`.attention`, :mod:`.keyed`,
+:mod:`.context_parallel`), on any device; device kernels register
 against these ops in :mod:`.dispatch` (C++ on CPU, Triton on CUDA) and fall back to the
 reference wherever they would not compute exactly the same thing. The fake kernels compute
 shapes and check devices (they also serve the Meta dispatch key), so the ops trace under
@@ -28,7 +29,7 @@ over into the packed state (transformers' eager prefill under ``generate(compile
                         bool fresh) -> ()          # adopt_ + append_ in one call
 
 Keyed forms for graphs that cannot take the packed state as an input (the Inductor
-pre-grad pass, :mod:`kvarn_compile.inductor_pass`): the state is found at run time in
+pre-grad pass, :mod:`kvarn_compile.pre_grad_pass`): the state is found at run time in
 :mod:`kvarn_compile.ops.keyed` by a constant key, and the append returns an empty token
 tensor the attention takes, so the compiler keeps the append and orders it first. To the
 compiler these ops are functional (the state is invisible to it)::
@@ -65,8 +66,7 @@ from __future__ import annotations
 
 import torch
 
-from kvarn_compile.ops import context_parallel
-from kvarn_compile.ops import append as append_ref, attention as attention_ref
+from kvarn_compile.ops import append as append_ref, attention as attention_ref, context_parallel, keyed
 
 __all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
            "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_", "register_plain_kernel",
@@ -247,7 +247,7 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
                  cache_k: torch.Tensor | None, cache_v: torch.Tensor | None, key: str,
                  max_len: int, method: str, iters: int, recent: int, hold: int,
                  check_finite: bool, release: bool) -> torch.Tensor:
-    """``append_`` into the registry state ``key`` (allocated on first use for ``max_len``
+    """``append_`` into the keyed state ``key`` (allocated on first use for ``max_len``
     tokens; for a ``cat`` cache, where ``cache_k``/``cache_v`` are None, a growable state
     whose tile slots grow with the sequence up to ``max_len``); returns an empty token for
     the site's ``attention_keyed``.
@@ -257,26 +257,8 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
     ``append_ref.adopt_``); with ``release`` their storage is then freed (counted in the
     store), on every call that passes tensors that still hold storage.
     """
-    from kvarn_compile.ops import keyed as registry
-
-    store, site = registry.resolve(key)
-    # a cat cache (no model-owned tensors) grows with the sequence: room for this append
-    growable = cache_k is None and cache_v is None
-    state = store.for_append(site, k, max_len, growable=growable)
-    if growable and start_pos.numel():
-        first, last = start_pos.aminmax()  # every row starting over at 0: a new sequence
-        state.reserve(int(last) + k.shape[2], fresh=int(last) == 0, shortest=int(first) + k.shape[2])
-    if cache_k is not None and cache_v is not None:
-        append_ref.adopt_(state.buffers, cache_k, cache_v, start_pos, method, iters, recent,
-                         hold, check_finite, site, release, append=_append_op)
-    _append_op(state.buffers, k, v, start_pos, method, iters, recent, hold, check_finite, site)
-    if growable:
-        state.trim()                      # the tail slots frozen tiles freed
-    if release:
-        for cache in (cache_k, cache_v):
-            if cache is not None:
-                store.released_bytes += registry.release_storage(cache)
-    return k.new_empty((0,))
+    return keyed.append_keyed(k, v, start_pos, cache_k, cache_v, key, max_len, method, iters, recent,
+                              hold, check_finite, release, append=_append_op)
 
 
 @append_keyed.register_fake
@@ -288,12 +270,9 @@ def _append_keyed_fake(k, v, start_pos, cache_k, cache_v, key, max_len, method, 
 @torch.library.custom_op("kvarn::attention_keyed", mutates_args=())
 def attention_keyed(q: torch.Tensor, token: torch.Tensor, mask: torch.Tensor | None, key: str,
                     scale: float, causal: bool, window: int) -> torch.Tensor:
-    """``attention`` over the registry state ``key``; ``token`` comes from its append."""
-    from kvarn_compile.ops import keyed as registry
-
-    store, site = registry.resolve(key)
-    state = store.for_attention(site, q.shape[0])
-    return torch.ops.kvarn.attention.default(q, state.buffers, mask, scale, causal, window)
+    """``attention`` over the keyed state ``key``; ``token`` comes from its append."""
+    buffers = keyed.state_for_attention(key, q.shape[0])
+    return torch.ops.kvarn.attention.default(q, buffers, mask, scale, causal, window)
 
 
 @attention_keyed.register_fake
@@ -303,14 +282,9 @@ def _attention_keyed_fake(q, token, mask, key, scale, causal, window):
 
 @torch.library.custom_op("kvarn::reorder_keyed", mutates_args=())
 def reorder_keyed(k: torch.Tensor, rows: torch.Tensor, key: str) -> torch.Tensor:
-    """``reorder_`` of the registry state ``key`` (if allocated); returns a copy of ``k``
+    """``reorder_`` of the keyed state ``key`` (if allocated); returns a copy of ``k``
     that the site's ``append_keyed`` takes, which orders the append after the reorder."""
-    from kvarn_compile.ops import keyed as registry
-
-    store, site = registry.resolve(key)
-    state = store.states.get((site, k.shape[0]))
-    if state is not None:
-        append_ref.reorder_(state.buffers, rows, site)
+    keyed.reorder_keyed(k.shape[0], rows, key)
     return k.clone()
 
 

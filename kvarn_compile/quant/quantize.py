@@ -11,7 +11,7 @@ With that convention both kinds share one format and one dequant formula::
 
 For K, row_scale/row_zero are the per-channel s_ch/z_ch and col_scale the per-token s_tok;
 for V, row_scale/row_zero are the per-token s_tok/z_tok and col_scale the per-channel s_ch
-(``docs/kvarn-method`` step 5). Codes are packed along the row, little end first.
+(the paper's storage step). Codes are packed along the row, little end first.
 
 Pipeline for one tile (``quantize_tiles``), the tile in float32:
 
@@ -43,7 +43,7 @@ __all__ = [
     "choose_key_frame", "key_dominance", "DOMINANCE_THRESHOLD",
 ]
 
-# Clip constants of the reference normalization (docs/kvarn-method.md, step 3).
+# Clip constants of the reference normalization (step 1 below: the variance normalization).
 STD_CLIP = (1e-3, 1e3)        # clip of each std before its log is taken
 LOG_SCALE_CLIP = (-0.3, 10.0)  # clip of the accumulated log scales: scales >= e^-0.3 = 0.741
 #: The same clip in the linear domain (float64): clip(a, lo, hi) with c = e^a is

@@ -7,7 +7,7 @@ Covers the *quantized region only*: the caller attends over the exact sink and t
     out = (exp(lse_a - M) * out_a + exp(lse_b - M) * out_b) / (exp(lse_a - M) + exp(lse_b - M))
 
 Math, in the rotated frame (q_rot = q @ H; the output is rotated back by the caller with
-out @ H^T). For one query row q [D] and one tile (docs/kvarn-method.md, "dual-scale")::
+out @ H^T). For one query row q [D] and one tile (the dual-scale fold of :mod:`kvarn_compile.ops.attention`)::
 
     K̂[c, t] = (code_k[c, t] * rs_k[c] + rz_k[c]) * cs_k[t]          K tile [D, G]
     V̂[t, c] = (code_v[t, c] * rs_v[t] + rz_v[t]) * cs_v[c]          V tile [G, D]
@@ -48,7 +48,6 @@ from kvarn_compile.quant.quantize import QuantizedTiles
 
 __all__ = ["kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits"]
 
-_LOG2E = tl.constexpr(1.4426950408889634)  # scores live in log2 units: exp2 is the cheap op
 _LN2 = tl.constexpr(0.6931471805599453)
 
 

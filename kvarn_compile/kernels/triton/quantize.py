@@ -1,7 +1,7 @@
 """Triton kernel: quantize whole KVarN tiles and write them, packed, into a tile cache.
 
-Math (the oracle is :func:`kvarn_compile.quant.quantize.quantize_kv`; docs/kvarn-method.md
-steps 1-6). For one tile of G consecutive tokens of one (batch row, kv head):
+Math (the oracle is :func:`kvarn_compile.quant.quantize.quantize_kv`, whose module doc states
+the pipeline). For one tile of G consecutive tokens of one (batch row, kv head):
 
 1. rotate: every token row x[t, :] becomes x[t, :] @ H (H = ``rotation_matrix(D)``, fp32);
 2. lay out: a K tile is X = (x H)^T, [D, G] (rows = channels); a V tile is X = x H, [G, D]

@@ -30,8 +30,8 @@ same kernels as in eager mode.
 
 from __future__ import annotations
 
-import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,62 +39,37 @@ import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import custom_graph_pass_base, kvarn_sources_hash
-from kvarn_compile.config import KVarNConfig, checked_max_cache_len, get_config
-from kvarn_compile.passes.rewrite import RewriteContext, rewrite_graph
+from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
 from kvarn_compile.ops.keyed import StateStore
+from kvarn_compile.report import Report, rewrite_context, run_rewrite
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["KVarNInductorPass", "inductor_pass"]
 
-log = logging.getLogger("kvarn_compile.backend")
-
-
 class KVarNInductorPass(custom_graph_pass_base()):
     """An Inductor ``pre_grad_custom_pass`` (see :func:`inductor_pass`). Thread-safe."""
 
-    def __init__(self, config: KVarNConfig, *, max_cache_len: int = 8192,
-                 release_buffers: bool = True, spec_tokens: int = 0) -> None:
-        from kvarn_compile.backend import Report
-
+    def __init__(self, config: KVarNConfig, options: KVarNOptions | None = None) -> None:
         self.config = config
-        self.max_cache_len = checked_max_cache_len(max_cache_len)
-        self.release_buffers = release_buffers
-        self.spec_tokens = spec_tokens
+        self.options = options or KVarNOptions()
         #: the packed states, found by the compiled graphs through kvarn_compile.ops.keyed
-        self.store = StateStore(config, spec_tokens=spec_tokens)
+        self.store = StateStore(config, spec_tokens=self.spec_tokens)
         self.report = Report(released_bytes=lambda: self.store.released_bytes)
-        #: (before, after) normalized graph text of every rewritten graph (see testing.py)
-        self.graph_log: list[tuple[str, str]] = []
+        #: ``on_graph(stage, gm)``, stage "before"/"after" the rewrite: a test's graph recorder
+        #: (:func:`kvarn_compile.testing.record_graphs`); None in production
+        self.on_graph: Callable[[str, fx.GraphModule], None] | None = None
         self._rewritten_sites: set[str] = set()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ CustomGraphPass
     def __call__(self, graph: fx.Graph) -> None:
-        from kvarn_compile.backend import _log_graph, check_consistent
-        from kvarn_compile.passes.graph_text import normalize_graph
-
         gm = graph.owning_module
         if gm is None:      # a bare graph: wrap it so that rewrite_graph can recompile
             gm = fx.GraphModule(torch.nn.Module(), graph)
         with self._lock:
-            self.report.graphs += 1
-            graph_id = self.report.graphs
-            before = normalize_graph(gm)
-            _log_graph("kvarn pre-grad graph %d before rewrite:\n%s", graph_id, gm)
-            ctx = RewriteContext(get_state=self._size_state, method=self.config.op_method,
-                                 iters=self.config.sinkhorn_iters,
-                                 recent=self.config.recent_window, hold=self.spec_tokens,
-                                 check_finite=self.config.check_finite,
-                                 max_cache_len=self.max_cache_len,
-                                 release_buffers=self.release_buffers,
-                                 state_key=self.store.key)
-            _, reports = rewrite_graph(gm, [], ctx, graph_id)
-            check_consistent(self._rewritten_sites, reports)
-            self.report.sites.extend(reports)
-            self.graph_log.append((before, normalize_graph(gm)))
-            _log_graph("kvarn pre-grad graph %d after rewrite:\n%s", graph_id, gm)
-            for r in reports:
-                log.info("kvarn: %s", r.line().strip())
+            ctx = rewrite_context(self, get_state=self._size_state, state_key=self.store.key)
+            _, reports = run_rewrite(self, gm, gm, [], ctx, what="pre-grad graph",
+                                     seen=self._rewritten_sites)
         if any(r.rewritten for r in reports):
             from kvarn_compile._torch_compat import refuse_eager_fallback
 
@@ -116,6 +91,10 @@ class KVarNInductorPass(custom_graph_pass_base()):
         return allocate_layer(self.config, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                               max_len=max_len, dtype=dtype, device="meta",
                               spec_tokens=self.spec_tokens, name=name, grow_from=grow_from)
+
+    max_cache_len = property(lambda self: self.options.max_cache_len)
+    release_buffers = property(lambda self: self.options.release_buffers)
+    spec_tokens = property(lambda self: self.options.spec_tokens)
 
     @property
     def states(self) -> dict[tuple[str, int], LayerState]:
@@ -142,15 +121,16 @@ class KVarNInductorPass(custom_graph_pass_base()):
         return f"KVarNInductorPass({self.config.short()}, {self.store.namespace})"
 
 
-def inductor_pass(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int = 8192,
-                  release_buffers: bool = True, spec_tokens: int = 0,
-                  **config_overrides: Any) -> KVarNInductorPass:
+def inductor_pass(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int | None = None,
+                  release_buffers: bool | None = None, spec_tokens: int | None = None,
+                  options: KVarNOptions | None = None, **config_overrides: Any) -> KVarNInductorPass:
     """KVarN as an Inductor pre-grad pass: ``options={"pre_grad_custom_pass": inductor_pass()}``.
 
     Same arguments as :func:`kvarn_compile.kvarn_backend` (``preset`` or a
-    :class:`KVarNConfig`, ``**config_overrides``, ``max_cache_len`` for ``torch.cat``
-    caches, ``release_buffers``, ``spec_tokens``). ``.report`` lists every attention site
-    seen, ``.nbytes`` the bytes of the packed states.
+    :class:`KVarNConfig`, ``**config_overrides``, and the front-end options
+    ``max_cache_len``, ``release_buffers``, ``spec_tokens`` or ``options=KVarNOptions(...)``).
+    ``.report`` lists every attention site seen, ``.nbytes`` the bytes of the packed states.
     """
-    return KVarNInductorPass(get_config(preset, **config_overrides), max_cache_len=max_cache_len,
-                             release_buffers=release_buffers, spec_tokens=spec_tokens)
+    opts = options_from(options, max_cache_len=max_cache_len, release_buffers=release_buffers,
+                        spec_tokens=spec_tokens)
+    return KVarNInductorPass(get_config(preset, **config_overrides), opts)

@@ -207,8 +207,8 @@ def test_kvarn_backend_runs_both_templates_in_a_tiny_model(fresh_inductor, monke
     assert _calls_template(source, "prefill") and _calls_template(source, "decode")
     assert len(backend.report.rewritten) == len(backend.report.sites) > 0
     assert got.tolist() == want.tolist()
-    templates = [n for n in backend.report.notes if "kvarn_tile_partials" in n]
-    assert any("prefill[" in n for n in templates) and any("decode[" in n for n in templates)
+    templates = [d.winner for d in backend.report.lowerings if d.op == "kvarn_tile_partials"]
+    assert any(w.startswith("prefill[") for w in templates) and any(w.startswith("decode[") for w in templates)
 
 
 _STALE_PROBE = textwrap.dedent("""

@@ -1,4 +1,5 @@
-"""The reference quantizer against independent re-derivations and its stated properties."""
+"""The pure-torch quantizer (``kvarn_compile.quant``: rotation, quantize, cache) against
+independent re-derivations and its stated properties."""
 
 import math
 
@@ -14,6 +15,7 @@ from kvarn_compile.quant import (
     rotation_matrix, split_lengths, unpack_codes,
 )
 from kvarn_compile.quant.quantize import NonFiniteError
+from kvarn_compile.testing import kv_like
 
 HEAD_DIMS = [64, 80, 96, 112, 128, 256]
 BITS = [2, 3, 4, 8]
@@ -21,14 +23,6 @@ BITS = [2, 3, 4, 8]
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def kv_like(*lead: int, tokens: int = 256, d: int = 64) -> torch.Tensor:
-    """Keys with per-channel offsets and a few heavy channels, like post-RoPE LLM keys."""
-    x = torch.randn(*lead, tokens, d) * (0.5 + torch.rand(d) * 2)
-    x[..., 3] += 8.0
-    x[..., 7] *= 6.0
-    return x
 
 
 # ------------------------------------------------------------------------- rotation

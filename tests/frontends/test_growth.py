@@ -18,7 +18,6 @@ tokens need (a short sink, a tail that has not wrapped, the tiles so far) and
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 
 import pytest
@@ -32,18 +31,12 @@ from kvarn_compile.hf import KVarNCache, kv_geometry, use_kvarn_attention
 from kvarn_compile.state import (
     GROW_AXIS_FIELDS, MIN_GROWN_SLOTS, allocate_layer, fp16_cache_bytes, tiles_for, unpack,
 )
+from kvarn_compile.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 G, D, H = 32, 32, 2
 CFG = get_config("k4v2", group_size=G)
-
-
-@pytest.fixture()
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _kv(batch, tokens, seed):
@@ -196,10 +189,7 @@ def test_a_growing_state_is_the_preallocated_state(chunks, ops):
 
 # ------------------------------------------------------------------------------ compiled
 def _llama():
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from test_backend_models import _build
-
-    return _build("llama", "sdpa")
+    return tiny_model("llama", "sdpa")
 
 
 def _eager_tokens(model, ids, new, max_len):

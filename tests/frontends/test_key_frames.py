@@ -1,8 +1,9 @@
 """key_frame="auto" end to end: a Qwen2-style model whose k_proj bias gives its keys huge
 channels, compiled with kvarn_backend, against the eager model on a KVarNCache.
 
-The per-tile frame choice itself is tested in test_reference.py (quantizer), test_ops.py
-(packed state, fused attention) and test_kernels.py (Triton decode kernel).
+The per-tile frame choice itself is tested in tests/quant/test_quantize.py (quantizer),
+tests/ops/test_append.py and tests/ops/test_attention.py (packed state, fused attention) and
+tests/kernels/test_triton.py (Triton decode kernel).
 """
 
 from __future__ import annotations

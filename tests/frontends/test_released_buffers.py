@@ -32,43 +32,28 @@ import torch
 import transformers as tf
 
 from kvarn_compile import kvarn_backend
-from kvarn_compile.ops.keyed import is_freed, releasable, released
-from test_backend_models import (
-    EAGER_RTOL, MAX_LEN, PRESET, Oracle, _assert_same, _build, _example, _generate, _prompt,
-    _static_cache, fp_prefill_then_kvarn,
+from kvarn_compile.ops.buffers import is_freed, releasable, released
+from kvarn_compile.testing import (
+    EAGER_RTOL, EagerOracle, assert_same_generation, fp_prefill_then_kvarn,
+    gpt_fast_model, llama_ref_model, tiny_generate, tiny_model, tiny_prompt, tiny_static_cache,
 )
+from kvarn_compile.testing import TINY_MAX_LEN as MAX_LEN, TINY_PRESET as PRESET
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EIGHT_BIT = dict(PRESET, key_bits=8, value_bits=8)      # tokens equal full precision
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------ examples
 def _llama_ref():
-    lm = _example("llama_ref_model")
-    torch.manual_seed(0)
-    model = lm.Transformer(lm.ModelArgs(vocab_size=128, max_seq_len=MAX_LEN)).eval()
-    for p in model.parameters():          # sharper logits than the default init
-        p.data.mul_(3.0)
+    lm, model = llama_ref_model()
     buffers = [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
     return lm, model, model.reset_caches, buffers
 
 
 def _gpt_fast_model():
-    gf = _example("gpt_fast_model")
-    torch.manual_seed(0)
-    model = gf.Transformer(gf.ModelArgs(vocab_size=128)).eval()
-    for p in model.parameters():
-        p.data.mul_(3.0)
-    model.setup_caches(max_batch_size=1, max_seq_length=MAX_LEN)
+    gf, model = gpt_fast_model()
     buffers = [t for layer in model.layers
                for t in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache)]
 
@@ -97,7 +82,7 @@ def test_example_generation_flows(example):
     fp_model = copy.deepcopy(model)
     backend = kvarn_backend(**EIGHT_BIT, compiler="eager")
     step = torch.compile(model, backend=backend)
-    prompts = [_prompt(seed, length=n) % 128 for seed, n in ((1, 60), (2, 60), (3, 45))]
+    prompts = [tiny_prompt(seed, length=n) % 128 for seed, n in ((1, 60), (2, 60), (3, 45))]
     want = []
     for p in prompts:                     # full precision: at 8 bits the tokens are the same
         want.append(module.generate(fp_model, p, 6))
@@ -127,22 +112,22 @@ def test_static_cache_reset_and_reuse():
     """transformers' StaticCache, early-initialized (its buffers are graph inputs): generate,
     ``cache.reset()`` (``zero_()`` on the released buffers), generate again on the same
     cache, then a prompt of another length on a new one."""
-    model = _build("llama", "sdpa")
-    oracle = Oracle(model, "llama")
+    model = tiny_model("llama", "sdpa")
+    oracle = EagerOracle(model, "llama")
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
     model.compile(backend=backend)
-    cache = _static_cache(model, 1)
-    ids = _prompt(1)
-    first = _generate(model, ids, cache=cache, new=5)
-    _assert_same(first, oracle(ids, new=5), EAGER_RTOL, "first request")
+    cache = tiny_static_cache(model, 1)
+    ids = tiny_prompt(1)
+    first = tiny_generate(model, ids, cache=cache, new=5)
+    assert_same_generation(first, oracle(ids, new=5), EAGER_RTOL, "first request")
     layers = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     assert all(is_freed(t) for t in layers)
     cache.reset()
-    again = _generate(model, ids, cache=cache, new=5)
-    _assert_same(again, oracle(ids, new=5), EAGER_RTOL, "after reset()")
+    again = tiny_generate(model, ids, cache=cache, new=5)
+    assert_same_generation(again, oracle(ids, new=5), EAGER_RTOL, "after reset()")
     assert all(is_freed(t) for t in layers)
-    short = _prompt(2, length=41)
-    _assert_same(_generate(model, short, cache=_static_cache(model, 1), new=5),
+    short = tiny_prompt(2, length=41)
+    assert_same_generation(tiny_generate(model, short, cache=tiny_static_cache(model, 1), new=5),
                  oracle(short, new=5), EAGER_RTOL, "another prompt length")
     assert not backend.report.unchanged, str(backend.report)
 
@@ -152,13 +137,13 @@ def test_compile_config_second_request_on_the_same_cache():
     and compiles the decoding step; the compiled step adopts the prompt and frees the
     buffers. A second request on the same (reset) cache writes the released buffers eagerly
     and is adopted again."""
-    model = _build("llama", "sdpa")
+    model = tiny_model("llama", "sdpa")
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
     cc = tf.CompileConfig(backend=backend, fullgraph=False)
     cc._compile_all_devices = True          # transformers compiles on CUDA only by default
-    cache = _static_cache(model, 1)
+    cache = tiny_static_cache(model, 1)
     for seed in (1, 2):
-        ids = _prompt(seed)
+        ids = tiny_prompt(seed)
         cache.reset()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -180,7 +165,8 @@ import torch
 import torch.nn.functional as F
 sys.path.insert(0, {examples!r})
 import gpt_fast_model as gf
-from kvarn_compile import kvarn_backend, registry
+from kvarn_compile import kvarn_backend
+from kvarn_compile.ops import buffers as registry
 
 torch.manual_seed(0)
 model = gf.Transformer(gf.ModelArgs(vocab_size=64, n_layer=1)).eval()
@@ -294,7 +280,7 @@ def test_buffers_that_cannot_be_freed_in_place_are_kept_and_noted():
         t.share_memory_()
     backend = kvarn_backend(**EIGHT_BIT, compiler="eager")
     step = torch.compile(model, backend=backend)
-    prompt = _prompt(1, length=60) % 128
+    prompt = tiny_prompt(1, length=60) % 128
     want = module.generate(fp_model, prompt, 6)
     assert module.generate(model, prompt, 6, step=step).tolist() == want.tolist()
     assert _eager_prefill_generate(module, model, step, prompt, 6).tolist() == want.tolist()

@@ -1,6 +1,7 @@
 """Coverage of ``kvarn_backend`` on real model code: transformers families and the examples.
 
-Every model is a tiny random-weight config built here (no hub): 2 layers, head_dim 32,
+Every model is a tiny random-weight config (no hub; ``kvarn_compile.testing.tiny_model``,
+the eager oracle ``EagerOracle``): 2 layers, head_dim 32,
 ``torch.manual_seed`` fixed, ``initializer_range`` raised so greedy decoding does not collapse
 onto one token. The KVarN preset is ``k4v2`` with ``group_size=32``: the first 32 tokens are
 the sink, tokens 32..63 become the first frozen (quantized, packed) tile, so a 60-token prompt
@@ -70,205 +71,27 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-import pathlib
-import re
-import sys
 import warnings
 
 import pytest
 import torch
 import transformers as tf
 from transformers import StaticCache
-from transformers.cache_utils import Cache, StaticSlidingWindowLayer
 
 from kvarn_compile import kvarn_backend
-from kvarn_compile.config import get_config
-from kvarn_compile.hf import KVarNCache, KVarNLayer, kv_geometry, static_cache_for, use_kvarn_attention
-from kvarn_compile.ops.keyed import freeable_bytes, is_freed, resident_bytes
+from kvarn_compile.hf import kv_geometry
+from kvarn_compile.ops.buffers import freeable_bytes, is_freed, resident_bytes
+from kvarn_compile.testing import (
+    EAGER_RTOL, EXAMPLES, FLIP_RTOL, INDUCTOR_RTOL, TINY_FAMILIES, EagerOracle,
+    assert_same_generation, check_sites, flipped_codes, fp_prefill_then_kvarn, model_cache_buffers,
+    sliding_layers, tiny_config_kwargs, tiny_generate, tiny_model, tiny_prompt, tiny_static_cache,
+)
+from kvarn_compile.testing import TINY_MAX_LEN as MAX_LEN, TINY_NEW as NEW, TINY_NEW_SHORT as NEW_SHORT
+from kvarn_compile.testing import TINY_PRESET as PRESET, TINY_PROMPT as PROMPT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRESET = dict(preset="k4v2", group_size=32)
-MAX_LEN = 256          # cache capacity (static caches, KVarNCache and the backend's cat caches)
-PROMPT = 60
-NEW = 6                # the 5th forward appends position 63: tile 32..63 is frozen
-NEW_SHORT = 5          # second sequence / sampling: still crosses the freeze
-WINDOW = 16            # sliding window of the "-swa" configs (shorter than the prompt)
-EAGER_RTOL = 1e-4      # logits, relative to the largest |logit| of the step
-INDUCTOR_RTOL = 1e-3   # Inductor reorders fp32 sums (no packed element differs)
-FLIP_RTOL = 5e-2       # ... and when a K/V value next to a rounding boundary landed on the
-                       # neighbouring code when a tile was frozen (see _flipped_codes)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 COVERAGE: dict[tuple[str, str, str], str] = {}
-
-
-# ------------------------------------------------------------------------------ models
-def _common(**extra):
-    return dict(vocab_size=128, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=32,
-                max_position_embeddings=512, initializer_range=0.15, bos_token_id=1,
-                eos_token_id=1, pad_token_id=0, **extra)
-
-
-def _phi3_config():
-    kw = _common()
-    kw.pop("head_dim")                     # Phi-3 derives it: 192 / 6 = 32
-    return tf.Phi3Config(**kw)
-
-
-FAMILIES = {
-    # name: (config factory, model class, what it covers)
-    "llama": (lambda: tf.LlamaConfig(**_common()), tf.LlamaForCausalLM),
-    "qwen2": (lambda: tf.Qwen2Config(**_common()), tf.Qwen2ForCausalLM),             # qkv bias
-    "qwen3": (lambda: tf.Qwen3Config(**_common()), tf.Qwen3ForCausalLM),             # q/k norm
-    "mistral": (lambda: tf.MistralConfig(**_common(sliding_window=None)), tf.MistralForCausalLM),
-    "gpt2": (lambda: tf.GPT2Config(vocab_size=128, n_embd=128, n_layer=2, n_head=4,  # MHA
-                                   n_positions=512, initializer_range=0.15, bos_token_id=1,
-                                   eos_token_id=1, pad_token_id=0), tf.GPT2LMHeadModel),
-    "phi3": (_phi3_config, tf.Phi3ForCausalLM),                                       # fused qkv
-    # layer 0 full attention, layer 1 sliding window (max_window_layers=1)
-    "qwen2-swa": (lambda: tf.Qwen2Config(**_common(use_sliding_window=True, sliding_window=WINDOW,
-                                                    max_window_layers=1)), tf.Qwen2ForCausalLM),
-}
-
-
-def _build(family: str, attn: str) -> torch.nn.Module:
-    make_config, cls = FAMILIES[family]
-    torch.manual_seed(0)
-    config = make_config()
-    config._attn_implementation = attn
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = cls(config).eval()
-    model.generation_config.eos_token_id = None     # always generate NEW tokens
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def _sliding_layers(model) -> set[int]:
-    types = getattr(model.config, "layer_types", None) or []
-    return {i for i, t in enumerate(types) if t == "sliding_attention"}
-
-
-def _static_cache(model, batch: int) -> StaticCache:
-    return static_cache_for(model, MAX_LEN, batch=batch)
-
-
-def _prompt(seed: int, batch: int = 1, length: int = PROMPT) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, 128, (batch, length), generator=g)
-
-
-# ------------------------------------------------------------------------------ runs
-def _generate(model, ids, *, cache=None, mask=None, sample_seed=None, new=NEW):
-    kw = dict(max_new_tokens=new, output_logits=True, return_dict_in_generate=True)
-    if cache is not None:
-        kw["past_key_values"] = cache
-    if mask is not None:
-        kw["attention_mask"] = mask
-    if sample_seed is None:
-        kw["do_sample"] = False
-    else:
-        kw.update(do_sample=True, top_k=0, temperature=1.0)
-        torch.manual_seed(sample_seed)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(ids, **kw)
-
-
-class Oracle:
-    """The eager model on a KVarN cache: ``use_kvarn_attention`` + ``KVarNCache``.
-
-    For models with sliding-window layers (which the backend leaves in full precision, and
-    ``KVarNCache`` refuses) the cache is mixed instead: a ``KVarNLayer`` handing back a
-    dequantized K/V for every full-attention layer, transformers' own sliding-window layer
-    for the others, and the model keeps its attention implementation.
-
-    Runs are memoized: with the ``kvarn`` attention the result does not depend on the
-    compiled side's cache kind or attention implementation, so the four compiled variants of
-    a family share one eager run per prompt.
-    """
-
-    _memo: dict = {}
-
-    def __init__(self, fp_model, family: str):
-        self.model = copy.deepcopy(fp_model)
-        self.sliding = _sliding_layers(self.model)
-        self.key = (family, self.model.config._attn_implementation if self.sliding else "kvarn")
-        if not self.sliding:
-            use_kvarn_attention(self.model)
-
-    def cache(self):
-        if not self.sliding:
-            return KVarNCache(self.model.config, max_cache_len=MAX_LEN, **PRESET)
-        kcfg = get_config(**PRESET)
-        layers = [StaticSlidingWindowLayer(MAX_LEN, WINDOW) if i in self.sliding
-                  else KVarNLayer(kcfg, MAX_LEN, name=f"layers.{i}", fused=False)
-                  for i in range(self.model.config.num_hidden_layers)]
-        return Cache(layers=layers)
-
-    def __call__(self, ids, mask=None, **kw):
-        key = (*self.key, ids.numpy().tobytes(), tuple(ids.shape),
-               None if mask is None else mask.numpy().tobytes(), tuple(sorted(kw.items())))
-        if key not in self._memo:
-            cache = self.cache()
-            self._memo[key] = (_generate(self.model, ids, cache=cache, mask=mask, **kw), cache)
-        out, self.last_cache = self._memo[key]
-        return out
-
-
-def _flipped_codes(backend, oracle_cache) -> int:
-    """Packed-state elements (code bytes and scales) where the compiled run froze its tiles
-    differently from the eager oracle. Inductor reorders fp32 sums, and a growing state's
-    sink and tail have other lengths than the oracle's (so other fp32 sums too), so a K/V
-    value that sits on a rounding boundary can land on the neighbouring code: a legitimate
-    difference of one code step, which moves later logits by up to a few percent of the
-    logit scale. Anything but such isolated flips is a bug (asserted here)."""
-    from kvarn_compile.state import unpack
-
-    total = 0
-    for (name, _batch), st in backend.states.items():
-        layer = oracle_cache.layers[int(re.search(r"(?:layers|h)\.(\d+)\.", name).group(1))]
-        if not hasattr(layer, "state"):
-            continue
-        a, b = unpack(st.buffers), unpack(layer.state.buffers)
-        assert torch.equal(a.n_tiles, b.n_tiles), f"{name}: different tiles frozen"
-        n = int(a.n_tiles.max())
-        for kind in "kv":
-            for got, want in zip(a.tiles(kind).core, b.tiles(kind).core):
-                diff = got[:, :, :n] != want[:, :, :n]
-                total += int(diff.sum())
-        assert total <= 8, f"{name}: {total} packed elements differ from the eager oracle"
-    return total
-
-
-def _assert_same(got, want, rtol: float, what: str) -> float:
-    """Same tokens, and every step's logits within rtol of that step's logit scale."""
-    assert got.sequences.tolist() == want.sequences.tolist(), f"{what}: tokens differ"
-    worst = 0.0
-    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
-        err = (a - b).abs().max().item() / b.abs().max().item()
-        assert err <= rtol, f"{what}: step {step} logits differ by {err:.2e} (relative) > {rtol}"
-        worst = max(worst, err)
-    return worst
-
-
-def _check_sites(backend, sliding: set[int]) -> None:
-    """Everything rewritten except sliding-window layers, which say so."""
-    report = backend.report
-    assert report.sites, "the backend saw no attention"
-    for site in report.sites:
-        layer = int(re.search(r"(?:layers|h)\.(\d+)\.", site.name).group(1))
-        if layer in sliding:
-            assert not site.rewritten, f"sliding-window layer rewritten: {site.line()}"
-            assert site.reason.startswith("sliding-window attention: its cache "), site.line()
-            assert "keeps its full-precision cache" in site.reason
-        else:
-            assert site.rewritten, f"not rewritten: {site.line()}"
-    text = str(report)
-    assert text.count("[rewritten]") + text.count("[unchanged]") == len(report.sites)
-    for site in report.sites:
-        assert site.line() in text
 
 
 def _record(family, cache_kind, attn, backend, err: float | None = None) -> None:
@@ -278,13 +101,6 @@ def _record(family, cache_kind, attn, backend, err: float | None = None) -> None
         f"{len(r.rewritten)}/{len(r.sites)}"
         + (f"  max logit err {err:.1e}" if err is not None else "")
         + (f"  unchanged: {' | '.join(reasons)}" if reasons else ""))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -301,7 +117,7 @@ def _coverage_table(request):
 
 
 # ------------------------------------------------------------------------------ HF families
-CASES = [(f, c, a) for f in FAMILIES for c in ("dynamic", "static") for a in ("sdpa", "eager")]
+CASES = [(f, c, a) for f in TINY_FAMILIES for c in ("dynamic", "static") for a in ("sdpa", "eager")]
 
 
 @pytest.mark.parametrize("family,cache_kind,attn", CASES, ids=["-".join(c) for c in CASES])
@@ -316,25 +132,25 @@ def test_llama_inductor(cache_kind):
 
 
 def _run_hf_case(family, cache_kind, attn, *, compiler, rtol):
-    model = _build(family, attn)
-    oracle = Oracle(model, family)
-    sliding = _sliding_layers(model)
+    model = tiny_model(family, attn)
+    oracle = EagerOracle(model, family)
+    sliding = sliding_layers(model)
     backend = kvarn_backend(**PRESET, compiler=compiler, max_cache_len=MAX_LEN)
     model.compile(backend=backend)
     static = cache_kind == "static"
 
     # 1 + 2: greedy, per-step logits against the eager KVarN model
-    ids = _prompt(1)
-    cache = _static_cache(model, 1) if static else None
-    out = _generate(model, ids, cache=cache)
-    _check_sites(backend, sliding)
+    ids = tiny_prompt(1)
+    cache = tiny_static_cache(model, 1) if static else None
+    out = tiny_generate(model, ids, cache=cache)
+    check_sites(backend, sliding)
     assert len(set(out.sequences[0, PROMPT:].tolist())) > 2, "degenerate model: vacuous check"
     want = oracle(ids)
     # a growing state's buffers have other shapes than the oracle's: fp32 sums may round
     # differently there too (like Inductor's), so a K/V value may flip a code
-    tol = lambda: FLIP_RTOL if (compiler == "inductor" or not static) and _flipped_codes(  # noqa: E731
+    tol = lambda: FLIP_RTOL if (compiler == "inductor" or not static) and flipped_codes(  # noqa: E731
         backend, oracle.last_cache) else rtol
-    err = _assert_same(out, want, tol(), "greedy")
+    err = assert_same_generation(out, want, tol(), "greedy")
     label = attn + ("/inductor" if compiler == "inductor" else "")
     _record(family, cache_kind, label, backend, err)
 
@@ -363,18 +179,18 @@ def _run_hf_case(family, cache_kind, attn, *, compiler, rtol):
         assert layers[i].keys.untyped_storage().nbytes() > 0
 
     # 3: a new prompt of the same length: no new graph, no state from the first sequence
-    ids2 = _prompt(2)
-    out2 = _generate(model, ids2, cache=_static_cache(model, 1) if static else None, new=NEW_SHORT)
+    ids2 = tiny_prompt(2)
+    out2 = tiny_generate(model, ids2, cache=tiny_static_cache(model, 1) if static else None, new=NEW_SHORT)
     assert backend.report.graphs == graphs, str(backend.report)
     want = oracle(ids2, new=NEW_SHORT)
-    _assert_same(out2, want, tol(), "second sequence")
+    assert_same_generation(out2, want, tol(), "second sequence")
 
     # 5: sampling with a fixed seed (the generate loop is shared by all families)
     if family in ("llama", "gpt2"):
-        sampled = _generate(model, ids, cache=_static_cache(model, 1) if static else None,
+        sampled = tiny_generate(model, ids, cache=tiny_static_cache(model, 1) if static else None,
                             sample_seed=7, new=NEW_SHORT)
         want = oracle(ids, sample_seed=7, new=NEW_SHORT)
-        _assert_same(sampled, want, tol(), "sampling")
+        assert_same_generation(sampled, want, tol(), "sampling")
         assert backend.report.graphs == graphs
 
 
@@ -382,74 +198,29 @@ def _run_hf_case(family, cache_kind, attn, *, compiler, rtol):
 def test_llama_left_padded_batch(cache_kind, attn):
     # A fresh compile: after batch 1, Dynamo would make the batch dimension dynamic and the
     # pass leaves such graphs unchanged ("dynamic batch ..."), see the report.
-    model = _build("llama", attn)
-    oracle = Oracle(model, "llama")
+    model = tiny_model("llama", attn)
+    oracle = EagerOracle(model, "llama")
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
     model.compile(backend=backend)
     static = cache_kind == "static"
-    ids = _prompt(3, batch=2)
+    ids = tiny_prompt(3, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     ids[1, :7] = 0
-    out = _generate(model, ids, cache=_static_cache(model, 2) if static else None, mask=mask)
-    _check_sites(backend, set())
+    out = tiny_generate(model, ids, cache=tiny_static_cache(model, 2) if static else None, mask=mask)
+    check_sites(backend, set())
     assert backend.report.graphs == (2 if static else 3), str(backend.report)
     want = oracle(ids, mask=mask)
-    flips = not static and _flipped_codes(backend, oracle.last_cache)   # see _run_hf_case
-    err = _assert_same(out, want, FLIP_RTOL if flips else EAGER_RTOL, "left-padded batch")
+    flips = not static and flipped_codes(backend, oracle.last_cache)   # see _run_hf_case
+    err = assert_same_generation(out, want, FLIP_RTOL if flips else EAGER_RTOL, "left-padded batch")
     _record("llama-batch2", cache_kind, attn, backend, err)
 
 
 # ------------------------------------------------------------------------------ examples
-def _example(name: str):
-    path = ROOT / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"kvarn_example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-def _gpt_fast():
-    gf = _example("gpt_fast_model")
-    torch.manual_seed(0)
-    model = gf.Transformer(gf.ModelArgs(vocab_size=128)).eval()
-    for p in model.parameters():          # sharper logits than the default init
-        p.data.mul_(3.0)
-    model.setup_caches(max_batch_size=1, max_seq_length=MAX_LEN)
-    return gf, model
-
-
-def _nanogpt():
-    ng = _example("nanogpt_model")
-    torch.manual_seed(0)
-    model = ng.GPT(ng.GPTConfig(vocab_size=128, block_size=MAX_LEN)).eval()
-    for p in model.parameters():
-        p.data.mul_(3.0)
-    return ng, model
-
-
-def _llama_ref():
-    lm = _example("llama_ref_model")
-    torch.manual_seed(0)
-    model = lm.Transformer(lm.ModelArgs(vocab_size=128, max_seq_len=MAX_LEN)).eval()
-    for p in model.parameters():
-        p.data.mul_(3.0)
-    return lm, model
-
-
-EXAMPLES = {"gpt_fast": _gpt_fast, "nanogpt": _nanogpt, "llama_ref": _llama_ref}
-
-
-def _buffers(model):
-    return [b for name, b in model.named_buffers()
-            if name.endswith(("k_cache", "v_cache", "cache_k", "cache_v"))]
-
-
 @pytest.mark.parametrize("example", ["gpt_fast", pytest.param("nanogpt", marks=pytest.mark.slow)])
 def test_example_inductor_equals_eager(example):
     module, model = EXAMPLES[example]()
-    prompt = _prompt(4, length=PROMPT) % 128
+    prompt = tiny_prompt(4, length=PROMPT) % 128
     tokens = {}
     for compiler in ("eager", "inductor"):
         torch._dynamo.reset()
@@ -457,7 +228,7 @@ def test_example_inductor_equals_eager(example):
         backend = kvarn_backend(**PRESET, compiler=compiler)
         tokens[compiler] = module.generate(m, prompt, NEW, step=torch.compile(m, backend=backend))
         assert backend.report.sites and not backend.report.unchanged, str(backend.report)
-        assert all(is_freed(b) for b in _buffers(m)), "cache not released"
+        assert all(is_freed(b) for b in model_cache_buffers(m)), "cache not released"
         assert sum(s.released_bytes for s in backend.report.sites) > 0
         # gpt-fast: positions are a tensor; nanoGPT: the int start changes with T at the
         # first decode step, so Dynamo makes it dynamic right away. Either way: prefill + decode.
@@ -469,24 +240,24 @@ def test_example_inductor_equals_eager(example):
 @pytest.mark.parametrize("example", ["gpt_fast", "nanogpt", "llama_ref"])
 def test_example_8bit_equals_fp(example):
     module, model = EXAMPLES[example]()
-    prompt = _prompt(5, length=PROMPT) % 128
+    prompt = tiny_prompt(5, length=PROMPT) % 128
     fp = module.generate(copy.deepcopy(model), prompt, NEW)
     backend = kvarn_backend(**PRESET, key_bits=8, value_bits=8, compiler="eager")
     m = copy.deepcopy(model)
     tokens = module.generate(m, prompt, NEW, step=torch.compile(m, backend=backend))
     assert not backend.report.unchanged, str(backend.report)
-    assert all(is_freed(b) for b in _buffers(m)), "cache not released"
+    assert all(is_freed(b) for b in model_cache_buffers(m)), "cache not released"
     assert len(set(fp[0].tolist())) > 2, "degenerate model: the comparison would be vacuous"
     assert tokens.tolist() == fp.tolist()
 
 
 def test_hf_8bit_equals_fp():
-    model = _build("qwen3", "sdpa")
-    fp = _generate(copy.deepcopy(model), _prompt(6))
+    model = tiny_model("qwen3", "sdpa")
+    fp = tiny_generate(copy.deepcopy(model), tiny_prompt(6))
     backend = kvarn_backend(preset="k4v2", group_size=32, key_bits=8, value_bits=8,
                             compiler="eager", max_cache_len=MAX_LEN)
     model.compile(backend=backend)
-    out = _generate(model, _prompt(6), cache=_static_cache(model, 1))
+    out = tiny_generate(model, tiny_prompt(6), cache=tiny_static_cache(model, 1))
     assert not backend.report.unchanged
     assert out.sequences.tolist() == fp.sequences.tolist()
 
@@ -504,16 +275,16 @@ def test_mode_kwarg_is_accepted_and_noted():
 def test_second_static_cache_is_released():
     # The graphs compiled for the first StaticCache are reused for the second one; the
     # backend frees the model-owned buffers after every call, not only at compile time.
-    model = _build("llama", "sdpa")
-    oracle = Oracle(model, "llama")
+    model = tiny_model("llama", "sdpa")
+    oracle = EagerOracle(model, "llama")
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
     model.compile(backend=backend)
-    first = _static_cache(model, 1)
-    _generate(model, _prompt(1), cache=first, new=3)
+    first = tiny_static_cache(model, 1)
+    tiny_generate(model, tiny_prompt(1), cache=first, new=3)
     one_cache = sum(freeable_bytes(t) for layer in first.layers for t in (layer.keys, layer.values))
     assert backend.report.released_bytes == one_cache
-    second = _static_cache(model, 1)
-    out = _generate(model, _prompt(2), cache=second, new=NEW_SHORT)
+    second = tiny_static_cache(model, 1)
+    out = tiny_generate(model, tiny_prompt(2), cache=second, new=NEW_SHORT)
     # whole pages only: the second cache's count depends on where its buffers start
     two = sum(freeable_bytes(t) for layer in second.layers for t in (layer.keys, layer.values))
     assert abs(two - one_cache) <= 8 * 4096
@@ -521,33 +292,7 @@ def test_second_static_cache_is_released():
     assert all(is_freed(t) for layer in second.layers for t in (layer.keys, layer.values))
     assert backend.report.released_bytes == one_cache + two
     assert f"released {one_cache + two} bytes" in str(backend.report)
-    _assert_same(out, oracle(_prompt(2), new=NEW_SHORT), EAGER_RTOL, "second cache")
-
-
-def fp_prefill_then_kvarn(model, ids, new: int):
-    """Oracle of ``generate(compile_config=...)``: transformers runs the prefill eagerly on
-    its full-precision cache (never compiled), the compiled decoding steps then take the
-    prompt's K/V over into the packed cache. Here: an fp prefill, its K/V appended to a
-    ``KVarNCache``, then greedy eager decoding with the ``kvarn`` attention."""
-    from transformers import DynamicCache
-
-    fp = copy.deepcopy(model)
-    kv = copy.deepcopy(model)
-    use_kvarn_attention(kv)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = fp(ids, past_key_values=DynamicCache(config=fp.config), use_cache=True)
-        cache = KVarNCache(kv.config, max_cache_len=MAX_LEN, **PRESET)
-        for layer, fp_layer in zip(cache.layers, out.past_key_values.layers):
-            layer.update(fp_layer.keys, fp_layer.values)
-        logits, tokens = [out.logits[:, -1]], ids
-        for _ in range(new - 1):
-            tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
-            pos = tokens.shape[1] - 1
-            step = kv(tokens[:, -1:], past_key_values=cache, cache_position=torch.tensor([pos]))
-            logits.append(step.logits[:, -1])
-        tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
-    return tokens, logits
+    assert_same_generation(out, oracle(tiny_prompt(2), new=NEW_SHORT), EAGER_RTOL, "second cache")
 
 
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -555,7 +300,7 @@ def test_generate_with_compile_config(compiler):
     # transformers compiles only the decoding step: the prompt goes to its full-precision
     # StaticCache (eager prefill); the first compiled step adopts it into the packed state
     # (kvarn::append_from_) and frees the fp buffers. Every generate() makes a new StaticCache.
-    model = _build("llama", "sdpa")
+    model = tiny_model("llama", "sdpa")
     backend = kvarn_backend(**PRESET, compiler=compiler, max_cache_len=MAX_LEN)
     cc = tf.CompileConfig(backend=backend, mode="reduce-overhead", fullgraph=False)
     cc._compile_all_devices = True          # transformers compiles on CUDA only by default
@@ -565,7 +310,7 @@ def test_generate_with_compile_config(compiler):
     rtol = EAGER_RTOL if compiler == "eager" else 10 * INDUCTOR_RTOL
     fp_bytes = 0
     for seed, new in ((1, NEW), (2, NEW_SHORT)):
-        ids = _prompt(seed)
+        ids = tiny_prompt(seed)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = model.generate(ids, max_new_tokens=new, do_sample=False,
@@ -580,7 +325,7 @@ def test_generate_with_compile_config(compiler):
             for t in (layer.keys, layer.values):
                 assert is_freed(t)
                 fp_bytes += freeable_bytes(t)
-    _check_sites(backend, set())
+    check_sites(backend, set())
     assert backend.report.graphs == 1, str(backend.report)   # one decoding graph, reused
     assert backend.report.released_bytes == fp_bytes
     assert "mode='reduce-overhead' is ignored on CPU" in str(backend.report)
@@ -590,12 +335,12 @@ def test_lazy_static_cache_prompt_is_adopted():
     # Without early_initialization transformers creates the StaticCache buffers inside the
     # compiled prefill, which then stays in full precision (reported: the graph returns the new
     # buffers); the first decoding step adopts the prompt and frees the buffers.
-    model = _build("llama", "sdpa")
+    model = tiny_model("llama", "sdpa")
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
     model.compile(backend=backend)
-    ids = _prompt(1)
+    ids = tiny_prompt(1)
     cache = StaticCache(config=model.config, max_cache_len=MAX_LEN)
-    out = _generate(model, ids, cache=cache)
+    out = tiny_generate(model, ids, cache=cache)
     tokens, logits = fp_prefill_then_kvarn(model, ids, NEW)
     assert out.sequences.tolist() == tokens.tolist()
     for step, (a, b) in enumerate(zip(out.logits, logits)):
@@ -616,9 +361,9 @@ def test_static_sliding_window_starting_inside_the_window_is_refused():
     # (indistinguishable from a full-attention StaticLayer) and rewritten; once the window is
     # full transformers switches to roll + copy_, which the pass refuses. The backend then
     # stops with a clear error instead of splitting the layer's cache (README, Limits).
-    _, cls = FAMILIES["mistral"]
+    cls = tf.MistralForCausalLM
     torch.manual_seed(0)
-    config = tf.MistralConfig(**_common(sliding_window=32))
+    config = tf.MistralConfig(**tiny_config_kwargs(sliding_window=32))
     config._attn_implementation = "sdpa"
     model = cls(config).eval()
     model.generation_config.eos_token_id = None
@@ -626,7 +371,7 @@ def test_static_sliding_window_starting_inside_the_window_is_refused():
     model.compile(backend=backend)
     with pytest.raises(RuntimeError, match=r"attention site model\.layers\.0\.self_attn was "
                        r"rewritten in an earlier graph but is left unchanged now \(sliding-window"):
-        _generate(model, _prompt(9, length=24), cache=_static_cache(model, 1), new=12)
+        tiny_generate(model, tiny_prompt(9, length=24), cache=tiny_static_cache(model, 1), new=12)
 
 
 # ------------------------------------------------------------------------------ regional
@@ -639,16 +384,16 @@ def test_each_decoder_layer_compiled_on_its_own_equals_the_whole_model(cache_kin
     (transformers initializes each cache layer lazily): the recompile limit is raised."""
     def run(per_layer: bool):
         torch._dynamo.reset()
-        model = _build("llama", "sdpa")
+        model = tiny_model("llama", "sdpa")
         backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
         if per_layer:
             for layer in model.model.layers:
                 layer.compile(backend=backend)
         else:
             model.compile(backend=backend)
-        cache = _static_cache(model, 1) if cache_kind == "static" else None
+        cache = tiny_static_cache(model, 1) if cache_kind == "static" else None
         with torch._dynamo.config.patch(recompile_limit=16):
-            return _generate(model, _prompt(11), cache=cache), backend
+            return tiny_generate(model, tiny_prompt(11), cache=cache), backend
 
     whole, _ = run(per_layer=False)
     regional, backend = run(per_layer=True)
@@ -664,22 +409,22 @@ def test_a_rewritten_function_is_never_run_uncompiled_past_the_recompile_limit()
     """Past ``recompile_limit`` Dynamo would run a layer uncompiled, over the placeholder that
     replaced its cache (wrong logits, silently); the backend makes that call fail with a clear
     error instead. (Regional compilation over a DynamicCache needs about 2 graphs per layer.)"""
-    model = _build("llama", "sdpa")
+    model = tiny_model("llama", "sdpa")
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN)
     for layer in model.model.layers:
         layer.compile(backend=backend)
     with torch._dynamo.config.patch(recompile_limit=2), \
             pytest.raises(RuntimeError, match=r"kvarn: Dynamo reached torch\._dynamo\.config\."
                           r"recompile_limit \(2\) for .*, a function whose attention kvarn rewrote"):
-        _generate(model, _prompt(12))
+        tiny_generate(model, tiny_prompt(12))
 
 
 def test_the_recompile_guard_forgets_its_frames_after_a_dynamo_reset():
     """Dynamo numbers frames from 0 again after ``torch._dynamo.reset()``: a function compiled
     afterwards (no kvarn here) that reaches the recompile limit runs uncompiled as usual."""
-    model = _build("llama", "sdpa")
+    model = tiny_model("llama", "sdpa")
     model.compile(backend=kvarn_backend(**PRESET, compiler="eager", max_cache_len=MAX_LEN))
-    _generate(model, _prompt(12), new=2)                   # frames 0.. rewritten
+    tiny_generate(model, tiny_prompt(12), new=2)                   # frames 0.. rewritten
     torch._dynamo.reset()
 
     def scale(x, n):

@@ -226,20 +226,21 @@ _KEY = ("op=kvarn_attention|device=x86_64|capability=cpu|dtype=torch.float32|pre
         "head_dim=64|kv_heads=3|q_heads=9|batch=1|query={q}|length_bucket=8192")
 
 
-def test_report_folds_the_lowering_notes_into_one_line_per_shape_bucket():
-    from kvarn_compile.backend import Report, summarize_notes
+def test_report_folds_the_lowering_decisions_into_one_line_per_shape_bucket():
+    from kvarn_compile.lowering.decisions import LoweringDecision
+    from kvarn_compile.report import Report, summarize_lowerings
 
-    notes = ["mode='reduce-overhead' is ignored on CPU"]
+    decisions = []
     for q, ms in (("prefill512", (0.51, 50.4)), ("decode", (0.15, 0.34))):
-        notes.append(f"lowering kvarn_attention: dense of 2 choice(s) [dense, reference], benchmarked; "
-                     f"dense {ms[0]} ms, reference {ms[1]} ms [{_KEY.format(q=q)}]")
-        notes += [f"lowering kvarn_attention: dense of 1 choice(s) [dense], replayed from the autotune "
-                  f"DB (no benchmark) [{_KEY.format(q=q)}]"] * 29
-    notes.append(f"lowering kvarn_attention: reference of 2 choice(s) [dense, reference], benchmarked; "
-                 f"dense 0.2 ms, reference 0.1 ms [{_KEY.format(q='decode')}]")
-    got = summarize_notes(notes)
-    assert got[0] == "mode='reduce-overhead' is ignored on CPU" and len(got) == 3
-    prefill, decode = got[1:]
+        decisions.append(LoweringDecision("kvarn_attention", _KEY.format(q=q), ["dense", "reference"],
+                                          False, "dense", {"dense": ms[0], "reference": ms[1]}))
+        decisions += [LoweringDecision("kvarn_attention", _KEY.format(q=q), ["dense"], True, "dense")
+                      for _ in range(29)]
+    decisions.append(LoweringDecision("kvarn_attention", _KEY.format(q="decode"), ["dense", "reference"],
+                                      False, "reference", {"dense": 0.2, "reference": 0.1}))
+    got = summarize_lowerings(decisions)
+    assert len(got) == 2
+    prefill, decode = got
     assert prefill.startswith("lowering kvarn_attention at 30 site(s), query=prefill512 length_bucket=8192: "
                               "dense (benchmarked x1, replayed x29); dense 0.51 ms, reference 50.4 ms")
     assert "head_dim=64 kv_heads=3" in prefill and "op=" not in prefill
@@ -247,6 +248,7 @@ def test_report_folds_the_lowering_notes_into_one_line_per_shape_bucket():
                              "dense x30, reference x1 (benchmarked x2, replayed x29); "
                              "reference 0.1-0.34 ms, dense 0.15-0.2 ms [device=")
     report = Report()
-    report.notes = notes
-    assert str(report).count("note: lowering") == 2
-    assert summarize_notes(["something else [x]"]) == ["something else [x]"]
+    report.note("mode='reduce-overhead' is ignored on CPU")
+    report.add_lowerings(decisions)
+    text = str(report)
+    assert text.count("note: lowering") == 2 and "note: mode='reduce-overhead'" in text

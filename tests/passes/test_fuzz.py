@@ -52,6 +52,7 @@ import kvarn_compile.ops  # noqa: F401
 from kvarn_compile import get_config, kvarn_backend
 from kvarn_compile.ops import append as append_ref
 from kvarn_compile.state import allocate_layer, unpack
+from kvarn_compile.testing import oracle_attention, random_kv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,10 +78,7 @@ def _summary(request):
 
 
 def _kv(gen, b, h, t, d, scale, dtype):
-    spread = 1 + 4 * torch.rand(d, generator=gen)
-    k = (torch.randn(b, h, t, d, generator=gen) * spread + 0.5) * scale
-    v = torch.randn(b, h, t, d, generator=gen) * scale
-    return k.to(dtype), v.to(dtype)
+    return random_kv(b, h, t, d, scale=scale, dtype=dtype, generator=gen)
 
 
 # ==============================================================================================
@@ -151,11 +149,7 @@ def _ops_case(data, target):
         ref.trim()          # after the call's attention, as the backend does
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         # and the eager ops agree with float64 attention over the dequantized cache
-        k_hat, v_hat = append_ref.materialize(ref.buffers, dtype=torch.float64)
-        n = p0 + t
-        oracle = F.scaled_dot_product_attention(
-            q.double(), k_hat[:, :, :n], v_hat[:, :, :n], attn_mask=causal[None, None, p0:n, :n],
-            enable_gqa=True)
+        oracle = oracle_attention(q, ref.buffers, scale=d ** -0.5)     # causal, newest t queries
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         torch.testing.assert_close(got.double(), oracle, rtol=tol, atol=tol * oracle.abs().max().item())
         p0 += t

@@ -13,6 +13,7 @@ from kvarn_compile.ops import append as append_ref, attention as attention_ref
 from kvarn_compile.quant.quantize import QuantizedTiles, dequantize_tiles
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import BUF, allocate_layer
+from kvarn_compile.testing import reference_attention
 
 # Triton is a dependency and conftest sets TRITON_INTERPRET=1: the Triton paths always run
 # here (on CPU tensors through the interpreter), and fail rather than skip when they break.
@@ -38,7 +39,7 @@ def _filled(lengths, preset="k4v2", **kw):
 @pytest.mark.parametrize("preset", ["k4v2", "k2v2", "k4v4"])
 def test_attention_kernel_path_matches_reference(kernel, lengths, group_q, window, preset):
     if kernel == "triton" and preset != "k4v2":
-        pytest.skip("bit widths are covered by tests/test_kernels.py")
+        pytest.skip("bit widths are covered by tests/kernels/test_triton.py")
     st = _filled(lengths, preset)
     q = torch.randn(len(lengths), H * group_q, 1, D)
     assert triton_impl.kernel_applies(q, st.buffers, None)
@@ -134,42 +135,24 @@ def _dequantized(buffers):
 
 
 def _oracle_tiles(q, buffers, scale, *, kv_start=None, k_plain=None):
-    """Plain softmax attention over the dequantized tiles, in fp64, rotated frame:
-    scores with q for plain key tiles and with q @ H for rotated ones."""
-    kd, vd = _dequantized(buffers)
+    """Plain softmax attention over the dequantized tiles, in fp64 (the kit's
+    ``reference_attention``), rotated value frame: a rotated key tile is scored with q @ H,
+    i.e. it is the key k @ H^T in q's frame, a plain key tile (``k_plain``) with q itself.
+    Every query sees every valid tile key from ``kv_start`` on; (out, lse)."""
+    kd, vd = _dequantized(buffers)                                    # K [B,H,N,D,G], V [B,H,N,G,D]
     bsz, heads, n, d, g = kd.shape
-    hq, tq = q.shape[1], q.shape[2]
-    grp = hq // heads
-    q = q.double()
-    q_rot = q @ rotation_matrix(d).double()
+    keys = kd.transpose(-1, -2)                                       # [B,H,N,G,D], stored frame
+    rotated = keys @ rotation_matrix(d).double().T                    # the same keys in q's frame
+    plain = torch.zeros(bsz, heads, n, dtype=torch.bool) if k_plain is None else k_plain[..., :n].bool()
+    keys = torch.where(plain[..., None, None], keys, rotated).reshape(bsz, heads, n * g, d)
     n_tiles = buffers[BUF["n_tiles"]]
-    out = torch.zeros(bsz, hq, tq, d, dtype=torch.float64)
-    lse = torch.full((bsz, hq, tq), float("-inf"), dtype=torch.float64)
-    for b in range(bsz):
-        used = int(n_tiles[b])
-        for h in range(heads):
-            if not used:
-                continue
-            plain = k_plain[b, h, :used].bool() if k_plain is not None else torch.zeros(used, dtype=torch.bool)
-            for gi in range(grp):
-                qa, qr = q[b, h * grp + gi], q_rot[b, h * grp + gi]            # [Tq, D]
-                s = torch.stack([(qa if plain[j] else qr) @ kd[b, h, j] for j in range(used)], 1)
-                s = s.reshape(tq, used * g) * scale
-                if kv_start is not None:
-                    hide = torch.arange(used * g)[None, :] < kv_start[b][:, None]
-                    s = s.masked_fill(hide, float("-inf"))
-                m = s.amax(-1, keepdim=True)
-                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-                p = torch.exp(s - m)
-                den = p.sum(-1, keepdim=True)
-                out[b, h * grp + gi] = torch.where(den > 0, (p / den.clamp_min(1e-300)) @ vd[b, h, :used].reshape(used * g, d), 0.0)
-                lse[b, h * grp + gi] = (torch.log(den) + m).squeeze(-1)
-    return out, lse
+    return reference_attention(q, keys, vd.reshape(bsz, heads, n * g, d), lengths=n_tiles * g,
+                               scale=scale, causal=False, kv_start=kv_start, return_lse=True)
 
 
 def _oracle_full(q, buffers, scale, *, k_plain=None, window=0):
-    """fp64 causal attention over sink + dequantized tiles (plain frame; plain key tiles as
-    stored) + tail, from ``append_ref.materialize``."""
+    """fp64 causal attention (the kit's ``reference_attention``) over sink + dequantized tiles
+    (plain frame; plain key tiles as stored) + tail, from ``append_ref.materialize``."""
     kf, vf = append_ref.materialize(buffers, dtype=torch.float64)     # [B,H,cap,D], un-rotated
     s = buffers[BUF["sink_k"]].shape[2]
     kd, _ = _dequantized(buffers)
@@ -178,19 +161,8 @@ def _oracle_full(q, buffers, scale, *, k_plain=None, window=0):
         for b, h, j in k_plain.nonzero().tolist():
             if j < int(buffers[BUF["n_tiles"]][b]):
                 kf[b, h, s + j * g:s + (j + 1) * g] = kd[b, h, j].transpose(0, 1)
-    bsz, heads, cap, d = kf.shape
-    hq, tq = q.shape[1], q.shape[2]
-    kf, vf = kf.repeat_interleave(hq // heads, 1), vf.repeat_interleave(hq // heads, 1)
-    scores = q.double() @ kf.transpose(-1, -2) * scale                  # [B,Hq,Tq,cap]
-    lengths = buffers[BUF["lengths"]]
-    pos = torch.arange(cap)
-    q_pos = lengths[:, None] - tq + torch.arange(tq)[None, :]
-    ok = (pos[None, None, :] < lengths[:, None, None]) & (pos[None, None, :] <= q_pos[:, :, None])
-    if window:
-        ok &= pos[None, None, :] > q_pos[:, :, None] - window
-    scores = scores.masked_fill(~ok[:, None], float("-inf"))
-    p = torch.softmax(scores, -1).nan_to_num(0.0)
-    return p @ vf
+    return reference_attention(q, kf, vf, lengths=buffers[BUF["lengths"]], scale=scale,
+                               window=window)
 
 
 @pytest.mark.parametrize("kv_start", [False, True])

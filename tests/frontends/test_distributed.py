@@ -1,7 +1,7 @@
 """Tensor parallelism on two CPU ranks over gloo: every rank keeps the packed cache of its heads.
 
 The module is also the rank program: the tests start it with ``torchrun --standalone
---nproc-per-node 2 tests/test_distributed.py ...`` in a subprocess (with a wall-clock
+--nproc-per-node 2 tests/frontends/test_distributed.py ...`` in a subprocess (with a wall-clock
 timeout; every collective has the process group's timeout), and while the ranks run they
 compute the single-process KVarN runs of the same scenarios in the test process. Each rank
 writes its tokens, logits and report (:func:`kvarn_compile.distributed.rank_report`, and
@@ -52,7 +52,7 @@ import sys
 import time
 import warnings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRESET = dict(preset="k4v2", group_size=32)
 MAX_LEN = 256
 PROMPT = 60
@@ -60,7 +60,7 @@ NEW = 6
 LOGIT_RTOL = 1e-3
 #: Inductor scenarios against the one-process eager run: Inductor sums in another order, so
 #: an element at a quantizer rounding boundary may take the neighbouring code (as in
-#: tests/test_backend_models.py, FLIP_RTOL); the tokens must still be equal.
+#: tests/frontends/test_backend_models.py, FLIP_RTOL); the tokens must still be equal.
 INDUCTOR_LOGIT_RTOL = 5e-2
 #: lengths, committed, n_tiles, capacity: int64 [B] per state, kept whole on every rank
 COUNTER_BYTES = 4 * 8
@@ -78,8 +78,8 @@ SCENARIOS = ["hf_backend_dynamic", "hf_backend_static", "hf_kvarn_cache", "hf_in
 SLOW_SCENARIOS = ["hf_backend_static_inductor", "gptfast_inductor"]
 #: The one-process run an Inductor scenario is compared with: the same model, cache and
 #: preset compiled with ``compiler="eager"`` (Dynamo's graphs do not depend on the compiler,
-#: and Inductor's tokens equal eager's, tests/test_backend_models.py); this spares the test
-#: process the Inductor compiles.
+#: and Inductor's tokens equal eager's, tests/frontends/test_backend_models.py); this spares
+#: the test process the Inductor compiles.
 REFERENCE = {"hf_inductor_pass": "hf_backend_static", "hf_backend_static_inductor": "hf_backend_static",
              "gptfast_inductor": "gptfast_backend"}
 
@@ -89,11 +89,10 @@ def save_tiny_llama(path: pathlib.Path) -> None:
     import torch
     import transformers as tf
 
+    from kvarn_compile.testing import tiny_config_kwargs
+
     torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=128, hidden_size=192, intermediate_size=256,
-                            num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                            head_dim=32, max_position_embeddings=512, initializer_range=0.15,
-                            bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    config = tf.LlamaConfig(**tiny_config_kwargs())    # the tiny Llama of the other model tests
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tf.LlamaForCausalLM(config).save_pretrained(path)
@@ -136,7 +135,7 @@ def _hf_generate(model, cache=None) -> dict:
 def _left(tensors) -> int:
     """Bytes of storage the model's own K/V tensors still hold in memory (a released buffer
     keeps its size but only the partial pages at its ends: counted as 0, see is_freed)."""
-    from kvarn_compile.ops.keyed import is_freed
+    from kvarn_compile.ops.buffers import is_freed
 
     return sum(0 if is_freed(t) else t.untyped_storage().nbytes() for t in tensors)
 
@@ -144,9 +143,10 @@ def _left(tensors) -> int:
 def hf_backend(model_dir: str, tp: int, cache_kind: str, compiler: str = "eager"):
     from kvarn_compile import kvarn_backend
     from kvarn_compile.hf import static_cache_for
+    from kvarn_compile.testing import record_graphs
 
     model = _load_hf(model_dir, tp)
-    backend = kvarn_backend(**PRESET, compiler=compiler, max_cache_len=MAX_LEN)
+    backend = record_graphs(kvarn_backend(**PRESET, compiler=compiler, max_cache_len=MAX_LEN))
     model.compile(backend=backend)
     cache = static_cache_for(model, MAX_LEN) if cache_kind == "static" else None
     result = _hf_generate(model, cache)
@@ -168,9 +168,10 @@ def hf_kvarn_cache(model_dir: str, tp: int):
 def hf_inductor_pass(model_dir: str, tp: int):
     import kvarn_compile
     from kvarn_compile.hf import static_cache_for
+    from kvarn_compile.testing import record_graphs
 
     model = _load_hf(model_dir, tp)
-    kv = kvarn_compile.inductor_pass(**PRESET, max_cache_len=MAX_LEN)
+    kv = record_graphs(kvarn_compile.inductor_pass(**PRESET, max_cache_len=MAX_LEN))
     model.compile(options={"pre_grad_custom_pass": kv})
     cache = static_cache_for(model, MAX_LEN)
     result = _hf_generate(model, cache)
@@ -194,6 +195,7 @@ def gptfast(tp: int, *, kv_heads: int = 2, compiler: str = "eager"):
     import torch.distributed as dist
 
     from kvarn_compile import kvarn_backend
+    from kvarn_compile.testing import record_graphs
 
     ex = _gpt_fast_tp()
     gf = ex.gf
@@ -201,7 +203,7 @@ def gptfast(tp: int, *, kv_heads: int = 2, compiler: str = "eager"):
     if tp > 1:
         ex.apply_tp(model, dist.get_rank(), tp)
     model.setup_caches(max_batch_size=1, max_seq_length=MAX_LEN)
-    backend = kvarn_backend(**PRESET, compiler=compiler)
+    backend = record_graphs(kvarn_backend(**PRESET, compiler=compiler))
     steps = []
 
     def step(idx, pos):
@@ -241,7 +243,7 @@ def run_scenario(name: str, model_dir: str, tp: int) -> dict:
     result["report"] = mine.__dict__
     for when, at in (("before", 0), ("after", 1)):      # the pass keeps every collective
         result[f"collectives_{when}"] = {
-            op: sum(graphs[at].count(op) for graphs in getattr(obj, "graph_log", []))
+            op: sum(graphs[at].count(op) for graphs in getattr(obj, "graph_log", ()))  # a cache: none
             for op in COLLECTIVE_OPS}
     if tp > 1:
         summary = gather_report(obj)

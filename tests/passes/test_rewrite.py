@@ -2,8 +2,9 @@
 
 Each case is a tiny function written the way model code writes it. The golden strings
 are the normalized Dynamo graph after the rewrite (``kvarn_compile.testing.normalize_graph``);
-update them with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_passes.py``, never by hand.
-Numerical equality with the eager reference is checked for every rewritten case.
+update them with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/passes/test_rewrite.py``, never by hand.
+Numerical equality with the eager reference is checked for every rewritten case
+(``kvarn_compile.testing.check_numerics``).
 """
 
 import math
@@ -13,11 +14,9 @@ import torch
 import torch.nn.functional as F
 from expecttest import TestCase
 
+from kvarn_compile.testing import check_numerics, record_graphs
 from kvarn_compile import kvarn_backend
-from kvarn_compile.ops import append as append_ref
-from kvarn_compile.ops.append import materialize
-from kvarn_compile.ops.keyed import freeable_bytes, is_freed, released
-from kvarn_compile.state import allocate_layer
+from kvarn_compile.ops.buffers import freeable_bytes, is_freed, released
 
 B, H, HQ, D, L = 1, 2, 4, 16, 64
 G = 32
@@ -25,7 +24,8 @@ G = 32
 
 def _backend(**kw):
     torch._dynamo.reset()
-    return kvarn_backend("k4v2", group_size=G, key_bits=8, value_bits=8, compiler="eager", **kw)
+    return record_graphs(kvarn_backend("k4v2", group_size=G, key_bits=8, value_bits=8, compiler="eager",
+                                       **kw))
 
 
 def _inputs(t: int, seed: int = 0):
@@ -145,102 +145,6 @@ def _static_run(fn, backend, t=6, start=0, steps=2, positions_kind="tensor"):
     return outs, ref_kv, (kc, vc)
 
 
-def kvarn_ops_reference(config, history, q, mask, scale, *, causal=True, cap=L):
-    """The eager KVarN ops on the true K/V, independent of the rewrite: a fresh state,
-    ``kvarn::append_`` of every step's K/V [B, H, T, D] at its position, then
-    ``kvarn::attention``. Returns (output, state)."""
-    k0 = history[0][0]
-    ref = allocate_layer(config, batch=k0.shape[0], kv_heads=k0.shape[1], head_dim=k0.shape[3],
-                         max_len=cap, dtype=k0.dtype)
-    pos = 0
-    for k, v in history:
-        append_ref.append_(ref.buffers, k, v, torch.full((k.shape[0],), pos), method=config.op_method,
-                  iters=config.sinkhorn_iters, recent=config.recent_window)
-        pos += k.shape[2]
-    return torch.ops.kvarn.attention(q, ref.buffers, mask, scale, causal, 0), ref
-
-
-def full_precision_attention(history, q, mask, scale, *, causal=True):
-    """float64 softmax attention of q (the newest Tq positions) over the true K/V of every
-    step; ``mask`` bool (True = attend) or additive, its last axis over absolute positions."""
-    k = torch.cat([kv[0] for kv in history], 2).double()
-    v = torch.cat([kv[1] for kv in history], 2).double()
-    n, tq = k.shape[2], q.shape[2]
-    grp = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
-    scores = (q.double() @ k.transpose(-1, -2)) * scale
-    if mask is not None and mask.dtype != torch.bool:
-        scores = scores + mask[..., :n].double()
-    return torch.softmax(scores.masked_fill(~_seen(n, tq, mask, causal), float("-inf")), -1) @ v
-
-
-def quantization_bound(ref, history, q, scale, mask=None, *, causal=True):
-    """How far attention over KVarN's dequantized K/V may be from full precision, from the
-    preset's actual rounding of these K/V (``ref``: the eager ops' state), per query row and
-    channel: with score errors |q_i·(k̂_j - k_j)|·scale <= Δ_i over the keys row i sees and
-    value errors |v̂ - v| <= ε, the softmax weights move by at most e^{2Δ_i} - 1 in l1 (half
-    of it up, half down), so output channel c moves by at most
-    (e^{2Δ_i} - 1) / 2 · (max_j v_jc - min_j v_jc) + ε."""
-    k = torch.cat([kv[0] for kv in history], 2).double()
-    v = torch.cat([kv[1] for kv in history], 2).double()
-    n, tq = k.shape[2], q.shape[2]
-    k_hat, v_hat = (x[:, :, :n].double() for x in materialize(ref.buffers, dtype=torch.float64))
-    grp = q.shape[1] // k.shape[1]
-    dk = (k_hat - k).repeat_interleave(grp, 1)
-    v = v.repeat_interleave(grp, 1)
-    seen = _seen(n, tq, mask, causal)                                   # [.., Tq, n]
-    err = (q.double() @ dk.transpose(-1, -2)).abs() * scale
-    delta = err.masked_fill(~seen, 0).amax(-1, keepdim=True)          # [B, Hq, Tq, 1]
-    vmax = v[:, :, None].masked_fill(~seen[..., None], -math.inf).amax(-2)
-    vmin = v[:, :, None].masked_fill(~seen[..., None], math.inf).amin(-2)
-    eps = (v_hat - v[:, ::grp]).abs().max().item()
-    return torch.expm1(2 * delta) / 2 * (vmax - vmin) + eps + 1e-6
-
-
-def _seen(n, tq, mask, causal):
-    allowed = torch.ones(tq, n, dtype=torch.bool)
-    if causal:
-        allowed = torch.arange(n)[None, :] <= (n - tq + torch.arange(tq))[:, None]
-    allowed = allowed[None, None]
-    if mask is not None and mask.dtype == torch.bool:
-        allowed = allowed & mask[..., :n]
-    elif mask is not None:
-        allowed = allowed & (mask[..., :n] > -math.inf)
-    return allowed
-
-
-def check_numerics(config, out, history, q, mask, scale, *, causal=True, cap=L):
-    """Three checks of a compiled attention output against the true K/V of every step
-    (never against the state the compiled graph wrote, so a K/V swap or a wrong position
-    fails):
-
-    1. it equals the eager KVarN ops on the true K/V (``kvarn_ops_reference``);
-    2. it equals float64 attention over the K/V an independent eager state dequantizes to
-       (``materialize``: another code path than ``kvarn::attention``), up to float32 noise;
-    3. it is within the preset's quantization bound (``quantization_bound``) of float64
-       attention over the true K/V.
-    """
-    want, ref = kvarn_ops_reference(config, history, q, mask, scale, causal=causal, cap=cap)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    n = sum(kv[0].shape[2] for kv in history)
-    k_hat, v_hat = (x[:, :, :n] for x in materialize(ref.buffers, dtype=torch.float64))
-    exact = full_precision_attention(history, q, mask, scale, causal=causal)
-    dequant = full_precision_attention([(k_hat, v_hat)], q, mask, scale, causal=causal)
-    noise = 1e-5 * (1 + exact.abs())
-    if out.dtype not in (torch.float32, torch.float64):      # the output's own rounding
-        noise = noise + torch.finfo(out.dtype).eps * exact.abs()
-    err = (out.double() - dequant).abs()
-    assert bool((err <= noise).all()), f"{err.max():.3g} from attention over the dequantized K/V"
-    bound = quantization_bound(ref, history, q, scale, mask, causal=causal) + noise
-    vmax = max(kv[1].abs().max().item() for kv in history)
-    assert bound.mean() < 0.1 * vmax, f"vacuous bound {bound.mean():.3g} for values up to {vmax:.3g}"
-    err = (out.double() - exact).abs()
-    worst = (err - bound).argmax()
-    assert bool((err <= bound).all()), (
-        f"{err.flatten()[worst]:.3g} from full precision at {worst}, beyond the quantization "
-        f"bound {bound.flatten()[worst]:.3g} there")
-
-
 class TestGraphRewrites(TestCase):
     maxDiff = None
 
@@ -254,7 +158,7 @@ class TestGraphRewrites(TestCase):
         outs, history, _ = _static_run(fn, be, **static_run_kw)
         self.assertEqual(len(be.report.rewritten), len(be.report.sites))
         for step, (out, q, mask) in enumerate(outs):
-            check_numerics(be.config, out, history[:step + 1], q, mask, D ** -0.5)
+            check_numerics(be.config, out, history[:step + 1], q, mask, D ** -0.5, cap=L)
         return self._after(be)
 
     def test_index_copy_sdpa(self):
@@ -263,7 +167,7 @@ class TestGraphRewrites(TestCase):
         self.assertEqual(len(be.report.rewritten), len(be.report.sites))
         self.assertTrue(is_freed(kc))                             # fp buffer released
         for step, (out, q, mask) in enumerate(outs):
-            check_numerics(be.config, out, history[:step + 1], q, mask, 0.25)
+            check_numerics(be.config, out, history[:step + 1], q, mask, 0.25, cap=L)
         self.assertExpectedInline(self._after(be), """\
 # 9 inputs + 17 kvarn state buffers
 v0 = kvarn.positions_start(in1, 1)
@@ -313,7 +217,7 @@ return (v5,)""")
             self.assertEqual(past_k.shape, (B, H, 6 + step, D))
             self.assertLessEqual(past_k.untyped_storage().nbytes(), 4)   # no fp copy grows
             # mask-free over a cat cache: every written key, not causal (the model's semantics)
-            check_numerics(be.config, out, history, q, None, D ** -0.5, causal=False)
+            check_numerics(be.config, out, history, q, None, D ** -0.5, causal=False, cap=L)
         self.assertEqual([s.cache for s in be.report.rewritten],
                          ["torch.cat([past, new], dim=-2)"] * len(be.report.sites))
         self.assertExpectedInline(self._after(be), """\
@@ -395,7 +299,7 @@ def test_report_lists_every_site_and_is_readable():
     _static_run(index_copy_sdpa, be)
     text = str(be.report)
     assert text.startswith("KVarN rewrite report: 2 attention site(s) rewritten, 0 left unchanged, in 2 graph(s)")
-    assert "[rewritten] index_copy_sdpa@test_passes.py:" in text
+    assert "[rewritten] index_copy_sdpa@test_rewrite.py:" in text
     assert ": scaled_dot_product_attention over index_copy_ via repeat_kv" in text
     assert "released" in text
 
@@ -514,7 +418,7 @@ def test_inductor_pass_keyed_rewrite_matches_backend():
     from kvarn_compile import inductor_pass
 
     torch._dynamo.reset()
-    kv = inductor_pass("k4v2", group_size=G, key_bits=8, value_bits=8)
+    kv = record_graphs(inductor_pass("k4v2", group_size=G, key_bits=8, value_bits=8))
     got, (kc, vc) = _prefill_then_decode(index_copy_sdpa, _pass_as_backend(kv), compiled_prefill=True)
     ref = _backend()
     want, _ = _prefill_then_decode(index_copy_sdpa, ref, compiled_prefill=True)

@@ -25,6 +25,7 @@ from kvarn_compile.autotune import KnobTuning, QuantKnobs, TuneKey, select_quant
 from kvarn_compile.config import get_config
 from kvarn_compile.ops import append as append_ref, attention as attention_ref
 from kvarn_compile.state import allocate_layer
+from kvarn_compile.testing import no_graph_caches
 
 
 @pytest.fixture(autouse=True)
@@ -168,19 +169,6 @@ def test_stale_and_foreign_entries_are_ignored_with_a_reason(tmp_path, caplog):
     with pytest.raises(ValueError, match="format version 1"):
         (tmp_path / "v9.json").write_text(json.dumps({"format": "kvarn-autotune", "version": 9}))
         fresh.load(tmp_path / "v9.json")
-
-
-def no_graph_caches():
-    """Compile for real (no FX/AOT graph cache hit, no persisted autotune timings), keeping
-    the compiled-kernel cache."""
-    import contextlib
-
-    from torch._inductor import config as inductor_config
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False))
-    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
-    return stack
 
 
 def _packed(prompt=150):

@@ -1,9 +1,9 @@
 """The Triton kernels against the pure-torch reference (CPU: through TRITON_INTERPRET=1).
 
-Quantize kernel: codes must equal ``reference.quantize_kv``'s except at rounding ties, scales
-up to fp16 rounding. Decode attention kernel: against softmax attention in float64 over the
-reference's dequantized tiles. Grids are kept to tens of programs: the interpreter runs each
-program instance in Python/numpy.
+Quantize kernel: codes must equal ``kvarn_compile.quant.quantize_kv``'s except at rounding
+ties, scales up to fp16 rounding. Decode attention kernel: against softmax attention in float64
+(``kvarn_compile.testing.reference_attention``) over the quantizer's dequantized tiles. Grids
+are kept to tens of programs: the interpreter runs each program instance in Python/numpy.
 """
 
 import functools
@@ -19,6 +19,7 @@ from kvarn_compile.kernels import (
     combine_splits, kvarn_decode_attention, kvarn_decode_attention_tiles,
     quantize_tiles_into, quantize_tiles_triton,
 )
+from kvarn_compile import testing
 from kvarn_compile.kernels.triton.quantize import _rne
 from kvarn_compile.quant.quantize import (
     NonFiniteError, QuantizedTiles, dequantize_tiles, quantize_kv, unpack_codes,
@@ -29,11 +30,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kv_like(*lead: int, tokens: int, d: int) -> torch.Tensor:
-    """Keys/values with uneven channel scales, an offset channel and a heavy channel."""
-    x = torch.randn(*lead, tokens, d) * (0.5 + torch.rand(d) * 2)
-    x[..., 3] += 8.0
-    x[..., 7] *= 6.0
-    return x.to(DEV)
+    """``kvarn_compile.testing.kv_like`` on DEV."""
+    return testing.kv_like(*lead, tokens=tokens, d=d, device=DEV)
 
 
 def assert_codes_match(got: QuantizedTiles, ref: QuantizedTiles) -> None:
@@ -237,29 +235,16 @@ def test_quantize_validation_and_nonfinite():
 
 # ============================================================= decode attention kernel
 def oracle_attention(q, k: QuantizedTiles, v: QuantizedTiles, n_tiles, scale, kv_start=None):
-    """Softmax attention in float64 over the dequantized valid tiles (rotated frame)."""
+    """Softmax attention in float64 over the dequantized valid tiles (rotated frame):
+    ``kvarn_compile.testing.reference_attention`` over the first n_tiles[b] tiles of each row,
+    every query sees every valid key (decode over tiles) from ``kv_start`` on; (out, lse)."""
     kd = dequantize_tiles(k).double().transpose(-1, -2).cpu()  # [B, H, N, G, D]
     vd = dequantize_tiles(v).double().cpu()
     b, h, n, g, d = kd.shape
     kd, vd = kd.reshape(b, h, n * g, d), vd.reshape(b, h, n * g, d)
-    q = q.double().cpu()
-    hq, tq = q.shape[1], q.shape[2]
-    group = hq // h
-    out = torch.zeros(b, hq, tq, d, dtype=torch.float64)
-    lse = torch.full((b, hq, tq), float("-inf"), dtype=torch.float64)
-    for row in range(b):
-        length = int(n_tiles[row]) * g
-        for head in range(hq):
-            s = q[row, head] @ kd[row, head // group, :length].T * scale  # [Tq, L]
-            if kv_start is not None:
-                idx = torch.arange(length)
-                s = s.masked_fill(idx[None, :] < kv_start[row].cpu()[:, None], float("-inf"))
-            lse_r = torch.logsumexp(s, -1) if length else lse[row, head]
-            seen = torch.isfinite(lse_r)
-            p = torch.where(seen[:, None], torch.exp(s - lse_r[:, None]), torch.zeros_like(s))
-            out[row, head] = p @ vd[row, head // group, :length]
-            lse[row, head] = lse_r
-    return out, lse
+    return testing.reference_attention(q.cpu(), kd, vd, lengths=n_tiles.cpu() * g, scale=scale,
+                                       causal=False, kv_start=None if kv_start is None else kv_start.cpu(),
+                                       return_lse=True)
 
 
 def assert_attention_close(out, lse, ref_out, ref_lse):
@@ -366,10 +351,10 @@ def test_decode_attention_merges_with_an_exact_region():
     vd = dequantize_tiles(v).reshape(b, h, n * g, d)
     for row in range(b):
         length = int(n_tiles[row]) * g
-        keys = torch.cat([kd[row, :, :length], tk[row]], 1).repeat_interleave(group_q, 0)
-        vals = torch.cat([vd[row, :, :length], tv[row]], 1).repeat_interleave(group_q, 0)
-        want = torch.softmax(q[row] @ keys.transpose(-1, -2) * scale, -1) @ vals
-        torch.testing.assert_close(merged[row], want, rtol=1e-4, atol=1e-4)
+        keys = torch.cat([kd[row, :, :length], tk[row]], 1)[None]
+        vals = torch.cat([vd[row, :, :length], tv[row]], 1)[None]
+        want = testing.reference_attention(q[row:row + 1], keys, vals, scale=scale, causal=False)
+        torch.testing.assert_close(merged[row].double(), want[0].to(merged.device), rtol=1e-4, atol=1e-4)
 
 
 def test_decode_attention_empty_cache_and_validation():
@@ -450,13 +435,13 @@ def test_decode_attention_per_tile_key_frames():
     vd = dequantize_kv(v, "v", rotated=True).double().cpu()
     for row in range(b):
         length = int(n_tiles[row]) * g
-        kk = kd[row].repeat_interleave(group_q, 0)[:, :length]
-        vv = vd[row].repeat_interleave(group_q, 0)[:, :length]
-        s = q[row].double().cpu() @ kk.transpose(-1, -2) * 0.125
-        ref = torch.softmax(s, -1) @ vv
+        ref, ref_lse = testing.reference_attention(q[row:row + 1].cpu(), kd[row:row + 1, :, :length],
+                                                   vd[row:row + 1, :, :length], scale=0.125,
+                                                   causal=False, return_lse=True)
+        ref, ref_lse = ref[0], ref_lse[0]
         got = out_rot[row].double().cpu() @ rot.double().cpu().T
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-4 * ref.abs().max().item())
-        torch.testing.assert_close(lse[row].double().cpu(), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[row].double().cpu(), ref_lse, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="q_plain and k_plain together"):
         kvarn_decode_attention(q @ rot, k.codes, k.row_scale, k.row_zero, k.col_scale, v.codes,
                                v.row_scale, v.row_zero, v.col_scale, n_tiles, scale=0.1,

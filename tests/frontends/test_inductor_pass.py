@@ -1,13 +1,14 @@
-"""``kvarn_compile.inductor_pass``: KVarN for models compiled with the stock Inductor backend.
+"""``kvarn_compile.pre_grad_pass``: KVarN for models compiled with the stock Inductor backend.
 
     kv = inductor_pass(preset="k4v2")
     model.compile(options={"pre_grad_custom_pass": kv})
 
 Real Inductor compiles (about 10-40 s each on a 2-core CPU). The models and the eager oracle
-(``use_kvarn_attention`` + ``KVarNCache``) come from ``test_backend_models``. Asserted: the
+(``use_kvarn_attention`` + ``KVarNCache``) are ``kvarn_compile.testing``'s ``tiny_model`` and
+``EagerOracle``, as in ``tests/frontends/test_backend_models.py``. Asserted: the
 compiled tokens equal the eager KVarN tokens (logits within Inductor's float noise, or within
 ``FLIP_RTOL`` where a handful of packed codes differ from the oracle's: see
-``_flipped_codes``), the report lists every site rewritten, one Inductor compile per shape
+``kvarn_compile.testing.flipped_codes``), the report lists every site rewritten, one Inductor compile per shape
 class (a second static cache or prompt adds none), and the model's own fp cache buffers are
 freed (released bytes are whole pages, so they are measured on each run's own buffers).
 """
@@ -24,13 +25,15 @@ import transformers as tf
 
 from kvarn_compile import inductor_pass, kvarn_backend
 from kvarn_compile.hf import kv_geometry
-from kvarn_compile.inductor_pass import KVarNInductorPass
-from kvarn_compile.ops.keyed import freeable_bytes, is_freed
-from test_backend_models import (
-    FLIP_RTOL, INDUCTOR_RTOL, MAX_LEN, NEW, NEW_SHORT, PRESET, PROMPT, Oracle, _assert_same,
-    _build, _buffers, _check_sites, _flipped_codes, _generate, _gpt_fast, _prompt,
-    _static_cache, fp_prefill_then_kvarn,
+from kvarn_compile.pre_grad_pass import KVarNInductorPass
+from kvarn_compile.ops.buffers import freeable_bytes, is_freed
+from kvarn_compile.testing import (
+    FLIP_RTOL, INDUCTOR_RTOL, EagerOracle, assert_same_generation, check_sites, flipped_codes,
+    fp_prefill_then_kvarn, gpt_fast_model, model_cache_buffers, tiny_generate, tiny_model,
+    tiny_prompt, tiny_static_cache,
 )
+from kvarn_compile.testing import TINY_MAX_LEN as MAX_LEN, TINY_NEW as NEW, TINY_NEW_SHORT as NEW_SHORT
+from kvarn_compile.testing import TINY_PRESET as PRESET, TINY_PROMPT as PROMPT
 
 
 @pytest.fixture(autouse=True)
@@ -61,23 +64,23 @@ def _assert_same_as_oracle(kv, out, oracle, ids, what: str, **kw) -> float:
     codes (Inductor's fp32 summation order moved a K/V value on a rounding boundary to the
     neighbouring code when a tile froze; more than a few such elements fail the test)."""
     want = oracle(ids, **kw)
-    rtol = FLIP_RTOL if _flipped_codes(kv, oracle.last_cache) else INDUCTOR_RTOL
-    return _assert_same(out, want, rtol, what)
+    rtol = FLIP_RTOL if flipped_codes(kv, oracle.last_cache) else INDUCTOR_RTOL
+    return assert_same_generation(out, want, rtol, what)
 
 
 def test_llama_static_cache():
-    model = _build("llama", "sdpa")
-    oracle = Oracle(model, "llama")
+    model = tiny_model("llama", "sdpa")
+    oracle = EagerOracle(model, "llama")
     kv = inductor_pass(**PRESET, max_cache_len=MAX_LEN)
     assert isinstance(kv, KVarNInductorPass)
     model.compile(options={"pre_grad_custom_pass": kv})        # backend="inductor"
 
-    ids = _prompt(1)
-    cache = _static_cache(model, 1)
+    ids = tiny_prompt(1)
+    cache = tiny_static_cache(model, 1)
     fp_bytes = _fp_bytes(cache)
-    out = _generate(model, ids, cache=cache)
+    out = tiny_generate(model, ids, cache=cache)
     _assert_same_as_oracle(kv, out, oracle, ids, "greedy")
-    _check_sites(kv, set())
+    check_sites(kv, set())
     assert len(kv.report.rewritten) == 4 and kv.report.graphs == 2, str(kv.report)   # prefill, decode
     assert _inductor_graphs() == 2
     assert {s.cache for s in kv.report.sites} == {"index_copy_"}
@@ -90,18 +93,18 @@ def test_llama_static_cache():
     assert kv.report.sites[0].state_bytes == kv.states[("model.layers.0.self_attn", 1)].nbytes
 
     # a second sequence on a new StaticCache: no recompile, its buffers freed too, no leak
-    ids2 = _prompt(2)
-    cache2 = _static_cache(model, 1)
+    ids2 = tiny_prompt(2)
+    cache2 = tiny_static_cache(model, 1)
     fp_bytes2 = _fp_bytes(cache2)         # its own pages: may differ from fp_bytes by one
-    out2 = _generate(model, ids2, cache=cache2, new=NEW_SHORT)
+    out2 = tiny_generate(model, ids2, cache=cache2, new=NEW_SHORT)
     _assert_same_as_oracle(kv, out2, oracle, ids2, "second sequence", new=NEW_SHORT)
     assert kv.report.graphs == 2 and _inductor_graphs() == 2
     assert _freed(cache2) and kv.report.released_bytes == fp_bytes + fp_bytes2
 
 
 def test_gpt_fast_equals_kvarn_backend():
-    gf, model = _gpt_fast()
-    prompt = _prompt(4, length=PROMPT) % 128
+    gf, model = gpt_fast_model()
+    prompt = tiny_prompt(4, length=PROMPT) % 128
     m_ref = copy.deepcopy(model)
     backend = kvarn_backend(**PRESET, compiler="eager")
     want = gf.generate(m_ref, prompt, NEW, step=torch.compile(m_ref, backend=backend))
@@ -109,14 +112,14 @@ def test_gpt_fast_equals_kvarn_backend():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     m = copy.deepcopy(model)
-    fp_bytes = sum(freeable_bytes(b) for b in _buffers(m))
+    fp_bytes = sum(freeable_bytes(b) for b in model_cache_buffers(m))
     kv = inductor_pass(**PRESET)
     got = gf.generate(m, prompt, NEW, step=torch.compile(m, options={"pre_grad_custom_pass": kv}))
     assert got.tolist() == want.tolist()
     assert kv.report.graphs == 2 and _inductor_graphs() == 2, str(kv.report)
     assert len(kv.report.rewritten) == len(kv.report.sites) == 4
     assert {s.cache for s in kv.report.sites} == {"setitem[positions]"}
-    assert all(is_freed(b) for b in _buffers(m))
+    assert all(is_freed(b) for b in model_cache_buffers(m))
     assert kv.report.released_bytes == fp_bytes
     assert kv.nbytes == backend.nbytes
 
@@ -128,25 +131,25 @@ def test_gpt_fast_equals_kvarn_backend():
     m2 = copy.deepcopy(model)
     # released bytes are the whole pages inside each buffer: m2's buffers sit at other
     # addresses than m's, so they may span one page more or less (measured before freeing)
-    fp_bytes2 = sum(freeable_bytes(b) for b in _buffers(m2))
-    assert abs(fp_bytes2 - fp_bytes) <= mmap.PAGESIZE * len(_buffers(m2))
+    fp_bytes2 = sum(freeable_bytes(b) for b in model_cache_buffers(m2))
+    assert abs(fp_bytes2 - fp_bytes) <= mmap.PAGESIZE * len(model_cache_buffers(m2))
     again = gf.generate(m2, prompt, NEW, step=torch.compile(m2, options={"pre_grad_custom_pass": kv}))
     assert again.tolist() == want.tolist()
     hits = torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
     assert kv.report.graphs == 2 + (2 - hits), (hits, str(kv.report))
-    assert all(is_freed(b) for b in _buffers(m2))
+    assert all(is_freed(b) for b in model_cache_buffers(m2))
     assert kv.report.released_bytes == fp_bytes + fp_bytes2
 
 
 def test_generate_with_compile_config():
     # transformers compiles only the decoding step (Inductor + this pass); the eager prefill
     # writes its fp StaticCache, the first compiled step adopts the prompt and frees the cache
-    model = _build("llama", "sdpa")
+    model = tiny_model("llama", "sdpa")
     kv = inductor_pass(**PRESET, max_cache_len=MAX_LEN)
     cc = tf.CompileConfig(backend="inductor", mode=None,       # torch.compile: mode or options
                           options={"pre_grad_custom_pass": kv})
     cc._compile_all_devices = True          # transformers compiles on CUDA only by default
-    ids = _prompt(1)
+    ids = tiny_prompt(1)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="static",
@@ -167,14 +170,14 @@ def test_generate_with_compile_config():
 def test_llama_dynamic_cache():
     # torch.cat caches: prefill, first decode, dynamic-length decode; the cache layers keep
     # zero-storage handles. About 1-2 minutes.
-    model = _build("llama", "sdpa")
-    oracle = Oracle(model, "llama")
+    model = tiny_model("llama", "sdpa")
+    oracle = EagerOracle(model, "llama")
     kv = inductor_pass(**PRESET, max_cache_len=MAX_LEN)
     model.compile(options={"pre_grad_custom_pass": kv})
-    ids = _prompt(1)
-    out = _generate(model, ids)
+    ids = tiny_prompt(1)
+    out = tiny_generate(model, ids)
     _assert_same_as_oracle(kv, out, oracle, ids, "greedy")
-    _check_sites(kv, set())
+    check_sites(kv, set())
     assert kv.report.graphs == 3, str(kv.report)
     assert {s.cache for s in kv.report.sites} == {"torch.cat([past, new], dim=-2)"}
     for layer in out.past_key_values.layers:

@@ -4,8 +4,9 @@ Every subject is a small module written the way a public codebase writes its att
 (named in its docstring). A subject is compiled with ``kvarn_backend`` over a prefill that
 freezes a quantized tile and two decode steps, and must be rewritten with every step equal
 to the eager KVarN ops on the true K/V and within the preset's quantization bound of
-full-precision attention (``test_passes.check_numerics``); the rewritten decode graph is a
-golden string (``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_spellings.py`` updates it).
+full-precision attention (``kvarn_compile.testing.check_numerics``); the rewritten decode graph
+is a golden string (``EXPECTTEST_ACCEPT=1 python -m pytest tests/passes/test_spellings.py``
+updates it).
 Its twin changes one thing that changes the meaning (or leaves the pass no proof of it):
 it must be left exactly as Dynamo produced it, reported with the reason, and compute what
 plain eager computes.
@@ -43,9 +44,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
 
+from kvarn_compile.testing import check_numerics, record_graphs
 from kvarn_compile import kvarn_backend
-from kvarn_compile.ops.keyed import is_freed
-from test_passes import check_numerics
+from kvarn_compile.ops.buffers import is_freed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +59,8 @@ STEPS = (PREFILL, 1, 1)
 
 def _backend(**kw):
     torch._dynamo.reset()
-    return kvarn_backend("k4v2", group_size=G, key_bits=8, value_bits=8, compiler="eager", **kw)
+    return record_graphs(kvarn_backend("k4v2", group_size=G, key_bits=8, value_bits=8, compiler="eager",
+                                       **kw))
 
 
 def _qkv(t, seed, *, seq_major=False, dtype=torch.float32):

@@ -22,24 +22,10 @@ from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
 from kvarn_compile import autotune, lowering
-from kvarn_compile.config import get_config
 from kvarn_compile.lowering import decompose
-from kvarn_compile.ops import append as append_ref, attention as attention_ref, regions
+from kvarn_compile.ops import attention as attention_ref, regions
 from kvarn_compile.quant.rotation import rotation_matrix
-from kvarn_compile.state import allocate_layer
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def no_graph_caches():
-    """Compile for real (a graph-cache hit would skip the lowering) but keep the kernel
-    cache: unlike force_disable_caches, compiled C++/Triton kernels are reused across tests."""
-    import contextlib
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False))
-    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
-    return stack
+from kvarn_compile.testing import no_graph_caches, packed_cache, shared_decomposition_case
 
 
 @pytest.fixture(autouse=True)
@@ -50,26 +36,6 @@ def _isolated_autotune_db(tmp_path, monkeypatch):
     lowering.register()
     yield
     autotune.DB.clear()
-
-
-def packed_cache(*, batch=2, kv_heads=2, head_dim=16, max_len=200, prompt=150, new=1, group=32,
-                 preset="k4v2", scale_dtype="float16", device=DEV, seed=0, frames=False):
-    """A packed cache holding ``prompt`` tokens, the last ``new`` written by a second append;
-    ``frames``: per-tile key frames, with a bias-like key channel in kv head 0 (plain tiles)."""
-    g = torch.Generator().manual_seed(seed)
-    cfg = get_config(preset, group_size=group, scale_dtype=scale_dtype,
-                     key_frame="auto" if frames else "rotated")
-    st = allocate_layer(cfg, batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
-                        dtype=torch.float32, device=device)
-    first = prompt - new
-    for start, n in ((0, first), (first, new)):
-        if n:
-            k = torch.randn(batch, kv_heads, n, head_dim, generator=g).to(device)
-            v = torch.randn(batch, kv_heads, n, head_dim, generator=g).to(device)
-            if frames:
-                k[:, 0, :, 1] += 200.0
-            append_ref.append_(st.buffers, k, v, torch.full((batch,), start, device=device))
-    return st
 
 
 CASES = {
@@ -183,19 +149,6 @@ def test_the_shared_path_compiles_one_graph_for_every_site_of_a_geometry():
     assert len(lowering_attention._SHARED) == before + 2
 
 
-def shared_decomposition_case():
-    """(the dense decomposition with its options, its arguments, the reference output) of a
-    small packed cache: what the ``shared`` lowering compiles once per geometry."""
-    import functools
-
-    st = packed_cache(device="cpu")
-    q = torch.randn(2, 4, 24, 16)
-    fn = functools.partial(decompose.attention_dense, n_buffers=len(st.buffers), has_mask=False,
-                           scale=0.3, causal=True, window=0)
-    args = [q, *st.buffers, rotation_matrix(16, "cpu")]
-    return fn, args, attention_ref.attention(q, st.buffers, None, 0.3, True, 0)
-
-
 def test_the_shared_graph_is_served_by_inductors_caches_in_a_new_process(tmp_path, monkeypatch):
     """A warm process traces the shared decomposition again, but Inductor's FX-graph cache
     (and AOTAutograd's) serve its compile: no 'No shape env' bypass."""
@@ -222,7 +175,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from kvarn_compile._torch_compat import KVarNUUIDPass, compile_function
-from test_lowering import shared_decomposition_case
+from kvarn_compile.testing import shared_decomposition_case
 fn, args, want = shared_decomposition_case()
 with inductor_config.patch(fx_graph_cache=True):
     if sys.argv[1] == "inside":      # as while a lowering benchmarks it, inside the model's compile
@@ -245,8 +198,7 @@ def test_a_shared_graph_compiled_inside_a_compile_is_served_at_run_time(tmp_path
     import subprocess
     import sys
 
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     seen = []
     for where in ("inside", "outside"):
         r = subprocess.run([sys.executable, "-c", _INSIDE_OUTSIDE, where], env=env,
@@ -389,7 +341,7 @@ def test_backend_registers_the_lowering_tunes_T_and_reports_both():
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     notes = "\n".join(be.report.notes)
-    assert "lowering kvarn_attention: reference" in notes
+    assert "reference" in [d.winner for d in be.report.lowerings if d.op == "kvarn_attention"]
     assert "quant-knob rule:" in notes and "tolerance 0.05" in notes
     (decision,) = be.knob_tuner.decisions.values()
     assert decision.chosen.iters == 8 and decision.rejected[0].knobs.iters == 0

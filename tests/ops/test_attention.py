@@ -1,0 +1,175 @@
+"""``kvarn::attention`` over the packed cache (:mod:`kvarn_compile.ops.attention`).
+
+Every check compares against the float64 oracle ``kvarn_compile.testing.oracle_attention``:
+plain softmax attention over the dequantized cache that ``materialize`` builds (which the
+runtime itself never builds). Rows of different lengths, sink-only caches, tiles, tails and
+tile boundaries, GQA/MHA, masks indexed by absolute position, sliding windows, draft tokens,
+fp16/bf16 queries, per-tile key frames. The device kernels the op dispatches to are tested in
+``tests/ops/test_dispatch.py``. Small shapes (G=32, D=32) keep the file fast on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
+from kvarn_compile import get_config
+from kvarn_compile.ops import append as append_ref
+from kvarn_compile.testing import (
+    PackedSequence, assert_attention_matches, assert_tiles_equal_reference, attend, oracle_attention,
+    packed_state, random_kv,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+G = 32          # tile length (and sink length) used throughout
+D = 32          # head dim
+H = 2           # kv heads
+CAP = 256       # tokens per row (the kit's packed_state / PackedSequence defaults: H, D, CAP)
+
+PRESETS = {
+    "k4v2": get_config("k4v2", group_size=G),
+    "k2v2": get_config("k2v2", group_size=G),
+    "k4v4": get_config("k4v4", group_size=G),
+    "k4v2-fp8": get_config("k4v2", group_size=G, scale_dtype="float8_e4m3fn"),
+    "k4v2-kauto": get_config("k4v2", group_size=G, key_frame="auto"),
+    "k4v2-krot": get_config("k4v2", group_size=G, key_frame="rotated"),   # the reference rule
+}
+
+
+def kv(batch, tokens, *, heads=H, head_dim=D, **kw):
+    """Random K/V [batch, heads, tokens, head_dim] (``kvarn_compile.testing.random_kv``)."""
+    return random_kv(batch, heads, tokens, head_dim, **kw)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("grp", [1, 3, 7])
+@pytest.mark.parametrize("tq", [1, 9])
+def test_attention_matches_dequantized_cache(preset, grp, tq):
+    """Rows of different lengths (row 0 restarted), tiles, tails, boundary crossings, GQA/MHA."""
+    seq = PackedSequence(PRESETS[preset], outliers=preset.endswith("kauto"))
+    seq.write(75)                       # both rows: sink + 1 tile + 11 tail tokens
+    seq.write(58, start=[0, 75])        # row 0 starts over (58: no tile), row 1 -> 133 (3 tiles)
+    assert seq.lengths() == [58, 133]
+    steps = 7 if tq == 1 else 1         # row 0 crosses the 64 boundary (a tile freezes) either way
+    # keys of the kauto data reach |k| ~ 400: fp32 scores of that size carry ~1e-5 absolute
+    # rounding, which the softmax turns into ~1e-4 relative output noise
+    tol = 2e-4 if preset.endswith("kauto") else 1e-5
+    for _ in range(steps):
+        seq.write(tq)
+        q = torch.randn(2, H * grp, tq, D)
+        assert_attention_matches(q, seq.buffers, tol=tol)
+    assert seq.state.n_tiles.tolist() == [1, 3]
+    assert seq.state.lengths.tolist() == seq.lengths()
+
+
+@pytest.mark.parametrize("tq", [1, 20])
+def test_attention_sink_only_cache(tq):
+    """Fewer tokens than the sink: no tiles and no tail slots are in use."""
+    seq = PackedSequence()
+    if tq < 20:
+        seq.write(20 - tq)             # the prompt before the queries
+    seq.write(tq)
+    assert seq.lengths() == [20, 20] and seq.state.n_tiles.tolist() == [0, 0]
+    assert_attention_matches(torch.randn(2, 6, tq, D), seq.buffers)
+
+
+@pytest.mark.parametrize("tq", [1, 9])
+@pytest.mark.parametrize("window", [1, 17, 40])
+def test_attention_sliding_window(tq, window):
+    seq = PackedSequence()
+    seq.write(75)
+    seq.write(58, start=[0, 75])
+    seq.write(tq)
+    assert_attention_matches(torch.randn(2, 6, tq, D), seq.buffers, window=window)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("tq", [1, 9])
+def test_attention_with_mask_indexed_by_absolute_position(kind, tq):
+    seq = PackedSequence()
+    seq.write(75)
+    seq.write(58, start=[0, 75])
+    seq.write(tq)
+    if kind == "bool":                  # [B, 1, Tq, capacity], broadcast over heads
+        mask = torch.rand(2, 1, tq, CAP) > 0.3
+        mask[..., 0] = True             # every query sees at least one key
+    else:                               # [B, Hq, Tq, capacity] additive, with some -inf
+        mask = torch.randn(2, 6, tq, CAP)
+        mask[torch.rand(2, 6, tq, CAP) < 0.2] = float("-inf")
+        mask[..., 0] = 0.0
+    assert_attention_matches(torch.randn(2, 6, tq, D), seq.buffers, mask)
+    # a padding mask that hides everything but position 0 -> output is V[0] exactly
+    pad = torch.zeros(2, 1, 1, CAP, dtype=torch.bool)
+    pad[..., 0] = True
+    out = attend(torch.randn(2, 6, tq, D), seq.buffers, pad)
+    v0 = append_ref.materialize(seq.buffers)[1][:, :, :1].float().repeat_interleave(3, 1)
+    torch.testing.assert_close(out, v0.expand_as(out))
+
+
+def test_attention_mask_shorter_than_the_cache_raises():
+    seq = PackedSequence()
+    seq.write(75)
+    with pytest.raises(ValueError, match="mask covers 50 key positions"):
+        attend(torch.randn(2, 6, 1, D), seq.buffers, torch.ones(2, 1, 1, 50, dtype=torch.bool))
+
+
+def test_attention_not_causal_and_custom_scale():
+    seq = PackedSequence()
+    seq.write(100)
+    assert_attention_matches(torch.randn(2, 6, 9, D), seq.buffers, causal=False, scale=0.3)
+
+
+def test_attention_with_recent_window():
+    """recent_window=G keeps G committed tokens beyond the incomplete tile in high precision."""
+    cfg = get_config("k4v2", group_size=G, recent_window=G)
+    seq = PackedSequence(cfg)
+    seq.write(75)
+    assert seq.state.n_tiles.tolist() == [0, 0]      # 75 - 32 sink - 32 recent < one tile
+    for _ in range(22):                               # 97 = 32 + 32 + 32 + 1 -> one tile frozen
+        seq.write(1)
+    assert seq.state.n_tiles.tolist() == [1, 1]
+    assert_attention_matches(torch.randn(2, 6, 1, D), seq.buffers)
+    seq.write(9)
+    assert_attention_matches(torch.randn(2, 6, 9, D), seq.buffers)
+    for row in range(2):
+        assert_tiles_equal_reference(seq.buffers, row, seq.k[row], seq.v[row], cfg)
+
+
+def test_attention_over_uncommitted_tokens():
+    """Draft tokens (hold) are attended from the tail like any other."""
+    seq = PackedSequence(spec_tokens=8)
+    seq.write(60)
+    seq.write(8, hold=8)                              # 68 tokens, 60 committed: no tile freezes
+    assert seq.state.n_tiles.tolist() == [0, 0]
+    assert_attention_matches(torch.randn(2, 6, 8, D), seq.buffers)
+
+
+def test_attention_fp16_and_bf16_queries():
+    for dtype in (torch.float16, torch.bfloat16):
+        st = packed_state(dtype=dtype)
+        k, v = kv(2, 100, dtype=dtype)
+        append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+        q = torch.randn(2, 6, 1, D, dtype=dtype)
+        out = attend(q, st.buffers)
+        assert out.dtype == dtype
+        ref = oracle_attention(q, st.buffers)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)  # output rounding only
+
+
+# ------------------------------------------------------------------------------ key frames
+def test_key_frame_auto_stores_outlier_heads_plain_and_attends_exactly():
+    """key_frame="auto": head 0 (a huge turning channel) is stored plain, head 1 rotated;
+    the fused attention still equals attention over the dequantized cache."""
+    seq = PackedSequence(PRESETS["k4v2-kauto"], outliers=True)
+    seq.write(75)
+    seq.write(58, start=[0, 75])
+    frames = seq.state.k_plain
+    assert frames is not None and frames.dtype == torch.uint8
+    assert frames[:, 0, :1].all() and not frames[:, 1].any()
+    for grp, tq in ((1, 1), (3, 9)):
+        seq.write(tq)
+        assert_attention_matches(torch.randn(2, H * grp, tq, D), seq.buffers, tol=2e-4)
+    assert packed_state(PRESETS["k4v2-krot"]).k_plain is None
+    assert packed_state(PRESETS["k4v2"]).k_plain is not None          # key_frame="auto" by default
