@@ -14,28 +14,15 @@ import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile import get_config
 from kvarn_compile.ops import append as append_ref
 from kvarn_compile.state import BASE_FIELDS, StateLayout, fp16_cache_bytes
-from kvarn_compile.testing import packed_state, random_kv
+from kvarn_compile.testing import (
+    SMALL_CAP, SMALL_D, SMALL_G, SMALL_H, packed_state, small_kv, small_presets,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-G = 32          # tile length (and sink length) used throughout
-D = 32          # head dim
-H = 2           # kv heads
-CAP = 256       # tokens per row (the kit's packed_state / PackedSequence defaults: H, D, CAP)
-
-PRESETS = {
-    "k4v2": get_config("k4v2", group_size=G),
-    "k2v2": get_config("k2v2", group_size=G),
-    "k4v4": get_config("k4v4", group_size=G),
-    "k4v2-fp8": get_config("k4v2", group_size=G, scale_dtype="float8_e4m3fn"),
-    "k4v2-kauto": get_config("k4v2", group_size=G, key_frame="auto"),
-    "k4v2-krot": get_config("k4v2", group_size=G, key_frame="rotated"),   # the reference rule
-}
-
-
-def kv(batch, tokens, *, heads=H, head_dim=D, **kw):
-    """Random K/V [batch, heads, tokens, head_dim] (``kvarn_compile.testing.random_kv``)."""
-    return random_kv(batch, heads, tokens, head_dim, **kw)
+G, D, H, CAP = SMALL_G, SMALL_D, SMALL_H, SMALL_CAP     # the kit's small geometry
+PRESETS = small_presets()
+kv = small_kv
 
 
 def _expected_nbytes(cfg, *, batch, heads, head_dim, max_len, exact_size, spec_tokens=0):

@@ -16,6 +16,7 @@ __all__ = [
     # K/V generators
     "random_kv", "kv_like",
     # packed states
+    "SMALL_G", "SMALL_D", "SMALL_H", "SMALL_CAP", "small_presets", "small_kv",
     "packed_state", "attend", "assert_attention_matches", "bits_equal", "snapshot", "assert_unchanged",
     "tile_buffers", "assert_tiles_equal_reference", "assert_states_identical", "PackedSequence",
     "TILE_BUFFERS", "FACTOR_BUFFERS",

@@ -38,6 +38,31 @@ def kv_like(*lead: int, tokens: int = 256, d: int = 64, device: torch.device | s
 
 
 # ============================================================================ packed states
+#: The small geometry of the op tests (fast on two CPU cores): tile length (and sink) G,
+#: head dim D, kv heads H, tokens per row CAP; ``packed_state``/``PackedSequence`` defaults.
+SMALL_G, SMALL_D, SMALL_H, SMALL_CAP = 32, 32, 2, 256
+
+
+def small_presets() -> dict:
+    """The presets the op tests sweep, at group size :data:`SMALL_G`."""
+    from kvarn_compile.config import get_config
+
+    g = SMALL_G
+    return {
+        "k4v2": get_config("k4v2", group_size=g),
+        "k2v2": get_config("k2v2", group_size=g),
+        "k4v4": get_config("k4v4", group_size=g),
+        "k4v2-fp8": get_config("k4v2", group_size=g, scale_dtype="float8_e4m3fn"),
+        "k4v2-kauto": get_config("k4v2", group_size=g, key_frame="auto"),
+        "k4v2-krot": get_config("k4v2", group_size=g, key_frame="rotated"),   # the reference rule
+    }
+
+
+def small_kv(batch, tokens, *, heads=SMALL_H, head_dim=SMALL_D, **kw):
+    """Random K/V [batch, heads, tokens, head_dim] in the small geometry (:func:`random_kv`)."""
+    return random_kv(batch, heads, tokens, head_dim, **kw)
+
+
 def packed_state(cfg=None, *, batch: int = 2, heads: int = 2, head_dim: int = 32,
                  max_len: int = 256, dtype: torch.dtype = torch.float32, spec_tokens: int = 0):
     """An empty layer state (:func:`kvarn_compile.state.allocate_layer`) with small defaults:
