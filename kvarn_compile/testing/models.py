@@ -268,7 +268,7 @@ def examples_dir():
     """The ``examples`` folder of the source checkout this package runs from."""
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples"
     if not path.is_dir():
         raise FileNotFoundError(f"kvarn_compile.testing: expected the examples of a source "
                                 f"checkout at {path}; run the tests from a clone of the repository.")
