@@ -7,7 +7,7 @@ one online softmax (no separate torch pass, no log-sum-exp merge in Python):
   un-rotated q; their output accumulates in the plain frame;
 * packed tiles: the key row scale is folded into q, the key column scale into the scores,
   the value row scale into the softmax weights and the value column scale into the output
-  (the dual-scale fold of ``ops/append.py, ops/attention.py``); codes are unpacked in registers inside
+  (the dual-scale fold of ``ops/attention.py``); codes are unpacked in registers inside
   the score and value loops (16 lanes, register-blocked over up to 4 query rows), never
   into a dequantized K/V; their output accumulates in the rotated frame;
 * q is rotated, and the rotated part of the output rotated back, inside the call; scales

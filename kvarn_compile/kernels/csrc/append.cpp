@@ -1,4 +1,4 @@
-// Decode-step append fast path: the reference append (ops/append.py, ops/attention.py) of the common case
+// Decode-step append fast path: the reference append (ops/append.py) of the common case
 // in one call. Every row continues its sequence (start == lengths == committed > 0), all new
 // tokens are committed (hold == 0) and no tile completes, so the write is: round the new
 // rows to the exact dtype, store them in the sink or the tail ring, bump the counters.
