@@ -164,4 +164,9 @@ if __name__ == "__main__":
     compiled = torch.compile(model, backend=backend)
     tokens = generate(model, prompt, 64, step=compiled)
     print(backend.report)
-    print("fp16-free KVarN tokens match fp:", (tokens == eager).float().mean().item())
+    same = (tokens == eager).all(0)                 # per position, every batch row
+    first = int(same.long().cumprod(0).sum())
+    print(f"greedy tokens: the first {first} of {same.numel()} equal the uncompressed model's "
+          f"({same.float().mean():.0%} of all positions). The weights are random, so the top two "
+          "logits are near ties and any rounding flips some; a greedy stream that took another "
+          "token then continues another text. `kvarn-compile run` measures a trained model.")

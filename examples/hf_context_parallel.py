@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = static_cache_for(model, max_len)
         try:
             out = model.generate(ids, max_new_tokens=opts.new, do_sample=False,
-                                 past_key_values=cache, pad_token_id=tokenizer.eos_token_id)
+                                 cache=cache, pad_token_id=tokenizer.eos_token_id)
         finally:
             model.forward = fwd
         return out[0, ids.shape[1]:], holder

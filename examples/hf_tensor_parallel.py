@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import sys
 
@@ -42,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     from kvarn_compile.distributed import check_hf_tensor_parallel, hf_tp_kwargs, print_report
 
     distributed = "RANK" in os.environ
+    if distributed and importlib.util.find_spec("accelerate") is None:
+        if os.environ.get("RANK") == "0":    # one line, not one per rank
+            print("hf_tensor_parallel: transformers needs the accelerate package to load a model "
+                  "tensor-parallel (tp_plan); install it with: pip install -e \".[distributed]\" "
+                  "(or pip install accelerate)", file=sys.stderr)
+        return 2
     if distributed:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=opts.timeout))
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)

@@ -23,8 +23,8 @@ import warnings
 from collections.abc import Callable
 
 from kvarn_compile.eval.args import (  # noqa: F401  (re-exported: kvarn_compile.cli.UsageError, ...)
-    UsageError, add_common_arguments, add_model_arguments, check_default_model, input_file,
-    int_at_least, model_name, output_file, output_folder, write_json)
+    ResultsNotSaved, UsageError, add_common_arguments, add_model_arguments, check_default_model,
+    input_file, int_at_least, model_name, output_file, output_folder, write_json)
 from kvarn_compile.eval.kv_report import kv_report, print_kv_report  # noqa: F401  (re-exported)
 
 __all__ = ["main", "kv_report", "UsageError"]
@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"{err.prog or prog}: error: {err}", file=sys.stderr)
         return 2
+    except ResultsNotSaved as err:     # the work is done and printed; only saving failed
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
     except AssetMissingError as err:   # e.g. the corpora could not be fetched
         print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["UsageError", "int_at_least", "model_name", "output_file", "output_folder", "input_file",
            "check_default_model", "add_model_arguments", "add_common_arguments", "add_command",
-           "write_json"]
+           "write_json", "ResultsNotSaved", "rescue_folder"]
 
 
 class UsageError(Exception):
@@ -82,29 +82,59 @@ def _cached_hub_model(name: str) -> bool:
         return False
 
 
+def _probe_write(folder: pathlib.Path) -> str | None:
+    """Create and remove a file in ``folder``: None when that works, else why not. Permission
+    bits alone do not tell (root passes them on a read-only or virtual file system)."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvarn-write-check-", dir=folder)
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    os.close(fd)
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+    return None
+
+
 def output_file(text: str) -> str:
-    """An argparse ``type``: a file path that can be written (checked now, written at the end)."""
+    """An argparse ``type``: a file path that can be written (checked now by creating and
+    removing a file next to it, written at the end)."""
     path = pathlib.Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"expected a file path, but {text!r} is a folder")
     parent = path.parent if str(path.parent) else pathlib.Path(".")
     if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {str(parent)!r} does not exist "
+                                         f"(create it first or pick another path)")
+    why = _probe_write(parent)
+    if why is None and path.exists():
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as err:
+            why = err.strerror or type(err).__name__
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: creating a file in {str(parent)!r} "
+                                         f"failed ({why}); pick a writable path")
     return str(path)
 
 
 def output_folder(text: str) -> str:
-    """An argparse ``type``: a folder that exists and is writable, or can be created."""
+    """An argparse ``type``: a folder that exists and is writable, or can be created (checked
+    now by creating and removing a file in it, or in the nearest existing folder above it)."""
     path = pathlib.Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"expected a folder, but {text!r} is a file")
     probe = path
     while not probe.exists():
         probe = probe.parent if probe.parent != probe else pathlib.Path(".")
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {str(probe)!r} is not writable")
+    why = _probe_write(probe) if probe.is_dir() else "not a folder"
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: creating a file in {str(probe)!r} "
+                                         f"failed ({why}); pick a writable folder")
     return str(path)
 
 
@@ -165,9 +195,30 @@ def add_common_arguments(p: argparse.ArgumentParser, *, json_flag: bool = True) 
                    help="show the full traceback of an unexpected error")
 
 
+class ResultsNotSaved(Exception):
+    """The work is done and its results printed, but the output could not be written where
+    asked (the folder vanished, the disk filled up); the message says where they went
+    instead (exit status 1)."""
+
+
+def rescue_folder(prefix: str) -> pathlib.Path:
+    """A new folder in the system's temporary directory for results that could not be saved."""
+    import tempfile
+
+    return pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+
+
 def write_json(path: str, results: dict[str, Any]) -> None:
-    """Write ``results`` to the ``--json`` file (plain JSON, :func:`.report.write_json`); say so on stderr."""
+    """Write ``results`` to the ``--json`` file (plain JSON, :func:`.report.write_json`); say so
+    on stderr. Should that fail after the work, the file goes to a temporary folder and
+    :class:`ResultsNotSaved` names it."""
     from kvarn_compile.eval.report import write_json as write_plain_json
 
-    write_plain_json(results, path)
+    try:
+        write_plain_json(results, path)
+    except OSError as err:
+        rescue = rescue_folder("kvarn-results-") / pathlib.Path(path).name
+        write_plain_json(results, rescue)
+        raise ResultsNotSaved(f"could not write {path} ({err.strerror or err}); the results were "
+                              f"saved to {rescue} instead") from None
     print(f"wrote {path}", file=sys.stderr)

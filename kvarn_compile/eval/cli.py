@@ -239,7 +239,15 @@ def eval_main(args: argparse.Namespace) -> int:
         except FaithfulnessError as err:
             result, status = err.result, 3
             print(f"error: {err}", file=sys.stderr)
-    paths = write_outputs(result, args.out)
-    print(markdown_summary(result))
+    print(markdown_summary(result), flush=True)      # the results first: saving may still fail
+    try:
+        paths = write_outputs(result, args.out)
+    except OSError as err:
+        from kvarn_compile.eval.args import ResultsNotSaved, rescue_folder
+
+        rescue = rescue_folder("kvarn-eval-")
+        write_outputs(result, rescue)
+        raise ResultsNotSaved(f"could not write into {args.out} ({err.strerror or err}); the results "
+                              f"were saved to {rescue} instead") from None
     print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.1f} s")
     return status

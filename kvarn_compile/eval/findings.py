@@ -37,36 +37,58 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
 
 
 def _findings(grid: dict[str, Any], s: EvalSettings) -> dict[str, Any]:
-    """Check the paper's claims on one text source; every check lists the numbers it used."""
+    """Check the paper's claims on one text source; every check lists the numbers it used.
+
+    A check the run cannot decide is ``None``, never a "no": a length where KIVI's KL is 0
+    (nothing quantized is attended yet: the sink and each block's own tokens are exact, so
+    every method's KL is 0 there), or a trend over fewer than two lengths. ``undecided``
+    says why for each such check."""
     res, out = grid["results"], {}
     lengths = [str(L) for L in sorted(s.lengths)]
     for preset, by_m in res.items():
         f: dict[str, Any] = {}
+        undecided: dict[str, str] = {}
         if "kivi" in by_m:
             kivi = by_m["kivi"]["by_length"]
+            quantized = [L for L in lengths if kivi[L]["pseudo"]["kl"] > 0 or kivi[L]["static"]["kl"] > 0]
+            blank = [L for L in lengths if L not in quantized]
+            if blank:
+                undecided["lengths"] = (f"at L={', '.join(blank)} every KL is 0: no quantized token is "
+                                        "attended yet (the sink and each block's own tokens are exact); "
+                                        "use longer --lengths")
             f["kivi_pseudo_gt_static_last_block"] = {
-                L: kivi[L]["pseudo"]["kl_last_block"] > kivi[L]["static"]["kl"] for L in lengths}
-            pk = [kivi[L]["pseudo"]["kl"] for L in lengths]
-            f["kivi_pseudo_kl_grows_with_context"] = all(a < b for a, b in zip(pk, pk[1:]))
-            pl = [kivi[L]["pseudo"]["kl_last_block"] for L in lengths]
-            f["kivi_pseudo_last_block_kl_grows_with_context"] = all(a < b for a, b in zip(pl, pl[1:]))
+                L: (kivi[L]["pseudo"]["kl_last_block"] > kivi[L]["static"]["kl"]) if L in quantized else None
+                for L in lengths}
+            pk = [kivi[L]["pseudo"]["kl"] for L in quantized]
+            pl = [kivi[L]["pseudo"]["kl_last_block"] for L in quantized]
+            trend_ok = len(quantized) >= 2
+            if not trend_ok:
+                undecided["trend"] = "a trend over context needs at least two lengths with quantized tokens"
+            f["kivi_pseudo_kl_grows_with_context"] = (all(a < b for a, b in zip(pk, pk[1:]))
+                                                      if trend_ok else None)
+            f["kivi_pseudo_last_block_kl_grows_with_context"] = (all(a < b for a, b in zip(pl, pl[1:]))
+                                                                 if trend_ok else None)
             if "kvarn" in by_m:
                 L = lengths[-1]
-                ratio = by_m["kvarn"]["by_length"][L]["pseudo"]["kl"] / kivi[L]["pseudo"]["kl"]
-                f["kvarn_over_kivi_pseudo_kl_at_max_length"] = {"length": int(L), "ratio": ratio,
-                                                                "at_most_half": ratio <= 0.5}
+                den = kivi[L]["pseudo"]["kl"]
+                ratio = by_m["kvarn"]["by_length"][L]["pseudo"]["kl"] / den if den > 0 else None
+                f["kvarn_over_kivi_pseudo_kl_at_max_length"] = {
+                    "length": int(L), "ratio": ratio,
+                    "at_most_half": ratio <= 0.5 if ratio is not None else None}
         if all(m in by_m for m in ("kvarn", "hadamard", "kivi")):
             order = {}
             for L in lengths:
                 for setting in ("static", "pseudo"):
                     kv, hd, ki = (by_m[m]["by_length"][L][setting]["kl"] for m in ("kvarn", "hadamard", "kivi"))
-                    order[f"{setting}@{L}"] = kv <= hd <= ki
+                    order[f"{setting}@{L}"] = (kv <= hd <= ki) if ki > 0 else None
             f["ordering_kvarn_le_hadamard_le_kivi"] = order
             # how sure: the windows are paired (same text), so compare them one by one
             f["kvarn_vs_hadamard_pseudo_per_window"] = {
                 L: paired_difference(by_m["kvarn"]["by_length"][L]["pseudo"]["kl_windows"],
                                      by_m["hadamard"]["by_length"][L]["pseudo"]["kl_windows"])
                 for L in lengths}
+        if undecided:
+            f["undecided"] = undecided
         out[preset] = f
     return out
 

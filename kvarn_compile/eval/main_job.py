@@ -37,8 +37,9 @@ __all__ = ["DEFAULTS", "run_main_job", "print_main_job", "add_run_command", "add
            "validate_run_args", "run_from_args", "run_command"]
 
 #: Defaults of ``kvarn-compile run``: a context where a KV cache dominates decode cost (on 2 CPU
-#: cores KVarN decode only ties with Inductor fp32 at 2k tokens), short enough for about three
-#: minutes on 2 idle cores.
+#: cores KVarN decode only ties with Inductor fp32 at 2k tokens), short enough for about 5
+#: minutes the first time (model conversion, corpora and C++ build once) and under 2 after
+#: that on 2 mostly idle cores (docs/performance.md).
 DEFAULTS = {"prompt_tokens": 8192, "new_tokens": 32, "chunk": 512, "preset": "k4v2",
             "corpus": "lee", "warmup": 2, "prefill": "eager"}
 
@@ -71,6 +72,7 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
     with phases("set up kvarn_backend and torch.compile"):
         runners = make_runners(kv_model, fp_model, preset=cfg, max_len=max_len, compiler=compiler,
                                eager=eager)
+    build_cpu_kernels(phases)
     by = {r.name: r for r in runners}
     kv, ind = by["kvarn"], by["inductor"]
     fp_cache_allocated = cache_bytes(ind.cache)          # before anything can be released
@@ -97,6 +99,9 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
             e_kl, e_agree = kl_top1(fp_logits[len(fp_logits) - len(e_logits):], e_logits)
             floor = {"kl_mean": float(e_kl.mean()), "kl_max": float(e_kl.max()),
                      "top1": float(e_agree.mean()), "positions": int(e_kl.numel())}
+        steps = len(tokens) - 1                    # decode steps: tokens[i] fed, tokens[i + 1] predicted
+        margin = fp_logits[-steps:].float().topk(2, dim=-1).values
+        margin = (margin[:, 0] - margin[:, 1])
         kv_heads, head_dim = kv_geometry(kv_model)
         n_layers = kv_model.config.get_text_config(decoder=True).num_hidden_layers
         held = max_len - 1                        # the last token is predicted, never fed
@@ -108,12 +113,17 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
         released = report.released_bytes
         bpe_tiles = _tile_bpe(kv.backend, cfg, head_dim)
 
+    with phases("same text through a KIVI cache of the same bits", note="simulated, for scale"):
+        sim = same_size_baselines(fp_model, ind.cache, prompt_tokens, cfg, tokens[:steps],
+                                  fp_logits[-steps:])
+
     speed = {r.name: {"label": r.label, "ms_per_step": spread(r.step_ms),
                       "tokens_per_s": 1e3 / spread(r.step_ms)["median"] if r.step_ms else None,
                       "steps_ms": r.step_ms, "warmup_steps_s": r.warmup_s,
                       "prefill_chunk_s": spread(r.prefill_s) if r.prefill_s else None,
                       "first_prefill_chunk_s": r.first_call_s.get("prefill"),
                       "first_decode_step_s": r.first_call_s.get("decode"),
+                      "compile_timers_s": r.compile_timers_s,
                       "compiled": r.name != "eager"}
              for r in runners}
     ratios = {}
@@ -148,16 +158,69 @@ def run_main_job(model_name: str | None = None, *, preset: str = DEFAULTS["prese
                     "teacher_forced_top1": float(agree.mean()),
                     "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
                     "kl_per_position": [float(x) for x in kl],
-                    "greedy_first_divergence": first_div, "noise_floor_eager_vs_inductor": floor},
+                    "greedy_first_divergence": first_div, "noise_floor_eager_vs_inductor": floor,
+                    "top2_margin_at_divergence": (float(margin[first_div - (new_tokens - steps)])
+                                                  if first_div < new_tokens and first_div >= new_tokens - steps
+                                                  else None),
+                    "top2_margin_median": float(margin.median()),
+                    "same_bits_simulated": sim},
         "text": {"prompt_tail": tok.decode(ids[0, -24:]), "uncompressed": text,
                  "kvarn_same_prefix": tok.decode(tokens[:first_div]),
                  "kvarn_diverging_token": tok.decode(kv_choice[first_div - off:first_div - off + 1])
                  if first_div < new_tokens else None,
                  "uncompressed_token_there": tok.decode(tokens[first_div:first_div + 1])
-                 if first_div < new_tokens else None},
+                 if first_div < new_tokens else None,
+                 "side_by_side": _side_by_side(tok, tokens, kv_choice, off, first_div, new_tokens)},
         "phases_s": dict(phases.durations), "total_s": phases.elapsed(),
         "threads": torch.get_num_threads(),
     }
+
+
+def build_cpu_kernels(phases) -> None:
+    """Build the C++ CPU kernels now, as a phase of its own, when their current sources are not
+    built yet (once per source version; kept under the kvarn cache folder). Otherwise the
+    first compiled step would build them, unannounced, inside its compile time."""
+    from kvarn_compile.kernels.cpu import attention, build, quantize
+
+    if build.mode() == "0" or all(build.is_built(k) for k in ("attention", "quantize")):
+        return
+    with phases("build the C++ CPU kernels", note=f"once; kept in {build.build_dir()}"), \
+            build.announced_elsewhere():
+        attention.available()
+        quantize.available()
+
+
+def same_size_baselines(model, fp_cache, prompt_tokens: int, cfg, fed: torch.Tensor,
+                        ref_logits: torch.Tensor) -> dict[str, Any]:
+    """KL / top-1 of the decode positions over the prompt's K/V quantized once by KIVI with
+    KVarN's bits, tile and sink (the eval's static setting, simulated in full precision): what
+    another quantizer of the same size gives on the same text. (KVarN simulated the same way
+    gave KL 0.0143 against the packed cache's 0.0145 on the default run; left out, it costs a
+    minute.)
+
+    ``fp_cache``: a full-precision ``StaticCache`` holding the prompt; ``fed`` [steps]: the
+    decode steps' input tokens; ``ref_logits`` [steps, V]: the uncompressed model's logits."""
+    from kvarn_compile.eval.harness import block_logits, kl_top1, method_config, quantize_prefix
+
+    kv = [(layer.keys, layer.values) for layer in fp_cache.layers]
+    out: dict[str, Any] = {"positions": int(fed.numel()), "setting": "prompt quantized once, decoded tokens exact"}
+    for method in ("kivi",):
+        prefix = quantize_prefix(kv, method_config(method, cfg), prompt_tokens)
+        logits = block_logits(model, fed.view(1, -1), prefix)
+        kl, agree = kl_top1(ref_logits, logits)
+        out[method] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(agree.mean())}
+    return out
+
+
+def _side_by_side(tok, tokens: torch.Tensor, kv_choice: torch.Tensor, off: int, first_div: int,
+                  new_tokens: int, n: int = 8) -> dict[str, list[str]] | None:
+    """From the first divergence on, ``n`` positions: the uncompressed model's token and
+    KVarN's choice at the same position, given the same (uncompressed) text before it."""
+    if first_div >= new_tokens:
+        return None
+    stop = min(first_div + n, new_tokens, off + len(kv_choice))
+    return {"uncompressed": [tok.decode(tokens[i:i + 1]) for i in range(first_div, stop)],
+            "kvarn": [tok.decode(kv_choice[i - off:i - off + 1]) for i in range(first_div, stop)]}
 
 
 def _tile_bpe(backend, cfg, head_dim: int) -> float | None:
@@ -287,16 +350,123 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ output
+def _tile_bpe_at(config_short: str, head_dim: int) -> float:
+    """Bits per element of one packed K+V tile at ``head_dim`` for the preset whose
+    ``KVarNConfig.short()`` is ``config_short`` (codes plus fp16 row scale, row zero and column
+    scale of K and V; as :func:`_tile_bpe` measures on the live tensors)."""
+    from kvarn_compile.config import PRESETS
+
+    cfg = next(c for c in PRESETS.values() if c.short() == config_short)
+    g, d = cfg.group_size, head_dim
+    k = d * g * cfg.key_bits / 8 + 2 * (2 * d + g)
+    v = g * d * cfg.value_bits / 8 + 2 * (2 * g + d)
+    return 8 * (k + v) / (2 * g * d)
+
+
+def _print_speed(p, res: dict[str, Any]) -> None:
+    """The speed lines: first KVarN against the fastest uncompressed runner, then the table."""
+    from .speed import format_spread
+
+    sp = res["speed"]
+    runners = sp["runners"]
+    n = runners["kvarn"]["ms_per_step"]["n"]
+    lo, hi = sp["context_tokens"]
+    ratios = sp["kvarn_speedup"]
+    p(f"  speed      decode at {lo}-{hi} tokens of context, {n} timed steps per model in one "
+      "interleaved loop")
+
+    def how(other: str) -> str:
+        pr = ratios[other]["paired"]
+        x = pr["median"]
+        word = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+        return (f"{word} than {runners[other]['label']} (median of the per-step ratios, IQR "
+                f"{pr['p25']:.2f}-{pr['p75']:.2f})")
+
+    plain = sorted((o for o in ("eager", "inductor") if o in ratios),
+                   key=lambda o: runners[o]["ms_per_step"]["median"])
+    if plain:
+        best = plain[0]
+        p(f"             KVarN is {how(best)}, the fastest uncompressed runner here")
+        for other in plain[1:]:
+            p(f"             and {how(other)}")
+        if plain[0] == "eager" and "inductor" in plain:
+            p("             (Inductor's step is the slower uncompressed one: in every layer its compiled "
+              "graph copies the whole K and V cache out to every query head (repeat_kv) before "
+              "attention, which eager hands the KV heads as they are; docs/performance.md)")
+    p("             ms/step median [IQR] min-max:")
+    for name, r in runners.items():
+        tps = f"{r['tokens_per_s']:6.1f} tok/s" if r["tokens_per_s"] else "   n/a"
+        what = {"kvarn": "compiled with kvarn_backend", "inductor": "torch.compile, full-precision static cache",
+                "eager": "not compiled, full-precision static cache"}.get(name, "")
+        p(f"             {r['label']:14} {format_spread(r['ms_per_step']):>34}  {tps}  ({what})")
+
+
+def _print_quality(p, res: dict[str, Any], fp_dt: str) -> None:
+    """Quality with its scale: the noise floor, a same-size KIVI cache, and why greedy streams part."""
+    q, t = res["quality"], res["text"]
+    floor, sim = q["noise_floor_eager_vs_inductor"], q.get("same_bits_simulated")
+    div = q["greedy_first_divergence"]
+    first = (" (the first token comes from the shared full-precision prefill)"
+             if q.get("first_position") else "")
+    p(f"  quality    {q['positions']} decoded positions{first}, each given the uncompressed model's "
+      "greedy text so far (teacher-forced).")
+    p("             KL(fp ‖ cache): how far the next-token distribution moves, nats/token (0: identical); "
+      "top-1: share of positions with the same top token")
+    p(f"             {'':44}{'KL mean':>9} {'(max)':>8}  {'top-1':>6}")
+    p(f"             {'KVarN ' + res['preset'] + ', this run':44}{q['kl_mean']:9.4f} ({q['kl_max']:6.3f})  "
+      f"{q['teacher_forced_top1']:6.3f}")
+    if sim:
+        for method, label in (("kivi", "KIVI, same bits (simulated)"),
+                              ("kvarn", "KVarN, same bits (simulated)")):
+            if method not in sim:
+                continue
+            r = sim[method]
+            p(f"             {label:44}{r['kl_mean']:9.4f} ({r['kl_max']:6.3f})  {r['top1']:6.3f}")
+    if floor:
+        p(f"             {'noise floor: eager vs Inductor ' + fp_dt + ' (rounding)':44}{floor['kl_mean']:9.1e} "
+          f"({floor['kl_max']:6.0e})  {floor['top1']:6.3f}")
+    if sim:
+        p(f"             (simulated: the prompt's K/V quantized once, the {sim['positions']} decoded tokens exact)")
+    if div >= res["new_tokens"]:
+        p(f"             free-running greedy decoding: KVarN picks the same {div} tokens")
+    else:
+        margin = q.get("top2_margin_at_divergence")
+        gap = (f"; there the uncompressed model's two best tokens are {margin:.2f} logits apart (median "
+               f"over all positions {q['top2_margin_median']:.2f})" if margin is not None else "")
+        p("             free-running greedy decoding: "
+          + ("KVarN's first token already differs" if div == 0 else
+             f"KVarN picks the same first {div} tokens, then differs") + gap)
+        p("             Why so early: a small model's greedy choice is often a near tie, so any change "
+          "of the cache can flip it; after that, both streams continue different texts. The "
+          "teacher-forced numbers above measure the cache; the divergence point mostly measures the ties.")
+    p(f"  text       prompt ends  ...{t['prompt_tail']!r}")
+    p(f"             uncompressed {t['uncompressed']!r}")
+    if t["kvarn_diverging_token"] is None:
+        p("             KVarN        the same tokens")
+        return
+    same = f"same first {div} tokens, then " if div else ""
+    p(f"             KVarN        {same}{t['kvarn_diverging_token']!r} where the uncompressed "
+      f"model has {t['uncompressed_token_there']!r}")
+    sbs = t.get("side_by_side")
+    if sbs:
+        width = [max(len(repr(a)), len(repr(b))) for a, b in zip(sbs["uncompressed"], sbs["kvarn"])]
+        row = lambda toks: " ".join(f"{x!r:{w}}" for x, w in zip(toks, width))  # noqa: E731
+        p(f"             the next {len(width)} positions, each after the same uncompressed text "
+          "(a token KVarN would pick differently is marked *):")
+        p(f"               uncompressed {row(sbs['uncompressed'])}")
+        p(f"               KVarN        {row(sbs['kvarn'])}")
+        p("                            " + " ".join(("*" if a != b else " ").ljust(w)
+                                                    for a, b, w in zip(sbs["uncompressed"], sbs["kvarn"], width)))
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
 
 def print_main_job(res: dict[str, Any], file=None) -> None:
-    from .speed import format_spread
-
     out = file or sys.stdout
     p = lambda *a: print(*a, file=out)  # noqa: E731
-    kb, q, sp, rw = res["kv_bytes"], res["quality"], res["speed"], res["rewrite"]
+    kb, sp, rw = res["kv_bytes"], res["speed"], res["rewrite"]
     fp_dt = kb["full_precision_dtype"].replace("float", "fp")
     p(f"\nkvarn_backend({res['preset']!r}) on {res['model']} ({res['dtype']}, {res['layers']} layers, "
       f"{res['kv_heads']} KV heads x {res['head_dim']}): a prompt of {res['prompt_tokens']} tokens from the "
@@ -317,28 +487,15 @@ def print_main_job(res: dict[str, Any], file=None) -> None:
       + f" | KVarN {_mib(kb['kvarn_used'])} in use ({res['compression']['vs_full_precision']:.1f}x smaller"
       + (f" than {fp_dt}, {res['compression']['vs_fp16']:.1f}x than fp16)" if fp_dt != "fp16" else ")")
       + f", {_mib(kb['kvarn_allocated'])} allocated for {kb['capacity_tokens']} tokens")
-    tiles = f", {res['bpe_tiles']:.3f} in the packed tiles" if res["bpe_tiles"] else ""
-    p(f"  bits/elem  {res['bpe_overall']:.2f} overall (sink + packed tiles + tail){tiles}; "
-      f"{fp_dt} is {8 * (2 if fp_dt == 'fp16' else 4 if fp_dt == 'fp32' else 2)}")
-    runners = sp["runners"]
-    n = runners["kvarn"]["ms_per_step"]["n"]
-    lo, hi = sp["context_tokens"]
-    p(f"  speed      decode at {lo}-{hi} tokens of context, {n} timed steps per model in one interleaved "
-      "loop; ms/step median [IQR] min-max:")
-    for name, r in runners.items():
-        tps = f"{r['tokens_per_s']:6.1f} tok/s" if r["tokens_per_s"] else "   n/a"
-        what = {"kvarn": "compiled with kvarn_backend", "inductor": "torch.compile, full-precision static cache",
-                "eager": "not compiled, full-precision static cache"}.get(name, "")
-        p(f"             {r['label']:14} {format_spread(r['ms_per_step']):>34}  {tps}  ({what})")
-    for other, rt in sp["kvarn_speedup"].items():
-        pr = rt["paired"]
-        x = pr["median"]
-        how = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
-        p(f"             KVarN is {how} than {runners[other]['label']} (median of the per-step ratios "
-          f"{runners[other]['label']} / KVarN, IQR {pr['p25']:.2f}-{pr['p75']:.2f}; ratio of the "
-          f"medians {rt['median_ratio']:.2f})")
+    tiles = (f", {res['bpe_tiles']:.3f} in the packed tiles (codes plus their scales; the per-row "
+             f"scales weigh more at head_dim {res['head_dim']} than at 128, where {res['preset']} tiles take "
+             f"{_tile_bpe_at(res['config'], 128):.3f})" if res["bpe_tiles"] and res["head_dim"] != 128
+             else f", {res['bpe_tiles']:.3f} in the packed tiles" if res["bpe_tiles"] else "")
+    p(f"  bits/elem  {res['bpe_overall']:.2f} overall (the sink and the newest tokens stay exact in fp16)"
+      f"{tiles}; {fp_dt} is {8 * (2 if fp_dt == 'fp16' else 4 if fp_dt == 'fp32' else 2)}")
+    _print_speed(p, res)
     comp = []
-    for r in runners.values():
+    for r in sp["runners"].values():
         if not r["compiled"]:
             continue
         parts = [f"{what} {r[key]:.0f} s" for what, key in (("prefill", "first_prefill_chunk_s"),
@@ -348,39 +505,18 @@ def print_main_job(res: dict[str, Any], file=None) -> None:
     eager_prefill = res["prefill_mode"] == "eager"
     p(f"  compile    {'; '.join(comp)} (first chunk / first step, incl. compiling"
       + ("; KVarN's first step also packs the prompt)" if eager_prefill else ")"))
-    chunks = [f"{r['label']} {r['prefill_chunk_s']['median']:.2f} s" for r in runners.values()
+    chunks = [f"{r['label']} {r['prefill_chunk_s']['median']:.2f} s" for r in sp["runners"].values()
               if r.get("prefill_chunk_s")]
     how = ("once, eager in full precision; every model starts from a copy of that cache"
            if eager_prefill else "through each compiled model")
     p(f"  prefill    {res['prompt_tokens']} tokens {how}; per {res['chunk']}-token chunk (median): "
       f"{', '.join(chunks) if chunks else 'n/a'}")
-    floor = q["noise_floor_eager_vs_inductor"]
-    div = q["greedy_first_divergence"]
-    first = (" (the first token comes from the shared full-precision prefill)"
-             if q.get("first_position") else "")
-    p(f"  quality    {q['positions']} decoded positions{first}, teacher-forced on the uncompressed "
-      f"model's greedy tokens: top-1 agreement {q['teacher_forced_top1']:.3f}, KL(fp ‖ KVarN) "
-      f"{q['kl_mean']:.4f} nats/token (max {q['kl_max']:.3f})")
-    p("             free-running greedy decoding: "
-      + ("KVarN's first token already differs" if div == 0 else
-         f"KVarN picks the same first {div} tokens, then differs" if div < res["new_tokens"]
-         else f"KVarN picks the same {div} tokens"))
-    if floor:
-        p(f"             noise floor (eager vs Inductor {fp_dt}, rounding only): KL {floor['kl_mean']:.1e}, "
-          f"top-1 {floor['top1']:.3f}")
-    t = res["text"]
-    p(f"  text       prompt ends  ...{t['prompt_tail']!r}")
-    p(f"             uncompressed {t['uncompressed']!r}")
-    if t["kvarn_diverging_token"] is not None:
-        same = f"same first {div} tokens, then " if div else ""
-        p(f"             KVarN        {same}{t['kvarn_diverging_token']!r} where the uncompressed "
-          f"model has {t['uncompressed_token_there']!r}")
-    else:
-        p("             KVarN        the same tokens")
+    _print_quality(p, res, fp_dt)
     groups: dict[str, float] = {}
     for name, secs in res["phases_s"].items():
-        key = next((k for k in ("compile", "prefill", "decode") if name.startswith(k)),
-                   "decode" if name.startswith("warm-up") else "load and set-up")
+        key = next((k for k in ("build", "compile", "prefill", "decode") if name.startswith(k)),
+                   "decode" if name.startswith("warm-up") else
+                   "quality" if name.startswith(("quality", "same text")) else "load and set-up")
         groups[key] = groups.get(key, 0.0) + secs
     threads = f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}"
     p(f"  time       {res['total_s']:.0f} s in all ({threads}): "

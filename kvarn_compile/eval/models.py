@@ -172,7 +172,9 @@ def _default_model_dir() -> pathlib.Path:
     if (final / "config.json").is_file():
         return final
     gguf = default_gguf_path()  # raises AssetMissingError before any work is done
-    log.warning("Converting %s to a plain checkpoint in %s (once, ~20 s).", gguf.name, final)
+    log.warning("Converting %s to a plain checkpoint in %s (once; about 20 s on 2 idle cores, "
+                "longer on a busy machine).", gguf.name, final)
+    t0 = time.perf_counter()
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_dirs(final)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
@@ -183,6 +185,7 @@ def _default_model_dir() -> pathlib.Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    log.warning("Converted the model in %.0f s.", time.perf_counter() - t0)
     return final
 
 

@@ -63,34 +63,57 @@ class Phases:
 
     @contextlib.contextmanager
     def __call__(self, name: str, note: str = "") -> Iterator[None]:
-        """Time the block as phase ``name``; ``note`` is shown after the name."""
+        """Time the block as phase ``name``; ``note`` is shown after the name.
+
+        The closing line says how the block ended: ``done in``, ``interrupted after`` (Ctrl-C)
+        or ``failed after`` (an exception). On a terminal, anything else written to stderr
+        while the phase runs (a notice, a warning) gets a line of its own: the phase line is
+        cleared first and redrawn below it on the next tick."""
         name = self._prefix + name
         head = f"[{clock(self.elapsed())}] {name}" + (f" ({note})" if note else "")
         stop = threading.Event()
         ticker = None
+        guard = None
         start = time.perf_counter()
         if self.enabled:
             if self._tty:
-                self._write(f"\r{head} ...")
+                guard = _LineGuard(self.stream)
+                guard.draw(f"\r{head} ...")
 
                 def tick() -> None:
                     while not stop.wait(self.tick_s):
-                        self._write(f"\r{head} ... {time.perf_counter() - start:.0f} s")
+                        guard.draw(f"\r{head} ... {time.perf_counter() - start:.0f} s")
 
                 ticker = threading.Thread(target=tick, daemon=True)
                 ticker.start()
+                if sys.stderr is self.stream:
+                    sys.stderr = guard      # type: ignore[assignment]
             else:
                 self._write(f"{head} ...\n")
+        ended = "done in"
         try:
             yield
+        except KeyboardInterrupt:
+            ended = "interrupted after"
+            raise
+        except BaseException:
+            ended = "failed after"
+            raise
         finally:
             stop.set()
             if ticker is not None:
                 ticker.join()
+            if guard is not None and sys.stderr is guard:
+                sys.stderr = self.stream
             took = time.perf_counter() - start
-            self.durations[name] = self.durations.get(name, 0.0) + took
+            if ended == "done in":
+                self.durations[name] = self.durations.get(name, 0.0) + took
             if self.enabled:
-                self._write(f"\r{head}: {took:.1f} s\x1b[K\n" if self._tty else f"{head}: done in {took:.1f} s\n")
+                if self._tty:
+                    self._write(f"\r{head}: {took:.1f} s\x1b[K\n" if ended == "done in"
+                                else f"\r{head}: {ended} {took:.1f} s\x1b[K\n")
+                else:
+                    self._write(f"{head}: {ended} {took:.1f} s\n")
 
     def bar(self, iterable: Iterable[Any], name: str, total: int | None = None,
             unit: str = "it") -> Iterator[Any]:
@@ -108,6 +131,36 @@ class Phases:
         finally:
             bar.close()
             self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
+
+
+class _LineGuard:
+    """Stands in for ``sys.stderr`` while a phase line is drawn on a terminal: a write from
+    anyone else first clears the phase line, so a notice never lands in its middle."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._drawn = False
+
+    def draw(self, text: str) -> None:
+        with self._lock:
+            self._stream.write(text + "\x1b[K")     # clear what a longer foreign line left
+            self._stream.flush()
+            self._drawn = True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if self._drawn and text:
+                self._stream.write("\r\x1b[K")
+                self._drawn = False
+            n = self._stream.write(text)
+        return n
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class _Progress:

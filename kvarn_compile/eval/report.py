@@ -107,12 +107,19 @@ def markdown_summary(result: dict[str, Any]) -> str:
     lines += ["", "## Paper findings", "",
               "The KVarN paper's claims, checked on this run (yes/no per context length L; the "
               "numbers are in eval.json under `findings`)."]
+    if s["windows"] == 1:
+        lines += ["", "One window of text: each yes/no below is a single observation, and window-to-"
+                      "window variation is of the size of these differences, so one window cannot "
+                      "decide a claim either way (the full run averages 2 windows; more with --windows)."]
     for source, by_p in result.get("findings", {}).items():
         for preset, fnd in by_p.items():
             lines += ["", f"**{source.split('@')[0]} text (from token {source.split('@')[-1]}), {preset}**", ""]
             lines += [f"- {line}" for line in finding_lines(fnd)]
     d = result.get("diagnostics")
-    if d:
+    for preset, by_m in (d or {}).get("skipped", {}).items():
+        for method, why in by_m.items():
+            lines += ["", f"Diagnostics of {method} {preset} skipped: {why}."]
+    if d and d["by_config"]:
         lines += ["", f"## Diagnostics (static, L = {d['length']}, {d['windows']} window(s))", "",
                   "| method | preset | K rel err | V rel err | attn-out rel err | K err share top 1% / top 5% | "
                   "magnitude share in top 1% / rest | static KL | KL restore top 5% | KL restore rest 95% | "
@@ -194,7 +201,7 @@ def markdown_summary(result: dict[str, Any]) -> str:
 
 
 def _yes(x: Any) -> str:
-    return "yes" if x else "no"
+    return "undecided" if x is None else "yes" if x else "no"
 
 
 def _per_length(d: dict[str, Any]) -> str:
@@ -213,8 +220,9 @@ def finding_lines(fnd: dict[str, Any]) -> list[str]:
         elif name == "kivi_pseudo_last_block_kl_grows_with_context":
             out.append(f"KIVI's last-block pseudo-decode KL grows with the context length: {_yes(val)}")
         elif name == "kvarn_over_kivi_pseudo_kl_at_max_length":
+            ratio = f"ratio {val['ratio']:.2f}" if val["ratio"] is not None else "KIVI's KL is 0 there"
             out.append(f"KVarN's pseudo-decode KL is at most half of KIVI's at L={val['length']}: "
-                       f"{_yes(val['at_most_half'])} (ratio {val['ratio']:.2f})")
+                       f"{_yes(val['at_most_half'])} ({ratio})")
         elif name == "ordering_kvarn_le_hadamard_le_kivi":
             by_setting: dict[str, list[str]] = {}
             for key, ok in val.items():
@@ -229,6 +237,8 @@ def finding_lines(fnd: dict[str, Any]) -> list[str]:
                 parts.append(f"L={L}: lower in {r['lower_in']}/{r['windows']} windows, mean "
                              f"difference {r['mean_diff']:+.4f}{se}")
             out.append("KVarN vs Hadamard-only, pseudo-decode KL per window: " + "; ".join(parts))
+        elif name == "undecided":
+            out.extend(f"Undecided: {why}." for why in val.values())
         else:
             out.append(f"`{name}` = {json.dumps(to_jsonable(val))}")
     return out

@@ -82,6 +82,8 @@ class Runner:
     warmup_s: list[float] = dataclasses.field(default_factory=list)
     prefill_s: list[float] = dataclasses.field(default_factory=list)
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: Dynamo / Inductor timers (seconds, >= 0.5 s) of the first decode step's compile
+    compile_timers_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __call__(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, float]:
         """Run ``ids`` [1, n] at positions start..start+n-1; (last logits [V] fp32, seconds)."""
@@ -144,8 +146,9 @@ def prefill(runners: list[Runner], ids: torch.Tensor, chunk: int, phases, *, mod
     """Prefill ``ids`` [1, L] in chunks of ``chunk`` tokens into every runner's cache.
 
     ``mode="eager"``: the prompt runs once through the uncompiled full-precision model
-    (``source``, default the eager runner) into its ``StaticCache``; every other runner
-    starts from a copy of that cache. The KVarN model's first compiled step then takes these
+    (``source``, default the eager runner) over a cache that grows with it (each chunk
+    attends only the tokens before it: :func:`_prefill_grown`), and its K/V go into the
+    source's ``StaticCache``; every other runner starts from a copy of that cache. The KVarN model's first compiled step then takes these
     K/V over into its packed states (as with transformers' ``generate(...,
     compile_config=...)``, which also prefills eagerly and compiles only the decoding step).
     No prefill graph compiles; the prompt is attended exactly while it is prefilled.
@@ -172,26 +175,59 @@ def prefill(runners: list[Runner], ids: torch.Tensor, chunk: int, phases, *, mod
     n = ids.shape[-1]
     starts = list(range(0, n, chunk))
     last: dict[str, torch.Tensor] = {}
-    for r in active:
-        if r.name in ("kvarn", "inductor"):
+    if mode == "eager":
+        last[source.name] = _prefill_grown(source, ids, chunk, phases)
+    else:
+        for r in active:
             with phases(f"compile prefill: {r.label}", note=f"first {min(chunk, n)}-token chunk"):
                 last[r.name], took = r(ids[:, :chunk], 0)
             r.first_call_s["prefill"] = took
-        else:
-            last[r.name], took = r(ids[:, :chunk], 0)
-            r.prefill_s.append(took)
-    names = " and ".join(r.label for r in active)
-    for i in phases.bar(range(1, len(starts)), f"prefill {n} tokens ({names}, {chunk}-token chunks)",
-                        total=len(starts) - 1, unit="chunk"):
-        k = i % len(active)
-        for r in active[k:] + active[:k]:
-            last[r.name], took = r(ids[:, starts[i]:starts[i] + chunk], starts[i])
-            r.prefill_s.append(took)
+        names = " and ".join(r.label for r in active)
+        for i in phases.bar(range(1, len(starts)), f"prefill {n} tokens ({names}, {chunk}-token chunks)",
+                            total=len(starts) - 1, unit="chunk"):
+            k = i % len(active)
+            for r in active[k:] + active[:k]:
+                last[r.name], took = r(ids[:, starts[i]:starts[i] + chunk], starts[i])
+                r.prefill_s.append(took)
     for r in runners:
         if r not in active and copy_from is not None:
             r.cache = copy.deepcopy(copy_from.cache)
             last[r.name] = last[copy_from.name]
     return last
+
+
+def _prefill_grown(source: Runner, ids: torch.Tensor, chunk: int, phases) -> torch.Tensor:
+    """The uncompiled prompt prefill: chunks of ``chunk`` tokens through ``source.model`` over
+    a cache that grows with the prompt (transformers' ``DynamicCache``), so each chunk attends
+    only the tokens before it, not every slot of the static cache (about half the attention
+    work of the whole prompt); then the K/V go into ``source.cache``'s first positions.
+    Returns the last prompt position's logits."""
+    from transformers import DynamicCache
+
+    n = ids.shape[-1]
+    grown = DynamicCache(config=source.model.config)
+    grower = dataclasses.replace(source, cache=grown, logits=[], prefill_s=[])
+    last = None
+    for start in phases.bar(range(0, n, chunk), f"prefill {n} tokens ({source.label}, {chunk}-token "
+                            "chunks)", total=-(-n // chunk), unit="chunk"):
+        last, took = grower(ids[:, start:start + chunk], start)
+        source.prefill_s.append(took)
+    positions = {"cache_position": torch.arange(n)}
+    for i, layer in enumerate(grown.layers):     # through the cache's own bookkeeping (its length)
+        source.cache.update(layer.keys, layer.values, i, positions)
+    return last
+
+
+def _compile_timers() -> dict[str, float]:
+    """torch.compile's cumulative timers of this process (name -> seconds), or {} where
+    this torch has none."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+        return {n: float(v) for n, v in zip(names, values)}
+    except Exception:  # a private API: its absence must not stop a measurement
+        return {}
 
 
 def decode_interleaved(runners: list[Runner], first_token: int, start: int, steps: int,
@@ -218,8 +254,12 @@ def decode_interleaved(runners: list[Runner], first_token: int, start: int, step
                 if r.name == "eager":
                     r.first_call_s["decode"] = step(i, r)
                     continue
+                before = _compile_timers()
                 with phases(f"compile decode: {r.label}"):
                     r.first_call_s["decode"] = step(i, r)
+                after = _compile_timers()
+                r.compile_timers_s = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()
+                                      if v - before.get(k, 0.0) >= 0.5}
         else:
             with phases(f"warm-up decode step {i + 1}", note="all runners"):
                 for r in runners:

@@ -59,11 +59,17 @@ def _diagnose(model, s: EvalSettings, w: int, ids, ref, kv, configs, q_full, pre
     for key in keys:
         cfg = configs[key]
         twin = first[same_quantizer(cfg)]
+        region = diag.quantized_region(prefix, cfg)
+        if region.stop <= region.start:   # nothing quantized in the static prefix: nothing to diagnose
+            acc[key] = {"skipped": f"the static prefix of L - b = {prefix} tokens holds no quantized "
+                                   f"tile ({cfg.sink} sink tokens stay exact, tiles of {cfg.group_size}); "
+                                   f"use a longer --diag-length"}
+            prog.step(f"diagnostics {key[1]} {key[0]} (skipped)")
+            continue
         if twin != key:     # quantizes exactly like an earlier config: copy its window
             _copy_window(acc[twin], acc.setdefault(key, {}))
             prog.step(f"diagnostics {key[1]} {key[0]}")
             continue
-        region = diag.quantized_region(prefix, cfg)
         a = acc.setdefault(key, {"k_rel": [], "v_rel": [], "attn_rel": [], "k_terms": [], "v_terms": [],
                                  "outliers": [], "baseline": []})
         rel = diag.relative_errors(fp_prefix, q_prefix[key], region)
@@ -90,6 +96,9 @@ def _finish_diagnostics(s: EvalSettings, acc, length: int) -> dict[str, Any]:
                            "outlier_fractions": list(s.outlier_fractions), "setting": "static",
                            "by_config": {}}
     for (preset, method), a in acc.items():
+        if "skipped" in a:
+            out.setdefault("skipped", {}).setdefault(preset, {})[method] = a["skipped"]
+            continue
         split = {}
         for kind in ("k_terms", "v_terms"):
             total, mag, direction = (torch.cat(t) for t in zip(*a[kind]))

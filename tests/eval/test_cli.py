@@ -69,6 +69,10 @@ BAD_INPUT = {
     "eval windows": (["eval", "--windows", "0"], "--windows"),
     "eval threads": (["eval", "--threads", "0"], "--threads"),
     "eval out is a file": (["eval", "--out", "/etc/hostname"], "--out"),
+    # folders that exist but take no new file (also for root, whom permission bits let pass)
+    "run json in /proc": (["run", "--json", "/proc/kvarn-out.json"], "--json"),
+    "eval out under /proc": (["eval", "--out", "/proc/kvarn-eval"], "--out"),
+    "bench json in /proc": (["bench", "--json", "/proc/kvarn-out.json"], "--json"),
     "eval model": (["eval", "--model", "/no/such/model"], "--model"),
     "kv-report tokens": (["kv-report", "--tokens", "-1"], "--tokens"),
     "kv-report windows": (["kv-report", "--windows", "0"], "--windows"),
@@ -252,3 +256,136 @@ def test_report_folds_the_lowering_decisions_into_one_line_per_shape_bucket():
     report.add_lowerings(decisions)
     text = str(report)
     assert text.count("note: lowering") == 2 and "note: mode='reduce-overhead'" in text
+
+
+# ------------------------------------------------------------------------------ results after the work
+def test_run_prints_its_results_before_saving_and_rescues_them(tmp_path, capsys, monkeypatch):
+    """The work is done when the --json file is written: its results are on stdout first, and
+    a failed write (the folder vanished meanwhile) puts the file in a temporary folder and
+    says where, in one line (status 1)."""
+    import kvarn_compile.eval.main_job as main_job
+    import kvarn_compile.eval.report as report
+
+    def work(args):
+        print("RESULTS OF THE RUN")
+        return {"main": {"numbers": [1, 2]}}
+
+    real = report.write_json
+
+    def flaky(result, path):
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(28, "No space left on device")
+        return real(result, path)
+
+    monkeypatch.setattr(models, "default_model_available", lambda: None)
+    monkeypatch.setattr(main_job, "run_from_args", work)
+    monkeypatch.setattr(report, "write_json", flaky)
+    rc, out, err, _ = _run(["run", "--threads", "1", "--json", str(tmp_path / "run.json")], capsys)
+    assert rc == 1 and "RESULTS OF THE RUN" in out
+    (line,) = err.strip().splitlines()
+    assert "No space left on device" in line and "saved to" in line, line
+    saved = line.split("saved to ")[1].split(" instead")[0]
+    assert json.loads(open(saved).read()) == {"main": {"numbers": [1, 2]}}
+
+
+def test_eval_prints_its_summary_before_saving_and_rescues_the_files(tmp_path, capsys, monkeypatch):
+    import kvarn_compile.eval.report as report
+    import kvarn_compile.eval.suite as suite
+
+    wanted = tmp_path / "out"
+
+    def fake_outputs(result, out_dir):
+        if str(out_dir) == str(wanted):
+            raise OSError(30, "Read-only file system")
+        path = tmp_path.__class__(out_dir) / "eval.json"
+        path.write_text("{}")
+        return {"json": path}
+
+    monkeypatch.setattr(models, "default_model_available", lambda: None)
+    monkeypatch.setattr(suite, "run_eval", lambda settings, progress: {"result": 1})
+    monkeypatch.setattr(report, "markdown_summary", lambda result: "SUMMARY OF THE EVAL")
+    monkeypatch.setattr(report, "write_outputs", fake_outputs)
+    rc, out, err, _ = _run(["eval", "--quick", "--threads", "1", "--no-progress", "--out", str(wanted)],
+                           capsys)
+    assert rc == 1 and "SUMMARY OF THE EVAL" in out
+    (line,) = err.strip().splitlines()
+    assert "Read-only file system" in line and "saved to" in line, line
+    rescue = line.split("saved to ")[1].split(" instead")[0]
+    assert (tmp_path.__class__(rescue) / "eval.json").is_file()
+
+
+# ------------------------------------------------------------------------------ phase lines
+class _Terminal:
+    """A stderr stand-in that says it is a terminal and keeps what was written."""
+
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.text += text
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_a_phase_that_fails_or_is_interrupted_does_not_say_done():
+    import io
+
+    from kvarn_compile.eval.progress import Phases
+
+    stream = io.StringIO()
+    phases = Phases(stream=stream)
+    with pytest.raises(KeyboardInterrupt):
+        with phases("load model and text"):
+            raise KeyboardInterrupt
+    with pytest.raises(RuntimeError):
+        with phases("compile"):
+            raise RuntimeError("boom")
+    with phases("decode"):
+        pass
+    lines = stream.getvalue().splitlines()
+    assert lines[1].startswith("[0:00] load model and text: interrupted after "), lines
+    assert lines[3].startswith("[0:00] compile: failed after "), lines
+    assert lines[5].startswith("[0:00] decode: done in "), lines
+    assert "done" not in lines[1] + lines[3]
+    assert set(phases.durations) == {"decode"}
+
+
+def test_a_notice_during_a_phase_gets_its_own_line_on_a_terminal(monkeypatch):
+    import sys
+
+    from kvarn_compile.eval.progress import Phases
+
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    phases = Phases(stream=term, tick_s=60)
+    with phases("load model and text"):
+        print("Converting the model once", file=sys.stderr)
+    assert sys.stderr is term
+    # the phase line was cleared before the notice, which starts a line of its own
+    before, notice = term.text.split("Converting the model once\n")
+    assert before.endswith("\r\x1b[K") and "load model and text ..." in before
+    assert notice.startswith("\r[0:00] load model and text: ") and notice.endswith(" s\x1b[K\n")
+
+
+def test_the_eager_prefill_leaves_the_cache_the_full_forward_would(tiny_llama):
+    """The main job's prefill (chunks over a growing cache, then into each runner's
+    StaticCache): every decode step then gives the logits of one forward over the whole text."""
+    from kvarn_compile.eval.progress import Phases
+    from kvarn_compile.eval.speed import decode_interleaved, eager_runner, prefill
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (1, 96), generator=g)
+    runner = eager_runner(tiny_llama, 96 + 6)
+    phases = Phases(enabled=False)
+    with torch.no_grad():
+        last = prefill([runner], ids, 32, phases, mode="eager", source=runner)
+        tokens = decode_interleaved([runner], int(last["eager"].argmax()), 96, 5, phases, warmup=0,
+                                    reference="eager")
+        full = tiny_llama(input_ids=torch.cat([ids, tokens[:5].view(1, -1)], 1)).logits[0, 95:].float()
+    torch.testing.assert_close(last["eager"], full[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(runner.logits), full[1:], rtol=1e-4, atol=1e-4)

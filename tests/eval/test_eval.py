@@ -423,3 +423,32 @@ def test_auto_threads_follow_what_other_processes_use_now(monkeypatch):
     assert cli._threads("3") == 3
     with pytest.raises(ValueError, match="Expected --threads >= 1"):
         cli._threads("0")
+
+
+def test_a_length_with_nothing_quantized_gives_a_result_not_an_error(tiny):
+    """Any length the command line accepts gives a result: at L = sink + block nothing
+    quantized is attended (every KL is 0), so the findings say "undecided" instead of
+    dividing by KIVI's zero KL, and the diagnostics say why they are skipped."""
+    import kvarn_compile.eval.suite as suite
+    from kvarn_compile.config import PRESETS
+    from kvarn_compile.eval.report import markdown_summary
+    from kvarn_compile.eval.settings import quick_settings
+
+    orig = dict(PRESETS)
+    PRESETS["k2v2"] = get_config("k2v2", group_size=G)
+    try:
+        s = quick_settings(lengths=(2 * G,), block=G, retrieval=False, outlier_fractions=(0.05,))
+        result = suite.run_eval(s, model=tiny, tokenizer=ByteTokenizer(), progress=False,
+                                windows_fn=lambda n, length, corpus, offset_tokens=0: torch.randint(
+                                    0, 300, (n, length), generator=torch.Generator().manual_seed(2)))
+    finally:
+        PRESETS.clear()
+        PRESETS.update(orig)
+    f = result["findings"]["lee@0"]["k2v2"]
+    assert f["kvarn_over_kivi_pseudo_kl_at_max_length"]["ratio"] is None
+    assert f["kivi_pseudo_kl_grows_with_context"] is None and "lengths" in f["undecided"]
+    assert result["diagnostics"]["by_config"] == {} and result["diagnostics"]["skipped"]["k2v2"]
+    text = markdown_summary(result)
+    assert "undecided" in text and "one window cannot decide" in text
+    json.dumps(__import__("kvarn_compile.eval.report", fromlist=["to_jsonable"]).to_jsonable(result),
+               allow_nan=False)

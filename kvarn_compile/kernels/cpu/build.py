@@ -1,7 +1,12 @@
 """Builds the C++ CPU kernels of ``kernels/csrc`` with ``torch.utils.cpp_extension.load``.
 
-Two extensions, each compiled on first use (a C++ compiler and ninja; about a minute, then
-cached under torch's extension directory, ``TORCH_EXTENSIONS_DIR``):
+Two extensions, each compiled on first use (a C++ compiler and ninja; about a minute on 2
+idle cores) into ``cpu_kernels/<name>/`` of the kvarn cache folder (``KVARN_CACHE_DIR``,
+default ``~/.cache/kvarn_compile``; :func:`build_dir`), and loaded from there afterwards. A
+build is announced on the ``kvarn_compile.kernels.cpu.build`` logger (a warning: it shows
+without any logging set up) with the time it took; :func:`is_built` tells beforehand, and
+:func:`announced_elsewhere` hands the announcement to a caller that shows it itself (the
+main job makes the build a phase of its own):
 
 * ``attention``: ``attention.cpp`` (the decode / tile attention; it defines the module)
   and ``append.cpp`` (the decode-step append fast path), with ``-ffp-contract=fast``;
@@ -23,13 +28,19 @@ ops use the pure-torch reference (:func:`usable`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import pathlib
 import platform
+import time
+from collections.abc import Iterator
 
-__all__ = ["KernelBuildError", "CSRC", "load", "build_extension", "usable", "mode", "cpu_model"]
+from kvarn_compile.paths import cache_dir
+
+__all__ = ["KernelBuildError", "CSRC", "load", "build_extension", "usable", "mode", "cpu_model",
+           "build_dir", "extension_name", "is_built", "announced_elsewhere"]
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +87,59 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()[:8]
 
 
+def extension_name(kind: str) -> str:
+    """The extension's module name: ``kvarn_cpu_<kind>_<hash of sources and flags>_<hash of the CPU>``."""
+    files, cflags = _EXTENSIONS[kind]
+    inputs = [CSRC / f for f in files] + sorted(CSRC.glob("*.h"))
+    src = _digest(*(p.name.encode() + b"\0" + p.read_bytes() for p in inputs), " ".join(cflags).encode())
+    return f"kvarn_cpu_{kind}_{src}_{_digest(cpu_model().encode())}"
+
+
+def build_dir(kind: str | None = None) -> pathlib.Path:
+    """Where the builds live: ``<KVARN_CACHE_DIR>/cpu_kernels`` (one folder per extension name)."""
+    root = cache_dir() / "cpu_kernels"
+    return root if kind is None else root / extension_name(kind)
+
+
+def is_built(kind: str) -> bool:
+    """Whether extension ``kind``'s current sources are already built in :func:`build_dir`."""
+    name = extension_name(kind)
+    return (build_dir() / name / f"{name}.so").is_file()
+
+
+_announce = True
+
+
+@contextlib.contextmanager
+def announced_elsewhere() -> Iterator[None]:
+    """Inside the block, a build logs nothing: the caller shows it (e.g. as a phase)."""
+    global _announce
+    old, _announce = _announce, False
+    try:
+        yield
+    finally:
+        _announce = old
+
+
 def load(kind: str):
     """Build (or load the cached build of) extension ``kind`` (``"attention"`` or
     ``"quantize"``) and return its module; raises whatever the build raises."""
     from torch.utils.cpp_extension import load as load_extension
 
     files, cflags = _EXTENSIONS[kind]
-    sources = [CSRC / f for f in files]
-    inputs = sources + sorted(CSRC.glob("*.h"))
-    src = _digest(*(p.name.encode() + b"\0" + p.read_bytes() for p in inputs), " ".join(cflags).encode())
-    return load_extension(name=f"kvarn_cpu_{kind}_{src}_{_digest(cpu_model().encode())}",
-                          sources=[str(p) for p in sources], extra_cflags=cflags,
-                          extra_ldflags=["-fopenmp"], verbose=False)
+    name = extension_name(kind)
+    folder = build_dir() / name
+    building = not is_built(kind)
+    if building and _announce:
+        log.warning("kvarn: building the C++ CPU %s kernel once (about a minute on 2 idle cores) "
+                    "into %s", kind, folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    module = load_extension(name=name, sources=[str(CSRC / f) for f in files], extra_cflags=cflags,
+                            extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    if building and _announce:
+        log.warning("kvarn: built the C++ CPU %s kernel in %.0f s", kind, time.perf_counter() - t0)
+    return module
 
 
 def build_extension(module_fn, what: str):
