@@ -1,73 +1,108 @@
 #!/usr/bin/env bash
-# The GPU check in one call (at most ~8 minutes): on a CUDA machine with PyTorch and Triton,
-# run the GPU-marked tests and the GPU benchmarks, and write everything under $OUT.
+# The GPU check in one call, ending within 8 minutes: on a CUDA machine with PyTorch and Triton
+# (as it is: no network, possibly an older torch/triton than the project pins), run the
+# GPU-marked tests, the Triton kernel tests on the GPU, a CUDA-graph capture of the decode
+# step, the static sm_90 report and the decode benchmark; write everything under $OUT.
 #
 #   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh
 #
-# What it needs that a CUDA image may lack is installed from wheels in .whl/ when that folder
-# exists (an offline machine: fetch them beforehand with `pip download`), else from the
-# package index. The machine's own torch is used: if it is outside kvarn_compile's tested
-# range, KVARN_ALLOW_UNTESTED_TORCH=1 lets the compiler integration run with a warning (the
-# versions land in $OUT/env.json). Triton runs compiled (TRITON_INTERPRET=0), not
-# interpreted as in CPU CI. Without a GPU (a dry run) every step still runs: the GPU tests
-# and benchmarks say they skipped.
+# Missing pure-Python packages (expecttest, gguf on the lent H200 image) come from wheels in
+# .whl/ when that folder exists (fetch them beforehand with `pip download --no-deps`); test
+# files that still cannot be imported are left out (listed in summary.json), never the run.
+# The machine's own torch is used: KVARN_ALLOW_UNTESTED_TORCH=1 lets the compiler integration
+# run outside the tested range with a warning (versions in env.json). Triton runs compiled
+# (TRITON_INTERPRET=0), not interpreted as in CPU CI. Caches (Inductor, Triton) go to /tmp,
+# never under $OUT (only a few files come back from there). summary.json is rewritten, valid,
+# after every step, so a run cut short still reports the finished steps.
 #
-# Outputs: env.json, gpu-tests.log + gpu-tests.xml, bench_decode_attention_gpu.json,
-# summary.json (each step's exit status and seconds).
+# Outputs: env.json, summary.json, gpu-tests.log, triton-tests.log, cuda-graph.json,
+# static-sm90.jsonl, bench_decode_attention_gpu.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-export KVARN_ALLOW_UNTESTED_TORCH=1 PYTHONUNBUFFERED=1
-# compiled Triton on a GPU; on a CPU-only machine (a dry run) the interpreter, as in CI
+BUDGET="${KVARN_GPU_CHECK_SECONDS:-470}"     # whole run, start to end
+export KVARN_ALLOW_UNTESTED_TORCH=1 PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     export TRITON_INTERPRET=0
 else
-    export TRITON_INTERPRET=1
+    export TRITON_INTERPRET=1     # a dry run on a CPU machine: the GPU steps say they skipped
 fi
-export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$OUT/inductor-cache}"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/kvarn-inductor-cache}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/kvarn-triton-cache}"
+export KVARN_CACHE_DIR="${KVARN_CACHE_DIR:-/tmp/kvarn-cache}"
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvarn-site .whl/*.whl
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvarn-site .whl/*.whl \
+        || echo "[gpu-check] wheel install failed" >&2
     export PYTHONPATH="/tmp/kvarn-site:${PYTHONPATH:-}"
-else
-    # only what the image may lack; --no-deps keeps the machine's torch
-    "$PY" -m pip install -q --no-deps expecttest gguf 2>/dev/null || true
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 
+# test files whose imports this machine lacks (e.g. expecttest): left out, not fatal
+IGNORE=()
+LEFT_OUT=""
+if ! "$PY" -c "import expecttest" 2>/dev/null; then
+    for f in $(grep -rl "^from expecttest\|^import expecttest" tests); do
+        IGNORE+=(--ignore "$f"); LEFT_OUT="$LEFT_OUT $f"
+    done
+fi
+
 summary="$OUT/summary.json"
-echo "{" > "$summary"
-step() {   # step NAME TIMEOUT_S COMMAND...: run, log exit status and seconds
-    local name="$1" limit="$2"; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@"
-    local rc=$?
-    echo "  \"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - t0))}," >> "$summary"
-    echo "[gpu-check] $name: rc=$rc in $((SECONDS - t0)) s" >&2
+STEPS_JSON=""
+write_summary() {
+    printf '{"out": "%s", "left_out": "%s", "elapsed_s": %d, "steps": {%s}}\n' \
+        "$OUT" "${LEFT_OUT# }" "$SECONDS" "${STEPS_JSON#, }" > "$summary.tmp" && mv "$summary.tmp" "$summary"
 }
+step() {   # step NAME LIMIT_S COMMAND...: run within the limit and what is left of the budget
+    local name="$1" limit="$2"; shift 2
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 15 ]; then
+        STEPS_JSON="$STEPS_JSON, \"$name\": {\"rc\": null, \"skipped\": \"time budget spent\"}"
+        write_summary; return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@"
+    local rc=$?
+    STEPS_JSON="$STEPS_JSON, \"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"limit\": $limit}"
+    write_summary
+    echo "[gpu-check] $name: rc=$rc in $((SECONDS - t0)) s (limit $limit)" >&2
+}
+write_summary
 
 "$PY" - > "$OUT/env.json" <<'EOF'
-import json, torch
-env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
-try:
-    import triton
-    env["triton"] = triton.__version__
-except Exception as err:  # noqa: BLE001
-    env["triton"] = f"unavailable: {err}"
+import json, sys, torch
+env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+       "cuda_available": torch.cuda.is_available()}
+from importlib import metadata
+for name in ("triton", "transformers", "expecttest", "gguf"):
+    try:
+        env[name] = metadata.version(name)
+    except Exception as err:  # noqa: BLE001
+        env[name] = f"unavailable: {type(err).__name__}"
 if torch.cuda.is_available():
     env["device"] = torch.cuda.get_device_name()
     env["capability"] = "sm%d%d" % torch.cuda.get_device_capability()
+try:
+    import kvarn_compile  # noqa: F401
+    env["kvarn_import"] = "ok"
+except Exception as err:  # noqa: BLE001
+    env["kvarn_import"] = f"{type(err).__name__}: {err}"[:400]
 print(json.dumps(env, indent=1))
 EOF
 cat "$OUT/env.json" >&2
 
-step gpu_tests 300 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -x \
-    --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
-tail -5 "$OUT/gpu-tests.log" >&2
-step bench_decode_attention 150 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
-    > "$OUT/bench_decode_attention_gpu.json"
-echo "  \"out\": \"$OUT\"" >> "$summary"
-echo "}" >> "$summary"
+step gpu_tests 110 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider "${IGNORE[@]}" \
+    --continue-on-collection-errors > "$OUT/gpu-tests.log" 2>&1
+tail -3 "$OUT/gpu-tests.log" >&2
+step cuda_graph 60 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
+step bench_decode_attention 120 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
+    --out "$OUT/bench_decode_attention_gpu.json" > /dev/null
+step triton_tests 100 "$PY" -m pytest -q tests/kernels/test_triton.py -p no:cacheprovider -x \
+    > "$OUT/triton-tests.log" 2>&1
+tail -3 "$OUT/triton-tests.log" >&2
+step static_sm90 60 env -u TRITON_INTERPRET "$PY" benchmarks/gpu/static_report.py --quick \
+    > "$OUT/static-sm90.jsonl" 2>/dev/null
 cat "$summary" >&2

@@ -55,37 +55,92 @@ _LN2 = tl.constexpr(0.6931471805599453)
 # Per-tile helpers (reusable from an Inductor Triton template)
 # ------------------------------------------------------------------------------------------
 @triton.jit
-def _unpack_codes(row_ptr, offs_r, offs_c, row_bytes, mask, BITS: tl.constexpr):
-    """Unpack codes [len(offs_r), len(offs_c)] of a packed tile, as fp32.
+def _unpack_codes(row_ptr, offs_r, r_mask, c0, ROW_BYTES: tl.constexpr, NC: tl.constexpr,
+                  BITS: tl.constexpr, ROW_MASKED: tl.constexpr, COL_MASKED: tl.constexpr):
+    """Unpack codes [len(offs_r), NC] of a packed tile, as int32: codes c0 .. c0 + NC - 1 of
+    each row offs_r. Masks are constexpr-gated so the common unpadded case has none: rows
+    where r_mask is False (ROW_MASKED) and bytes past ROW_BYTES (COL_MASKED) read as 0.
 
-    Code c of row r sits in byte r * row_bytes + c // PER at shift (c % PER) * BITS,
-    PER = 8 // BITS. Each byte is loaded PER times (once per code); the repeats hit L1.
-    Codes are small exact integers, so fp32 (or fp16/bf16) dot inputs are exact.
+    Code c of row r sits in byte r * ROW_BYTES + c // PER at shift (c % PER) * BITS,
+    PER = 8 // BITS. Each row's NC // PER bytes are one contiguous load (16-byte vector loads
+    where the row allows), then split in registers: the PER shifted copies of a byte are
+    interleaved back into code order with ``tl.join`` + ``tl.reshape`` (no per-code address
+    math, no byte loaded twice). c0 must be a multiple of PER. Codes are small exact
+    integers, so fp32 (or fp16/bf16) dot inputs are exact.
     """
+    byte = _load_code_bytes(row_ptr, offs_r, r_mask, c0, ROW_BYTES, NC, BITS, ROW_MASKED, COL_MASKED)
+    return _unpack_bytes(byte, offs_r.shape[0], NC, BITS)
+
+
+@triton.jit
+def _load_code_bytes(row_ptr, offs_r, r_mask, c0, ROW_BYTES: tl.constexpr, NC: tl.constexpr,
+                     BITS: tl.constexpr, ROW_MASKED: tl.constexpr, COL_MASKED: tl.constexpr):
+    """The packed bytes [len(offs_r), NC * BITS / 8] of :func:`_unpack_codes`, as int32."""
     PER: tl.constexpr = 8 // BITS
-    byte = tl.load(row_ptr + offs_r[:, None] * row_bytes + (offs_c // PER)[None, :],
-                   mask=mask, other=0)
-    shift = (offs_c % PER) * BITS
-    return ((byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    NB: tl.constexpr = NC // PER
+    offs_b = c0 // PER + tl.arange(0, NB)
+    ptrs = row_ptr + offs_r[:, None] * ROW_BYTES + offs_b[None, :]
+    if ROW_MASKED and COL_MASKED:
+        byte = tl.load(ptrs, mask=r_mask[:, None] & (offs_b < ROW_BYTES)[None, :], other=0)
+    elif ROW_MASKED:
+        byte = tl.load(ptrs, mask=r_mask[:, None], other=0)
+    elif COL_MASKED:
+        byte = tl.load(ptrs, mask=(offs_b < ROW_BYTES)[None, :], other=0)
+    else:
+        byte = tl.load(ptrs)
+    return byte.to(tl.int32)
+
+
+@triton.jit
+def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
+    """int32 bytes [R, NC * BITS / 8] -> int32 codes [R, NC] in code order (see _unpack_codes)."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if PER == 1:
+        codes = byte
+    elif PER == 2:     # (byte j, k) -> code 2j + k
+        codes = tl.reshape(tl.join(byte & MASK, byte >> 4), [R, NC])
+    else:              # PER == 4: join(join(s0, s2), join(s1, s3))[j, a, b] = code 4j + 2a + b
+        codes = tl.reshape(tl.join(tl.join(byte & MASK, (byte >> 4) & MASK),
+                                   tl.join((byte >> 2) & MASK, byte >> 6)), [R, NC])
+    return codes
+
+
+@triton.jit
+def _code_dot(a, codes, INPUT_PRECISION: tl.constexpr):
+    """fp32 a [M, K] @ int codes [K, N] -> fp32 [M, N].
+
+    "ieee" / "tf32": codes converted to fp32 (exact), the dot at that precision. "fp16": both
+    operands in fp16 (codes exact; a rounded to an 11-bit significand, as tf32 rounds it, but
+    with fp16's range), fp32 accumulation: half the tensor-core instructions and operand bytes
+    of tf32.
+    """
+    if INPUT_PRECISION == "fp16":
+        out = tl.dot(a.to(tl.float16), codes.to(tl.float16), out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, codes.to(tl.float32), input_precision=INPUT_PRECISION)
+    return out
 
 
 @triton.jit
 def _load_k_tile_scores(q, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr,
-                        offs_d, offs_g, d_mask, qk_scale,
+                        offs_d, g0, offs_g, d_mask, qk_scale,
                         D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr):
     """Scores [BLOCK_M, G] of the query block q [BLOCK_M, BLOCK_D] against one packed K tile.
 
     s[m, t] = qk_scale * cs[t] * ( (q[m, :] * rs) @ code[:, t] + q[m, :] @ rz )
 
-    The pointers address this tile: codes [D, G * BITS / 8], rs/rz [D], cs [G]. Padded
-    channels (d_mask False) load as 0 and contribute nothing.
+    The pointers address this tile: codes [D, G * BITS / 8], rs/rz [D], cs [G]; offs_g are
+    the tokens g0 .. g0 + len(offs_g) - 1 of the tile (g0 a multiple of 4). Padded channels
+    (d_mask False) load as 0 and contribute nothing.
     """
     rs = tl.load(row_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     rz = tl.load(row_zero_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     cs = tl.load(col_scale_ptr + offs_g).to(tl.float32)
-    codes = _unpack_codes(codes_ptr, offs_d, offs_g, G * BITS // 8, d_mask[:, None], BITS)
-    qk = tl.dot(q * rs[None, :], codes, input_precision=INPUT_PRECISION)  # [BLOCK_M, G]
+    codes = _unpack_codes(codes_ptr, offs_d, d_mask, g0, G * BITS // 8, offs_g.shape[0], BITS,
+                          offs_d.shape[0] != D, False)
+    qk = _code_dot(q * rs[None, :], codes, INPUT_PRECISION)             # [BLOCK_M, G]
     qz = tl.sum(q * rz[None, :], axis=1)                                 # [BLOCK_M]
     return (qk + qz[:, None]) * (cs * qk_scale)[None, :]
 
@@ -101,11 +156,33 @@ def _accumulate_v_tile(acc, p, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale
 
     The pointers address this tile: codes [G, D * BITS / 8], rs/rz [G], cs [D].
     """
+    byte, rs, rz, cs = _load_v_tile(codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr,
+                                    offs_g, offs_d, d_mask, D, BITS)
+    return _accumulate_loaded_v(acc, p, byte, rs, rz, cs, offs_g.shape[0], offs_d.shape[0], BITS,
+                                INPUT_PRECISION)
+
+
+@triton.jit
+def _load_v_tile(codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr, offs_g, offs_d, d_mask,
+                 D: tl.constexpr, BITS: tl.constexpr):
+    """Issue the loads of one packed V tile: (code bytes, rs, rz, cs). A loop may call it
+    before the K side of the same tile so that the V bytes are in flight during the scores
+    and the softmax; the decode loops do not (yet): on sm_90 the held bytes cost the
+    k2v2 kernel and the decode template a few bytes of spills (benchmarks/gpu/static_report.py)."""
     rs = tl.load(row_scale_ptr + offs_g).to(tl.float32)
     rz = tl.load(row_zero_ptr + offs_g).to(tl.float32)
     cs = tl.load(col_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    codes = _unpack_codes(codes_ptr, offs_g, offs_d, D * BITS // 8, d_mask[None, :], BITS)
-    pv = tl.dot(p * rs[None, :], codes, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_D]
+    byte = _load_code_bytes(codes_ptr, offs_g, offs_g, 0, D * BITS // 8, offs_d.shape[0], BITS,
+                            False, offs_d.shape[0] != D)
+    return byte, rs, rz, cs
+
+
+@triton.jit
+def _accumulate_loaded_v(acc, p, byte, rs, rz, cs, R: tl.constexpr, NC: tl.constexpr,
+                         BITS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc + p @ V̂ from the loads of :func:`_load_v_tile` (see :func:`_accumulate_v_tile`)."""
+    codes = _unpack_bytes(byte, R, NC, BITS)
+    pv = _code_dot(p * rs[None, :], codes, INPUT_PRECISION)             # [BLOCK_M, BLOCK_D]
     pz = tl.sum(p * rz[None, :], axis=1)                                 # [BLOCK_M]
     return acc + (pv + pz[:, None]) * cs[None, :]
 
@@ -144,6 +221,11 @@ def _kvarn_decode_attn_kernel(
     v_col_scale_ptr,  # [B, H, N, D] per-channel scale s_ch (cs_v), contiguous
     n_tiles_ptr,      # int32/int64 [B]: valid tiles of each batch row (clamped to [0, N])
     kv_start_ptr,     # int32/int64 [B, Tq]: first visible quantized token per query (HAS_KV_START)
+    kv_end_ptr,       # int32/int64 [B, Tq]: one past the last visible quantized token (HAS_KV_END)
+    bias_ptr,         # fp32 [B, Hq or 1, Tq, N * G] additive mask over the quantized tokens (HAS_BIAS)
+    stride_bb,        # bias.stride(0)
+    stride_bh,        # bias.stride(1) (0: one mask for every query head)
+    stride_bt,        # bias.stride(2); the token stride is 1
     q_plain_ptr,      # un-rotated queries, same strides as q (HAS_K_PLAIN)
     k_plain_ptr,      # uint8 [B, H, N]: 1 = that K tile is stored un-rotated (HAS_K_PLAIN)
     o_ptr,            # fp32 [B, Hq, Tq, SPLIT, D]: per-split output, normalized by its own l
@@ -161,8 +243,10 @@ def _kvarn_decode_attn_kernel(
     SPLIT: tl.constexpr,            # splits of the tile range (grid axis 1)
     BLOCK_M: tl.constexpr,          # query rows per program, a power of two >= 16 (tl.dot)
     HAS_KV_START: tl.constexpr,     # a constexpr so the common decode case has no mask math
+    HAS_KV_END: tl.constexpr,       # causal bound inside the quantized region (multi-token queries)
+    HAS_BIAS: tl.constexpr,         # an additive mask over the quantized tokens
     HAS_K_PLAIN: tl.constexpr,      # per-tile key frames (key_frame="auto" caches)
-    INPUT_PRECISION: tl.constexpr,  # "ieee" (exact fp32) or "tf32" (faster, ~1e-3 rel. error)
+    INPUT_PRECISION: tl.constexpr,  # "ieee" (exact fp32), "tf32" or "fp16" (faster, ~1e-3 rel. error)
 ):
     """Flash-decoding partials of one (batch row, kv head, split, query block).
 
@@ -204,9 +288,15 @@ def _kvarn_decode_attn_kernel(
         # skip the tiles that no row of this block can see
         lowest = tl.min(tl.where(m_valid, kv_lo, 2147483647), axis=0)
         first = tl.minimum(tl.maximum(lowest, 0) // G, n)
-    per_split = tl.cdiv(n - first, SPLIT)
+    last = n
+    if HAS_KV_END:
+        kv_hi = tl.load(kv_end_ptr + b.to(tl.int64) * Tq + tq, mask=m_valid, other=0).to(tl.int32)
+        # skip the tiles past every row's bound
+        last = tl.maximum(tl.minimum(tl.cdiv(tl.max(tl.where(m_valid, kv_hi, 0), axis=0), G), n),
+                          first)
+    per_split = tl.cdiv(last - first, SPLIT)
     start = first + split * per_split
-    end = tl.minimum(start + per_split, n)
+    end = tl.minimum(start + per_split, last)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -223,10 +313,17 @@ def _kvarn_decode_attn_kernel(
         s = _load_k_tile_scores(q_t, k_codes_ptr + tile * (D * K_ROW_BYTES),
                                 k_row_scale_ptr + tile * D, k_row_zero_ptr + tile * D,
                                 k_col_scale_ptr + tile * G,
-                                offs_d, offs_g, d_mask, qk_scale, D, G, K_BITS, INPUT_PRECISION)
+                                offs_d, 0, offs_g, d_mask, qk_scale, D, G, K_BITS, INPUT_PRECISION)
+        tok = j * G + offs_g
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + b.to(tl.int64) * stride_bb + hq[:, None].to(tl.int64) * stride_bh
+                           + tq[:, None] * stride_bt + tok[None, :].to(tl.int64),
+                           mask=m_valid[:, None], other=0.0)
+            s = s + bias * 1.4426950408889634     # natural-log units -> log2 units
         if HAS_KV_START:
-            visible = (j * G + offs_g)[None, :] >= kv_lo[:, None]
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
+        if HAS_KV_END:
+            s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
         p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
         acc = _accumulate_v_tile(acc, p, v_codes_ptr + tile * (G * V_ROW_BYTES),
                                  v_row_scale_ptr + tile * G, v_row_zero_ptr + tile * G,
@@ -344,6 +441,8 @@ def kvarn_decode_attention(
     return_partials: bool = False,
     q_plain: torch.Tensor | None = None,
     k_plain: torch.Tensor | None = None,
+    kv_end: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ):
     """Attention of rotated queries over the packed quantized region of a KVarN cache.
 
@@ -362,12 +461,19 @@ def kvarn_decode_attention(
             with index j * G + t' >= kv_start[b, t] (sliding window); None: all.
         block_m: query rows per program (power of two >= 16); default
             min(64, next_pow2(g * Tq)) with g = Hq // H.
-        input_precision: "ieee" (default, exact fp32 dots) or "tf32" (GPU speed).
+        input_precision: "ieee" (default, exact fp32 dots), "tf32" (GPU speed) or "fp16"
+            (fp16 operands, fp32 sums: tf32's significand with fp16's range, fewer
+            instructions; see ``_code_dot``).
         return_partials: also return the per-split (o [B, Hq, Tq, SPLIT, D], lse [..., SPLIT]).
         q_plain, k_plain: per-tile key frames (``key_frame="auto"`` caches): k_plain uint8
             [B, H, N], 1 where a K tile is stored un-rotated; those tiles are scored with
             q_plain (the un-rotated queries, fp32, same shape and strides as q_rot). Values
             are always rotated, so the output stays in the rotated frame.
+        kv_end: optional int32/int64 [B, Tq]: query t of row b sees only quantized tokens
+            with index < kv_end[b, t] (causality inside the quantized region, e.g. a prefill
+            chunk that froze its own tokens); None: all.
+        bias: optional fp32 additive mask [B, Hq or 1, Tq, N * G] over the quantized tokens
+            (natural-log units, -inf hides a token; token stride 1).
 
     Returns:
         (out_rot fp32 [B, Hq, Tq, D] normalized over the quantized region only,
@@ -438,6 +544,22 @@ def kvarn_decode_attention(
         if kv_start.device != q_rot.device:
             raise ValueError(f"Expected kv_start on {q_rot.device}, but got {kv_start.device}.")
         kv_start = kv_start.contiguous()
+    if kv_end is not None:
+        if kv_end.dtype not in (torch.int32, torch.int64) or tuple(kv_end.shape) != (bsz, tq):
+            raise ValueError(f"Expected kv_end int32/int64 of shape [{bsz}, {tq}], but got "
+                             f"{kv_end.dtype} {list(kv_end.shape)}.")
+        if kv_end.device != q_rot.device:
+            raise ValueError(f"Expected kv_end on {q_rot.device}, but got {kv_end.device}.")
+        kv_end = kv_end.contiguous()
+    if bias is not None:
+        if bias.dtype != torch.float32 or bias.dim() != 4 or bias.shape[0] != bsz \
+                or bias.shape[1] not in (1, hq) or bias.shape[2] != tq \
+                or bias.shape[3] != cap * group or bias.stride(-1) != 1:
+            raise ValueError(f"Expected an fp32 bias [{bsz}, {hq} or 1, {tq}, {cap * group}] with "
+                             f"a unit last stride, but got {bias.dtype} {list(bias.shape)} "
+                             f"{bias.stride()}.")
+        if bias.device != q_rot.device:
+            raise ValueError(f"Expected bias on {q_rot.device}, but got {bias.device}.")
     if (q_plain is None) != (k_plain is None):
         raise ValueError("Expected q_plain and k_plain together (per-tile key frames), or neither.")
     if k_plain is not None:
@@ -452,8 +574,9 @@ def kvarn_decode_attention(
         if k_plain.device != q_rot.device or q_plain.device != q_rot.device:
             raise ValueError(f"Expected q_plain and k_plain on {q_rot.device}.")
         k_plain = k_plain.contiguous()
-    if input_precision not in ("ieee", "tf32"):
-        raise ValueError(f"Expected input_precision 'ieee' or 'tf32', but got {input_precision!r}.")
+    if input_precision not in ("ieee", "tf32", "fp16"):
+        raise ValueError(f"Expected input_precision 'ieee', 'tf32' or 'fp16', but got "
+                         f"{input_precision!r}.")
     g = hq // heads
     rows = g * tq
     if block_m is None:
@@ -475,12 +598,17 @@ def kvarn_decode_attention(
             k_codes, k_row_scale, k_row_zero, k_col_scale,
             v_codes, v_row_scale, v_row_zero, v_col_scale,
             n_tiles, kv_start if kv_start is not None else n_tiles,
+            kv_end if kv_end is not None else n_tiles,
+            bias if bias is not None else q_rot,
+            *((bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0, bias.stride(2))
+              if bias is not None else (0, 0, 0)),
             q_plain if q_plain is not None else q_rot, k_plain if k_plain is not None else n_tiles,
             o_part, lse_part,
             float(scale) * math.log2(math.e), heads, cap, tq,
             GROUP_Q=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), G=group,
             K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m,
-            HAS_KV_START=kv_start is not None, HAS_K_PLAIN=k_plain is not None,
+            HAS_KV_START=kv_start is not None, HAS_KV_END=kv_end is not None,
+            HAS_BIAS=bias is not None, HAS_K_PLAIN=k_plain is not None,
             INPUT_PRECISION=input_precision,
             num_warps=4,
         )

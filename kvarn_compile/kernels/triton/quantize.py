@@ -90,27 +90,33 @@ def _rne(x):
 
 
 @triton.jit
-def _masked_std(y, mask, n, AXIS: tl.constexpr):
+def _masked_std(y, mask, n, AXIS: tl.constexpr, MASKED: tl.constexpr = True):
     """Unbiased (n - 1) std of ``y`` along AXIS over the entries where ``mask`` holds.
 
     Two passes (mean, then squared deviations), like torch's std up to summation order.
     Padded entries (mask False) count for nothing; ``n`` is the number of valid entries
-    along AXIS (>= 2).
+    along AXIS (>= 2). ``MASKED`` False (no padding: every entry valid) skips the selects,
+    so no [R, C] mask is held in registers (same values).
     """
-    mean = tl.sum(tl.where(mask, y, 0.0), axis=AXIS) / n
-    dev = tl.where(mask, y - tl.expand_dims(mean, AXIS), 0.0)
+    if MASKED:
+        mean = tl.sum(tl.where(mask, y, 0.0), axis=AXIS) / n
+        dev = tl.where(mask, y - tl.expand_dims(mean, AXIS), 0.0)
+    else:
+        mean = tl.sum(y, axis=AXIS) / n
+        dev = y - tl.expand_dims(mean, AXIS)
     return tl.sqrt(tl.sum(dev * dev, axis=AXIS) / (n - 1))
 
 
 @triton.jit
-def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr):
+def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr,
+               MASKED: tl.constexpr = True):
     """max/min of the column stds plus max/min of the row stds of one tile (a scalar).
 
     imbalance(Y) = max(colstd)/max(min(colstd), eps) + max(rowstd)/max(min(rowstd), eps).
     Stds are >= 0, so 0 is a neutral pad for max and +inf for min.
     """
-    col = _masked_std(y, mask, R, 0)  # [BLOCK_C]: std of each column over its R rows
-    row = _masked_std(y, mask, C, 1)  # [BLOCK_R]: std of each row over its C columns
+    col = _masked_std(y, mask, R, 0, MASKED)  # [BLOCK_C]: std of each column over its R rows
+    row = _masked_std(y, mask, C, 1, MASKED)  # [BLOCK_R]: std of each row over its C columns
     col_max = tl.max(tl.where(col_valid, col, 0.0), axis=0)
     col_min = tl.min(tl.where(col_valid, col, float("inf")), axis=0)
     row_max = tl.max(tl.where(row_valid, row, 0.0), axis=0)
@@ -122,7 +128,8 @@ def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _normalize_variance(x, mask, row_valid, col_valid, iters,
                         R: tl.constexpr, C: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                        MASKED: tl.constexpr = True):
     """Two-axis log-domain variance normalization of one fp32 tile X [BLOCK_R, BLOCK_C].
 
     Mirrors ``reference.normalize_variance``::
@@ -138,18 +145,18 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
     """
     a = tl.zeros([BLOCK_C], dtype=tl.float32)
     b = tl.zeros([BLOCK_R], dtype=tl.float32)
-    best = _imbalance(x, mask, row_valid, col_valid, R, C)
+    best = _imbalance(x, mask, row_valid, col_valid, R, C, MASKED)
     best_c = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
     best_r = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
     for _ in range(iters):
         y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
-        col = tl.minimum(tl.maximum(_masked_std(y, mask, R, 0), _STD_LO), _STD_HI)
+        col = tl.minimum(tl.maximum(_masked_std(y, mask, R, 0, MASKED), _STD_LO), _STD_HI)
         a = tl.minimum(tl.maximum(a + tl.log(col), _LOG_LO), _LOG_HI)
         y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
-        row = tl.minimum(tl.maximum(_masked_std(y, mask, C, 1), _STD_LO), _STD_HI)
+        row = tl.minimum(tl.maximum(_masked_std(y, mask, C, 1, MASKED), _STD_LO), _STD_HI)
         b = tl.minimum(tl.maximum(b + tl.log(row), _LOG_LO), _LOG_HI)
         y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
-        score = _imbalance(y, mask, row_valid, col_valid, R, C)
+        score = _imbalance(y, mask, row_valid, col_valid, R, C, MASKED)
         better = score <= best  # "<=": later iterations win ties, as in the reference
         best = tl.where(better, score, best)
         best_c = tl.where(better, tl.exp(a), best_c)
@@ -158,7 +165,7 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
 
 
 @triton.jit
-def _rtn_rows(b, mask, row_valid, BITS: tl.constexpr):
+def _rtn_rows(b, mask, row_valid, BITS: tl.constexpr, MASKED: tl.constexpr = True):
     """Asymmetric per-row round-to-nearest of fp32 B [BLOCK_R, BLOCK_C].
 
     lo/hi = row min/max over the valid columns, Δ = max((hi - lo) / (2^BITS - 1), 1e-10),
@@ -166,8 +173,12 @@ def _rtn_rows(b, mask, row_valid, BITS: tl.constexpr):
     Padding rows get lo = hi = 0 (not ±inf) so no NaN is ever cast to an int.
     """
     QMAX: tl.constexpr = (1 << BITS) - 1
-    lo = tl.where(row_valid, tl.min(tl.where(mask, b, float("inf")), axis=1), 0.0)
-    hi = tl.where(row_valid, tl.max(tl.where(mask, b, float("-inf")), axis=1), 0.0)
+    if MASKED:
+        lo = tl.where(row_valid, tl.min(tl.where(mask, b, float("inf")), axis=1), 0.0)
+        hi = tl.where(row_valid, tl.max(tl.where(mask, b, float("-inf")), axis=1), 0.0)
+    else:
+        lo = tl.min(b, axis=1)
+        hi = tl.max(b, axis=1)
     delta = tl.maximum((hi - lo) / QMAX, _DELTA_MIN)
     q = _rne((b - lo[:, None]) / delta[:, None])
     q = tl.minimum(tl.maximum(q, 0.0), QMAX)
@@ -230,6 +241,11 @@ def _kvarn_quantize_tiles_kernel(
     tile = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
+    # a program whose tile goes nowhere does nothing: a decode step launches the quantizer
+    # every step (no host sync to ask whether a tile completes) and most programs stop here
+    dst = tl.load(dst_tile_ptr + b.to(tl.int64) * n_src + tile).to(tl.int64)
+    if (dst < 0) | (dst >= N):
+        return
 
     if IS_K:
         R: tl.constexpr = D
@@ -246,6 +262,7 @@ def _kvarn_quantize_tiles_kernel(
     row_valid = offs_r < R
     col_valid = offs_c < C
     mask = row_valid[:, None] & col_valid[None, :]
+    PADDED: tl.constexpr = BLOCK_D != D   # else no statistic needs the mask
 
     # ---- load the tile straight into its R x C layout (transposed pointers for K)
     x_base = x_ptr + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh \
@@ -256,34 +273,35 @@ def _kvarn_quantize_tiles_kernel(
         x_offs = offs_r[:, None] * stride_xt + offs_c[None, :]
     x = tl.load(x_base + x_offs, mask=mask, other=0.0).to(tl.float32)
 
-    # ---- rotate: token rows times H. K: X = H^T X_tok^T; V: X = X_tok H. ieee fp32 so a
-    # GPU does not silently use tf32 (its 10-bit mantissa would change many codes).
+    # ---- rotate: token rows times H. K: X = H^T X_tok^T; V: X = X_tok H. "tf32x3" (three
+    # tf32 products, fp32-level accuracy on tensor cores), never plain tf32 (its 10-bit
+    # mantissa would change many codes); "ieee" is an FMA dot that holds both 128 x 128
+    # operands in registers and spills ~40 KB per thread on sm_90 at D = G = 128.
     if ROTATE:
         offs_e = tl.arange(0, BLOCK_D)
         e_valid = offs_e < D
         if IS_K:  # Ht[r, e] = H[e, r]
             rot = tl.load(rot_ptr + offs_e[None, :] * D + offs_r[:, None],
                           mask=row_valid[:, None] & e_valid[None, :], other=0.0)
-            x = tl.dot(rot, x, input_precision="ieee")
+            x = tl.dot(rot, x, input_precision="tf32x3")
         else:     # H[e, c]
             rot = tl.load(rot_ptr + offs_e[:, None] * D + offs_c[None, :],
                           mask=e_valid[:, None] & col_valid[None, :], other=0.0)
-            x = tl.dot(x, rot, input_precision="ieee")
+            x = tl.dot(x, rot, input_precision="tf32x3")
 
     # ---- normalize, then RTN on B = X / c* / r*
     if NORMALIZE:
         col_s, row_s = _normalize_variance(x, mask, row_valid, col_valid, iters,
-                                           R, C, BLOCK_R, BLOCK_C)
+                                           R, C, BLOCK_R, BLOCK_C, PADDED)
         xb = x / col_s[None, :] / row_s[:, None]
     else:
         col_s = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
         row_s = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
         xb = x
-    codes, delta, lo = _rtn_rows(xb, mask, row_valid, BITS)
+    codes, delta, lo = _rtn_rows(xb, mask, row_valid, BITS, PADDED)
     packed = _pack_rows(codes, BITS, BLOCK_R, BLOCK_C)
 
     # ---- store at the destination tile (skipped when the index is out of range)
-    dst = tl.load(dst_tile_ptr + b.to(tl.int64) * n_src + tile).to(tl.int64)
     # ok is 0/1 as an int: the valid lengths below become 0 for a skipped tile. (An int, not a
     # bool: the interpreter cannot broadcast a loaded scalar bool into a block mask.)
     ok = ((dst >= 0) & (dst < N)).to(tl.int32)

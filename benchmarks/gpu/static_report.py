@@ -1,0 +1,446 @@
+"""Compile every Triton kernel and template of kvarn_compile for sm_90 (H100/H200) on any
+machine, GPU or not, and print what decides their speed, one JSON object per kernel and config.
+
+    python benchmarks/gpu/static_report.py             # every kernel and config (~1 min)
+    python benchmarks/gpu/static_report.py --quick     # the decode and append kernels only (CI, ~40 s)
+    python benchmarks/gpu/static_report.py --sass DIR  # also write each kernel's SASS there
+
+How: Triton compiles through its NVIDIA backend down to a cubin without touching a GPU once it
+has an active driver to ask for the target; a stand-in driver (``_StandInDriver``) answers
+"cuda, sm_90, warp 32" and ``JITFunction.warmup`` does the rest (TTGIR, PTX, ptxas, cubin).
+The templates are rendered standalone (``lowering.tile_templates.render_standalone``): Inductor
+itself will not render a template without a real driver. Must run without
+``TRITON_INTERPRET=1`` (the interpreter replaces ``@triton.jit`` functions at import); the
+script drops it from its own environment before importing triton.
+
+Per kernel and config:
+
+* ``registers``, ``spill_stores``/``spill_loads`` (bytes, ``ptxas -v`` on the kernel's PTX with
+  the ptxas Triton compiled it with), ``local_bytes`` (cuobjdump), ``shared_bytes`` (the
+  dynamic shared memory Triton asks for at launch);
+* ``ctas_per_sm``: resident CTAs on one sm_90 SM, the least of the register file (64 Ki
+  registers, allocated per warp in units of 256), shared memory (228 KiB, 1 KiB reserved per
+  CTA), 64 warps and 32 CTAs;
+* ``loop_instructions``: SASS instructions executed per thread for one packed tile: the body of
+  the outermost loop (a backward branch in the SASS), with a nested inner loop counted as
+  often as it runs per tile (G // BLOCK_N for the templates); ``loop_global_loads``: the
+  global loads in that body by width; ``widest_global_load`` (bytes, 16 = LDG.E.128);
+* ``tile_bytes``: bytes of codes and scales read per packed tile (K and V; the per-tile cost of
+  the memory wall);
+* ``est_bandwidth_fraction`` (decode kernels): the issue-bound estimate below.
+
+Issue-bound model (decode). Decode attention over a packed cache is meant to be limited by
+HBM bandwidth; it is instead limited by instruction issue when its loop is long. An sm_90 SM
+has 4 warp schedulers that each issue at most one warp instruction per cycle. One CTA of W
+warps spends ``loop_instructions * W`` warp instructions on a tile of ``tile_bytes`` bytes, so
+with every SM busy and perfect issue (no stalls, no dual issue) the kernel reads at most::
+
+    issue_bw = SMS * 4 * tile_bytes / (loop_instructions * W) * CLOCK_HZ
+
+bytes per second, and ``est_bandwidth_fraction = min(1, issue_bw / HBM_BYTES_PER_S)`` with the
+H200's 132 SMs, 1.98 GHz boost clock and 4.8 TB/s HBM3e. It is an upper bound: stalls (a byte
+load is a 1-byte transaction per thread, so L1 throughput as well), the exact sink/tail and
+the split merge come on top. A fraction near 1 means the loop is short enough that memory,
+not issue, is the limit. The same bound for FlashAttention split-KV over an fp16 cache is
+near 1 with 3x (4-bit keys / 2-bit values) to 5.3x (2/2) the bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)   # compiled kernels, not the interpreter's stand-ins
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+#: H200 (sm_90) figures of the issue-bound model.
+SMS = 132
+CLOCK_HZ = 1.98e9
+HBM_BYTES_PER_S = 4.8e12
+SCHEDULERS_PER_SM = 4
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED_PER_CTA = 1024
+WARPS_PER_SM = 64
+CTAS_PER_SM = 32
+
+_BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+class _StandInDriver:
+    """Just enough of an active Triton driver to compile for a CUDA target: the target, a
+    device 0 and a stream 0. Launching anything through it fails."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        return None
+
+    def map_python_to_cpp_type(self, t):
+        return t
+
+    def __getattr__(self, name):
+        raise AttributeError(f"the stand-in compile driver has no {name!r}: it compiles, never launches")
+
+
+def _ptxas() -> str:
+    """The ptxas Triton itself uses for sm_90 (its nvidia backend's choice, by version)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        try:
+            return get_ptxas(90).path
+        except TypeError:          # older triton: get_ptxas() without the arch
+            return get_ptxas().path
+    except Exception:  # noqa: BLE001 - fall back to the binary next to the backend
+        return str(_BIN / "ptxas")
+
+
+def resources(kernel) -> dict:
+    """Registers, spill stores/loads (bytes) and local memory of a compiled kernel."""
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        ptx = pathlib.Path(d) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        r = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", str(ptx), "-o", str(pathlib.Path(d) / "k.o")],
+                           capture_output=True, text=True, check=False)
+        text = r.stdout + r.stderr
+        if r.returncode:
+            raise RuntimeError(f"ptxas failed on {kernel.metadata.name}:\n{text[-2000:]}")
+        cubin = pathlib.Path(d) / "c.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(_BIN / "cuobjdump"), "-res-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    out["spill_stores"], out["spill_loads"] = (int(m[1]), int(m[2])) if m else (None, None)
+    m = re.search(r"REG:(\d+)", usage)
+    out["registers"] = int(m[1]) if m else None
+    m = re.search(r"LOCAL:(\d+)", usage)
+    out["local_bytes"] = int(m[1]) if m else None
+    return out
+
+
+def sass(kernel) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        p = pathlib.Path(d) / "k.cubin"
+        p.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([str(_BIN / "cuobjdump"), "-sass", str(p)], capture_output=True,
+                              text=True, check=True).stdout
+
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRA = re.compile(r"BRA\s+(?:`?\(?\.?L?_?x?_?\d*\)?)?\s*(0x[0-9a-f]+)")
+_LOAD_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def _instructions(text: str) -> list[tuple[int, str]]:
+    return [(int(a, 16), body.strip()) for a, body in _INSN.findall(text)]
+
+
+def _load_width(op: str) -> int | None:
+    """Bytes per thread of a global load (LDG, or LDGSTS: cp.async to shared), else None."""
+    if not (op.startswith("LDG") or op.startswith("LDGSTS")):
+        return None
+    parts = op.split()[0].split(".")
+    width = 4
+    for p in parts[1:]:
+        width = _LOAD_WIDTH.get(p, width)
+    return width
+
+
+def loop_stats(text: str, inner_trips: int = 1) -> dict:
+    """Per-tile instruction count and global loads from SASS (see the module doc)."""
+    insns = _instructions(text)
+    loops = []
+    for addr, body in insns:
+        op = re.sub(r"^@!?U?P\w+\s+", "", body)
+        if op.startswith("BRA"):
+            m = re.search(r"(0x[0-9a-f]+)", op)
+            if m and int(m[1], 16) < addr:
+                loops.append((int(m[1], 16), addr))
+    if not loops:
+        return {"loop_instructions": 0, "loop_global_loads": {}, "widest_global_load": None}
+    outer = max(loops, key=lambda ab: ab[1] - ab[0])
+    inner = [ab for ab in loops if ab != outer and outer[0] <= ab[0] and ab[1] <= outer[1]]
+
+    def count(lo, hi):
+        return sum(1 for a, _ in insns if lo <= a <= hi)
+
+    total = count(*outer)
+    for lo, hi in inner:
+        total += (inner_trips - 1) * count(lo, hi)
+    loads: dict[str, int] = {}
+    widest = None
+    for a, body in insns:
+        if outer[0] <= a <= outer[1]:
+            op = re.sub(r"^@!?U?P\w+\s+", "", body)
+            w = _load_width(op)
+            if w is not None:
+                trips = inner_trips if any(lo <= a <= hi for lo, hi in inner) else 1
+                key = f"{w}B" + ("_async" if op.startswith("LDGSTS") else "")
+                loads[key] = loads.get(key, 0) + trips
+                widest = w if widest is None else max(widest, w)
+    return {"loop_instructions": total, "loop_global_loads": loads, "widest_global_load": widest,
+            "loops": len(loops)}
+
+
+def ctas_per_sm(registers: int, warps: int, shared: int) -> int:
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = REGISTERS_PER_SM // (regs_per_warp * warps)
+    by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA)
+    return min(by_regs, by_shared, WARPS_PER_SM // warps, CTAS_PER_SM)
+
+
+def tile_bytes(d: int, g: int, kb: int, vb: int, scale_bytes: int = 2) -> int:
+    """Codes and scales of one K tile and one V tile (state layout: rs/rz per row, cs per column)."""
+    codes = d * g * kb // 8 + g * d * vb // 8
+    scales = (2 * d + g) + (2 * g + d)
+    return codes + scales * scale_bytes
+
+
+def issue_bound_fraction(loop_instructions: int, warps: int, nbytes: int) -> float:
+    if loop_instructions <= 0:
+        return 0.0
+    bw = SMS * SCHEDULERS_PER_SM * nbytes / (loop_instructions * warps) * CLOCK_HZ
+    return min(1.0, bw / HBM_BYTES_PER_S)
+
+
+# ------------------------------------------------------------------------------ cases
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel and config to compile. ``family`` is what CI holds to no spills
+    ("decode", "append") or only to compiling ("combine", "prefill")."""
+    name: str
+    family: str
+    config: dict
+    compile: object               # () -> compiled kernel
+    warps: int
+    nbytes: int | None = None     # codes + scales per tile (decode)
+    inner_trips: int = 1
+
+
+def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=False, block_m=16):
+    from kvarn_compile.kernels.triton import attention as A
+
+    def build():
+        f16, u8 = torch.float16, torch.uint8
+        b, n, split = 1, 4, 4
+        q = torch.zeros(b, hq, 1, d)
+        kc = torch.zeros(b, h, n, d, g * kb // 8, dtype=u8)
+        krs = torch.zeros(b, h, n, d, dtype=f16)
+        kcs = torch.zeros(b, h, n, g, dtype=f16)
+        vc = torch.zeros(b, h, n, g, d * vb // 8, dtype=u8)
+        vrs = torch.zeros(b, h, n, g, dtype=f16)
+        vcs = torch.zeros(b, h, n, d, dtype=f16)
+        nt = torch.zeros(b, dtype=torch.int64)
+        kp = torch.zeros(b, h, n, dtype=u8)
+        o = torch.zeros(b, hq, 1, split, d)
+        lse = torch.zeros(b, hq, 1, split)
+        return A._kvarn_decode_attn_kernel.warmup(
+            q, *q.stride()[:3], kc, krs, krs, kcs, vc, vrs, vrs, vcs, nt, nt, nt, q, 0, 0, 0,
+            q, kp, o, lse, 1.0, h, n, 1, GROUP_Q=hq // h, D=d, BLOCK_D=d, G=g, K_BITS=kb,
+            V_BITS=vb, SPLIT=split, BLOCK_M=block_m, HAS_KV_START=False, HAS_KV_END=False,
+            HAS_BIAS=False, HAS_K_PLAIN=plain,
+            INPUT_PRECISION=precision, grid=(1,), num_warps=4, num_stages=1)
+
+    cfg = dict(kernel="_kvarn_decode_attn_kernel", k_bits=kb, v_bits=vb, D=d, G=g,
+               group_q=hq // h, BLOCK_M=block_m, input_precision=precision, k_plain=plain,
+               num_warps=4)
+    return Case(f"decode_kernel_k{kb}v{vb}_d{d}g{g}_{precision}" + ("_plain" if plain else ""), "decode",
+                cfg, build, 4, tile_bytes(d, g, kb, vb))
+
+
+def _combine_case(split=16, d=128):
+    from kvarn_compile.kernels.triton import attention as A
+
+    def build():
+        o = torch.zeros(4, split, d)
+        lse = torch.zeros(4, split)
+        return A._combine_splits_kernel.warmup(
+            o, lse, o, lse, D=d, BLOCK_D=d, SPLIT=split, BLOCK_S=triton.next_power_of_2(split),
+            grid=(1,), num_warps=4)
+
+    return Case(f"combine_splits_{split}", "combine", dict(kernel="_combine_splits_kernel",
+                                                          SPLIT=split, D=d), build, 4)
+
+
+def _quantize_case(kind, bits, *, d=128, g=128, iters_on=True):
+    from kvarn_compile.kernels.triton import quantize as Q
+
+    def build():
+        f16 = torch.float16
+        rows, cols = (d, g) if kind == "k" else (g, d)
+        x = torch.zeros(1, 1, g, d, dtype=f16)
+        rot = torch.zeros(d, d)
+        codes = torch.zeros(1, 1, 2, rows, cols * bits // 8, dtype=torch.uint8)
+        rs = torch.zeros(1, 1, 2, rows, dtype=f16)
+        cs = torch.zeros(1, 1, 2, cols, dtype=f16)
+        dst = torch.zeros(1, 1, dtype=torch.int64)
+        warps = 8 if g * max(16, d) >= 128 * 128 else 4
+        return Q._kvarn_quantize_tiles_kernel.warmup(
+            x, *x.stride()[:3], rot, codes, rs, rs, cs, dst, 8, 1, 2, 1,
+            D=d, G=g, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_K=kind == "k", BITS=bits,
+            ROTATE=True, NORMALIZE=iters_on, grid=(1,), num_warps=warps)
+
+    warps = 8 if g * max(16, d) >= 128 * 128 else 4
+    cfg = dict(kernel="_kvarn_quantize_tiles_kernel", kind=kind, bits=bits, D=d, G=g,
+               normalize=iters_on, num_warps=warps)
+    return Case(f"quantize_{kind}{bits}_d{d}_g{g}", "append", cfg, build, warps)
+
+
+def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=128, g=128,
+                   hq=32, h=8, tq=1, split=4, num_warps=4, num_stages=1, bias=False, plain=False):
+    from kvarn_compile.lowering.tile_templates import render_standalone
+
+    family = "decode" if template.startswith("kvarn_decode") else "prefill"
+
+    def build():
+        f16, u8, i64 = torch.float16, torch.uint8, torch.int64
+        b, n = 1, 4
+        q = torch.zeros(b, hq, tq, d)
+        tensors = dict(Q=q, **({"QP": q} if plain else {}),
+                       KC=torch.zeros(b, h, n, d, g * kb // 8, dtype=u8),
+                       KRS=torch.zeros(b, h, n, d, dtype=f16), KRZ=torch.zeros(b, h, n, d, dtype=f16),
+                       KCS=torch.zeros(b, h, n, g, dtype=f16),
+                       VC=torch.zeros(b, h, n, g, d * vb // 8, dtype=u8),
+                       VRS=torch.zeros(b, h, n, g, dtype=f16), VRZ=torch.zeros(b, h, n, g, dtype=f16),
+                       VCS=torch.zeros(b, h, n, d, dtype=f16),
+                       **({"KP": torch.zeros(b, h, n, dtype=u8)} if plain else {}),
+                       NT=torch.zeros(b, dtype=i64), KVLO=torch.zeros(b, tq, dtype=i64),
+                       KVHI=torch.zeros(b, tq, dtype=i64))
+        if bias:
+            tensors["BIAS"] = torch.zeros(b, 1, tq, n * g)
+        split_max = split if family == "decode" else 1
+        tensors["LSE"] = torch.zeros(b, hq, tq, split_max)
+        out = torch.zeros(b, hq, tq, split_max, d)
+        ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=d, G=g, BLOCK_N=block_n, K_BITS=kb, V_BITS=vb,
+                  SPLIT=split if family == "decode" else 1, SPLIT_MAX=split_max, BLOCK_M=block_m,
+                  HAS_BIAS=bias, HAS_K_PLAIN=plain, INPUT_PRECISION=precision, SM_SCALE=0.088,
+                  KVARN_SRC=0)
+        kernel = render_standalone(template, tensors, ce, _RENDER_DIR)
+        args = [*tensors.values(), out]
+        for t in (*tensors.values(), out):
+            args += [*t.stride(), *t.shape]
+        return kernel.warmup(*args, grid=(1,), num_warps=num_warps, num_stages=num_stages, **ce)
+
+    cfg = dict(kernel=template.split(".")[0] + "_template", k_bits=kb, v_bits=vb, D=d, G=g,
+               group_q=hq // h, TQ=tq, BLOCK_N=block_n, BLOCK_M=block_m,
+               input_precision=precision, bias=bias, k_plain=plain, num_warps=num_warps,
+               num_stages=num_stages)
+    name = f"{template.split('.')[0]}_k{kb}v{vb}_n{block_n}_m{block_m}" + ("_bias" if bias else "") \
+        + ("_plain" if plain else "")
+    return Case(name, family, cfg, build, num_warps,
+                tile_bytes(d, g, kb, vb) if family == "decode" else None,
+                inner_trips=g // block_n)
+
+
+_RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
+
+
+def cases(quick: bool) -> list[Case]:
+    """Quick (CI): the decode kernel and the decode template in their production configs
+    and the append (tile quantizer) kernel at D = G = 128 and 64. Full: also the other code
+    widths and precisions, the autotune configs, the combine kernel and the prefill template."""
+    out = [
+        _decode_kernel_case(4, 2, "tf32"),     # tf32: the precision of the tile_partials_ op
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16),
+        _quantize_case("k", 4),
+        _quantize_case("k", 4, d=64, g=64),
+    ]
+    if quick:
+        return out
+    out += [
+        _decode_kernel_case(2, 2, "tf32"),
+        _decode_kernel_case(4, 2, "ieee"),     # exact fp32 FMA dots (no tensor cores)
+        _decode_kernel_case(4, 2, "tf32x3"),   # ~fp32 accuracy on tensor cores
+        _decode_kernel_case(4, 2, "fp16"),     # fp16 operands (tf32's significand), fp32 sums
+        _decode_kernel_case(2, 2, "fp16"),
+        _decode_kernel_case(4, 2, "tf32", plain=True),
+        _decode_kernel_case(4, 2, "tf32", d=64, g=64, hq=8, h=8),
+        _quantize_case("v", 2),
+        _quantize_case("k", 2),
+        _quantize_case("v", 4),
+        _combine_case(),
+        _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=32, block_m=16, num_warps=8),
+        _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256),
+        _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+                       bias=True, plain=True),
+    ]
+    return out
+
+
+def report(case: Case, sass_dir: pathlib.Path | None = None) -> dict:
+    row = {"name": case.name, "family": case.family, "config": case.config}
+    try:
+        kernel = case.compile()
+    except Exception as err:  # noqa: BLE001 - a compile error is a result, reported as such
+        row["error"] = f"{type(err).__name__}: {str(err)[-1500:]}"
+        return row
+    row.update(resources(kernel))
+    row["shared_bytes"] = int(kernel.metadata.shared)
+    row["num_warps"] = int(kernel.metadata.num_warps)
+    row["ctas_per_sm"] = ctas_per_sm(row["registers"] or 255, row["num_warps"], row["shared_bytes"])
+    text = sass(kernel)
+    if sass_dir is not None:
+        (sass_dir / f"{case.name}.sass").write_text(text)
+    row.update(loop_stats(text, case.inner_trips))
+    if case.nbytes is not None:
+        row["tile_bytes"] = case.nbytes
+        row["est_bandwidth_fraction"] = round(
+            issue_bound_fraction(row["loop_instructions"], case.warps, case.nbytes), 3)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="decode and append kernels only (CI)")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--sass", type=pathlib.Path, default=None, help="write each kernel's SASS here")
+    ap.add_argument("--only", default=None, help="a substring of the case names to keep")
+    args = ap.parse_args(argv)
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
+    driver.set_active(_StandInDriver(args.arch))
+    rows = []
+    print(json.dumps({"triton": triton.__version__, "torch": torch.__version__,
+                      "arch": f"sm_{args.arch}", "model": {"sms": SMS, "clock_hz": CLOCK_HZ,
+                                                          "hbm_bytes_per_s": HBM_BYTES_PER_S}}))
+    for case in cases(args.quick):
+        if args.only and args.only not in case.name:
+            continue
+        row = report(case, args.sass)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

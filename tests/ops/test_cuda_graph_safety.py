@@ -1,0 +1,217 @@
+"""The CUDA decode step (``kvarn::append_`` + ``kvarn::attention``, their CUDA kernels) never
+synchronizes with the host when its host checks are off, as inside a CUDA graph capture.
+
+There is no GPU here: the CUDA registrations' Python runs on CPU tensors, the Triton kernels
+under the interpreter (tests/conftest.py), with a detector that fails on every host read of a
+tensor made by kvarn's own code: ``.item()``, ``.tolist()``, ``bool()``/``int()``/``float()``
+of a tensor (a data-dependent Python branch), ``nonzero``, a boolean-mask index, ``.cpu()``,
+``.numpy()``. On a GPU each of these blocks the CPU until the GPU catches up, and inside a
+graph capture it is an error. The unchecked step must still compute what the reference
+computes (states and outputs compared step by step), and what the checked mode raises it
+records in device flags, read after the step.
+"""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import kvarn_compile
+from kvarn_compile.config import get_config
+from kvarn_compile.kernels import triton_available
+from kvarn_compile.ops import append as append_ref, attention as attention_ref, dispatch
+from kvarn_compile.state import allocate_layer, unpack
+
+assert triton_available(), "triton must run here (TRITON_INTERPRET=1 on CPU, or CUDA)"
+
+PACKAGE = pathlib.Path(kvarn_compile.__file__).parent
+TESTING = PACKAGE / "testing"
+G, D, H = 32, 32, 2
+
+
+class HostSyncError(AssertionError):
+    pass
+
+
+class HostSyncDetector:
+    """Fails (or counts, ``strict=False``) on host reads of tensors by kvarn_compile's code.
+
+    Only calls made from a file of the kvarn_compile package count (the Triton interpreter
+    itself copies tensors to numpy: that is the stand-in for the GPU, not the step).
+    """
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+               "cpu", "numpy")
+
+    def __init__(self, strict: bool = True):
+        self.strict = strict
+        self.calls: list[str] = []
+        self._saved = {}
+
+    def _ours(self) -> str | None:
+        frame = sys._getframe(3)    # _ours <- _record <- the patched method <- its caller
+        path = pathlib.Path(frame.f_code.co_filename)
+        if PACKAGE in path.parents and TESTING not in path.parents:
+            return f"{path.relative_to(PACKAGE.parent)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        return None
+
+    def _record(self, what: str) -> None:
+        where = self._ours()
+        if where is None:
+            return
+        self.calls.append(f"{what} at {where}")
+        if self.strict:
+            raise HostSyncError(f"host synchronization: {what} at {where}")
+
+    def __enter__(self):
+        detector = self
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def wrapped(t, *a, _name=name, _original=original, **kw):
+                detector._record(f"Tensor.{_name}")
+                return _original(t, *a, **kw)
+
+            setattr(torch.Tensor, name, wrapped)
+        getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+        self._saved["__getitem__"], self._saved["__setitem__"] = getitem, setitem
+
+        def _bool_index(index) -> bool:
+            items = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+        def get(t, index):
+            if _bool_index(index):
+                detector._record("boolean-mask index")
+            return getitem(t, index)
+
+        def put(t, index, value):
+            if _bool_index(index):
+                detector._record("boolean-mask index assignment")
+            return setitem(t, index, value)
+
+        torch.Tensor.__getitem__, torch.Tensor.__setitem__ = get, put
+        self._saved_nonzero = torch.nonzero
+
+        def nonzero(*a, **kw):
+            detector._record("torch.nonzero")
+            return detector._saved_nonzero(*a, **kw)
+
+        torch.nonzero = nonzero
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        torch.nonzero = self._saved_nonzero
+        return False
+
+
+def _prompted(lengths, **cfg):
+    st = allocate_layer(get_config("k4v2", group_size=G, **cfg), batch=len(lengths), kv_heads=H,
+                        head_dim=D, max_len=192, dtype=torch.float32)
+    for row, n in enumerate(lengths):
+        sub = [t[row:row + 1] for t in st.buffers]
+        append_ref.append_(sub, torch.randn(1, H, n, D), torch.randn(1, H, n, D), torch.tensor([0]))
+    return st
+
+
+def _step(buffers, k, v, q, mask=None, window=0):
+    lengths = unpack(buffers).lengths.clone()
+    dispatch._append_cuda(buffers, k, v, lengths, "kvarn", 8, 0, 0, False, "")
+    return dispatch._attention_cuda(q, buffers, mask, D ** -0.5, True, window)
+
+
+def _assert_states_match(got, want, step):
+    fg, fw = unpack(got), unpack(want)
+    for name in ("lengths", "committed", "n_tiles", "sink_k", "sink_v", "tail_k", "tail_v"):
+        assert torch.equal(getattr(fg, name), getattr(fw, name)), f"step {step}: {name}"
+    for kind in "kv":
+        a, b = fg.tiles(kind), fw.tiles(kind)
+        assert (a.codes != b.codes).float().mean() < 5e-3, f"step {step}: {kind} codes"
+        for field in ("row_scale", "row_zero", "col_scale"):
+            torch.testing.assert_close(getattr(a, field).float(), getattr(b, field).float(),
+                                       rtol=2e-3, atol=1e-3, msg=f"step {step}: {kind} {field}")
+
+
+@pytest.mark.parametrize("window", [0, 48])
+def test_unchecked_cuda_decode_steps_do_not_sync_and_match_the_reference(monkeypatch, window):
+    """Decode steps that cross tile boundaries in both rows (a tile frozen inside the step):
+    no host sync, the state and output of the reference step after each."""
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "0")
+    st = _prompted([2 * G + 20, 2 * G - 6])     # (sink 32, G 32): tiles freeze after 12 and 6 steps
+    ref = [t.clone() for t in st.buffers]
+    froze = 0
+    for step in range(G // 2 + 1):
+        k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 1, D)
+        q = torch.randn(2, 2 * H, 1, D)
+        before = unpack(st.buffers).n_tiles.clone()
+        with HostSyncDetector():
+            out = _step(st.buffers, k, v, q, window=window)
+        froze += int((unpack(st.buffers).n_tiles - before).sum())
+        append_ref.append_(ref, k, v, unpack(ref).lengths.clone())
+        _assert_states_match(st.buffers, ref, step)
+        want = attention_ref.attention(q, ref, None, D ** -0.5, True, window)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    assert froze >= 2, "the steps must freeze tiles (in both rows) to test the device-side freeze"
+    dispatch.raise_device_errors("cpu")                     # nothing flagged
+
+
+def test_unchecked_attention_with_a_mask_and_several_queries_does_not_sync(monkeypatch):
+    """A mask over the quantized tokens (an additive bias in the kernel) and a multi-token
+    query block (the causal bound inside the tiles): no sync, the reference's output."""
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "0")
+    st = _prompted([3 * G + 5, 2 * G + 9])
+    length = int(unpack(st.buffers).lengths.max())
+    mask = torch.rand(2, 1, 4, length + 7) > 0.2
+    mask[..., :1] = True
+    q = torch.randn(2, 2 * H, 4, D)
+    with HostSyncDetector():
+        out = dispatch._attention_cuda(q, st.buffers, mask, D ** -0.5, True, 0)
+    want = attention_ref.attention(q, st.buffers, mask, D ** -0.5, True, 0)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    dispatch.raise_device_errors("cpu")
+
+
+def test_the_detector_catches_the_checked_path(monkeypatch):
+    """The detector can fail: the checked CUDA append reads the counters on the host."""
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")
+    st = _prompted([G + 3, 5])
+    k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 1, D)
+    with HostSyncDetector(strict=False) as seen:
+        _step(st.buffers, k, v, torch.randn(2, H, 1, D))
+    assert any("tolist" in c for c in seen.calls), seen.calls
+    with pytest.raises(HostSyncError), HostSyncDetector():
+        _step(st.buffers, k, v, torch.randn(2, H, 1, D))
+    with HostSyncDetector():   # the test's own reads do not count, only the package's
+        assert torch.ones(2).sum().item() == 2
+
+
+def test_unchecked_errors_leave_rows_unchanged_and_raise_after_the_step(monkeypatch):
+    """A row past its capacity or written at a wrong position: unchanged, flagged, and
+    ``raise_device_errors`` raises; the checked mode raises the reference's message."""
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "0")
+    st = allocate_layer(get_config("k4v2", group_size=G), batch=2, kv_heads=H, head_dim=D,
+                        max_len=64, dtype=torch.float32)
+    for row, n in enumerate([64, 10]):
+        sub = [t[row:row + 1] for t in st.buffers]
+        append_ref.append_(sub, torch.randn(1, H, n, D), torch.randn(1, H, n, D), torch.tensor([0]))
+    before = [t.clone() for t in st.buffers]
+    k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 1, D)
+    with HostSyncDetector():
+        dispatch._append_cuda(st.buffers, k, v, torch.tensor([64, 10]), "kvarn", 8, 0, 0, False, "")
+    f, b = unpack(st.buffers), unpack(before)
+    assert int(f.lengths[0]) == 64 and torch.equal(f.tail_k[0], b.tail_k[0]), "row 0 must be unchanged"
+    assert int(f.lengths[1]) == 11, "row 1 continues"
+    with pytest.raises(ValueError, match="capacity"):
+        dispatch.raise_device_errors("cpu")
+    dispatch.raise_device_errors("cpu")                     # cleared by the read
+    with HostSyncDetector():
+        dispatch._append_cuda(st.buffers, k, v, torch.tensor([30, 11]), "kvarn", 8, 0, 0, False, "")
+    with pytest.raises(ValueError, match="position"):
+        dispatch.raise_device_errors("cpu")
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")
+    with pytest.raises(ValueError, match="allocated for 64"):
+        dispatch._append_cuda(st.buffers, k, v, torch.tensor([64, 11]), "kvarn", 8, 0, 0, False, "")
