@@ -24,8 +24,9 @@ Paths of ``kvarn::attention`` (``lowering/attention.py``):
   against the standalone Triton kernel and the torch implementation.
 
 ``auto`` (default): ``split`` where templates can run (CUDA, static shapes, supported
-format); on CPU ``reference`` (the C++ decode kernel) where that kernel covers the shape;
-else autotune ``reference`` against ``shared``. ``KVARN_LOWERING_PATH`` or
+format); on CPU ``reference`` (one extern call of the C++ kernel: the decode step, or the
+multi-query kernel for a prefill chunk) where that kernel covers the shape; else autotune
+``reference`` against ``shared``. ``KVARN_LOWERING_PATH`` or
 :func:`use_path` forces one. Shapes with symbolic sizes fall back to the op itself.
 
 ``kvarn::append_`` is deliberately not lowered: its work is data-dependent (one call in G

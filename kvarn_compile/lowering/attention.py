@@ -212,18 +212,18 @@ def _decomposition_choice(label: str, fn, inputs: list, kwargs: dict, gen_fns: d
 
 
 def cpu_kernel_covers(q, buffers) -> bool:
-    """True when, on CPU, the op's implementation for these static shapes is the C++ decode
-    kernel (``ops/dispatch.py``: ``Tq <= CPU_KERNEL_MAX_QUERIES``, kernel built, head dim /
-    dtypes / bits it reads, no fp8 scales). Such a site lowers to the extern call: the kernel
-    is what the op runs, and inlining the decomposition per layer costs lowering and codegen
-    time.
+    """True when, on CPU, the op's implementation for these static shapes is the C++ kernel
+    (``ops/dispatch.py``: the decode step up to ``CPU_KERNEL_MAX_QUERIES`` queries, the
+    multi-query kernel beyond, e.g. a prefill chunk; kernel built, head dim / dtypes / bits
+    it reads, no fp8 scales). Such a site lowers to one extern call: the kernel is what the
+    op runs, and inlining the decomposition per layer costs lowering and codegen time (and
+    runs slower: it dequantizes every tile slot for every query).
     """
     from kvarn_compile._torch_compat import static_ints
     from kvarn_compile.kernels.cpu import attention as cpu_attention
     from kvarn_compile.state import Geometry, unpack
 
-    tq = (static_ints(q.get_size()) or [0, 0, dispatch.CPU_KERNEL_MAX_QUERIES + 1])[2]
-    if q.get_device().type != "cpu" or tq > dispatch.CPU_KERNEL_MAX_QUERIES:
+    if q.get_device().type != "cpu" or static_ints(q.get_size()) is None:
         return False
     f = unpack(list(buffers))
     if f.layout.fp8_factors:

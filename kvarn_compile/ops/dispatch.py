@@ -4,7 +4,10 @@ The one module that decides which kernel runs where:
 
 * ``kvarn::attention`` on **CPU**: the whole decode step (sink, tiles, tail, one online
   softmax, the rotations) is one call of the C++ kernel of ``kernels/cpu/attention.py``
-  (``KVARN_CPU_KERNEL=0`` turns it off, ``=require`` makes a failed build an error).
+  (``KVARN_CPU_KERNEL=0`` turns it off, ``=require`` makes a failed build an error); more
+  than ``CPU_KERNEL_MAX_QUERIES`` queries (a prefill chunk), or queries that need causal
+  masking inside the tiles, take its multi-query path (every tile dequantized once per
+  block of queries, GEMM micro-kernels), exact for every visibility.
 * ``kvarn::attention`` on **CUDA**: the exact region (sink and tail, :mod:`.regions`) with
   its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
   unpack, dual-scale fold, rotated frame), merged by log-sum-exp (:mod:`.regions`).
@@ -17,10 +20,12 @@ The one module that decides which kernel runs where:
   tile quantizer for the tiles a write freezes (per-tile key frames included).
 * ``kvarn::tile_partials_triton_`` on **CUDA**: the standalone Triton decode kernel.
 
-A kernel runs only where it computes exactly what the reference computes (:func:`kernel_applies`):
-every quantized token is visible to every query (always true in decoding, including the
-step whose append froze the query's own tile), no mask hides any position of the quantized
-region, and the scales are not fp8. Everything else runs the reference
+A kernel runs only where it computes exactly what the reference computes. The CUDA path
+needs :func:`kernel_applies`: every quantized token is visible to every query (always true
+in decoding, including the step whose append froze the query's own tile), no mask hides
+any position of the quantized region, and the scales are not fp8; both CPU paths apply
+visibility per position and need only non-fp8 scales.
+Everything else runs the reference
 (:mod:`.reference`), which is also every kernel's test oracle.
 """
 
@@ -33,7 +38,8 @@ from kvarn_compile.ops import append as append_ref, attention as attention_ref, 
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
-__all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu"]
+__all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu",
+           "cuda_checks_on", "raise_device_errors"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
@@ -71,9 +77,9 @@ def _triton_tiles(q_rot, buffers, scale, kv_start, q_plain=None):
         q_plain=None if f.k_plain is None else q_plain, k_plain=f.k_plain)
 
 
-def _cpu_attention(q, f, mask, scale, causal, window):
+def _cpu_attention(q, f, mask, scale, causal, window, many=False):
     """The whole step in one C++ call (``f``: the state's fields); None where the kernel
-    cannot read this cache."""
+    cannot read this cache. ``many``: the multi-query path (exact for any visibility)."""
     from kvarn_compile.kernels.cpu import attention as cpu_attention
 
     geo = Geometry.of(f)
@@ -83,7 +89,7 @@ def _cpu_attention(q, f, mask, scale, causal, window):
     return cpu_attention.decode_attention(
         q, (f.sink_k, f.sink_v), list(f.k.core), list(f.v.core), (f.tail_k, f.tail_v),
         f.lengths, f.n_tiles, scale=float(scale), causal=causal, window=window, mask=mask,
-        k_plain=f.k_plain)
+        k_plain=f.k_plain, many=many)
 
 
 def _cuda_attention(q, buffers, mask, scale, causal, window):
@@ -102,33 +108,45 @@ def _cuda_attention(q, buffers, mask, scale, causal, window):
 
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
               scale: float, causal: bool, window: int, *, kernel: str = "triton") -> torch.Tensor:
-    """The attention with the tile part on ``kernel`` ("cpu": the C++ step, "triton": the
-    CUDA path) where it applies (:func:`kernel_applies`), else the reference."""
+    """The attention with the tile part on ``kernel`` where it applies, else the reference.
+
+    ``"cpu"``: the C++ decode step for up to :data:`CPU_KERNEL_MAX_QUERIES` queries, the
+    C++ multi-query kernel for more (a prefill chunk); both apply causal, window and mask
+    visibility per position (exact wherever they run, no :func:`kernel_applies` check on
+    the per-token path) and refuse fp8 scales. ``"triton"``: the CUDA path where
+    :func:`kernel_applies`.
+    """
     f = unpack(buffers)
     attention_ref.check_queries(q, f)
     attention_ref.check_mask(f, mask)
     out = None
-    if kernel_applies(q, f, mask):
-        out = _cpu_attention(q, f, mask, scale, causal, window) if kernel == "cpu" else \
-            _cuda_attention(q, buffers, mask, scale, causal, window)
+    if kernel == "cpu":
+        if not f.layout.fp8_factors:
+            out = _cpu_attention(q, f, mask, scale, causal, window,
+                                 many=q.shape[2] > CPU_KERNEL_MAX_QUERIES)
+    elif kernel_applies(q, f, mask):
+        out = _cuda_attention(q, buffers, mask, scale, causal, window)
     if out is None:
         return attention_ref.attention(q, buffers, mask, scale, causal, window)
-    return out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)   # (a no-op .to costs a dispatch)
 
 
 #: The C++ decode step (``kernels/cpu/attention.py``) runs ``kvarn::attention`` on CPU for up to
-#: this many query tokens; longer query blocks run the reference (and, compiled, the Inductor
-#: decomposition). The lowering reads the same rule (``lowering.attention.cpu_kernel_covers``).
+#: this many query tokens (exact per position: no :func:`kernel_applies` check); longer query
+#: blocks (prefill chunks) run the C++ multi-query kernel (``decode_attention(...,
+#: many=True)``). Compiled, both are the one extern call of ``lowering.attention.cpu_kernel_covers``.
 CPU_KERNEL_MAX_QUERIES = 16
 
 
 @library.attention.register_kernel("cpu")
 def attention_cpu(q, buffers, mask, scale, causal, window):
-    """The CPU kernel of ``kvarn::attention`` (the C++ decode step where it applies)."""
+    """The CPU kernel of ``kvarn::attention``: the C++ decode step or multi-query kernel
+    (:func:`attention` with ``kernel="cpu"``), else the reference."""
     from kvarn_compile.kernels.cpu import attention as cpu_attention
 
-    if q.shape[2] <= CPU_KERNEL_MAX_QUERIES and cpu_attention.available():   # KVARN_CPU_KERNEL=0: off
-        return attention(q, buffers, mask, scale, causal, window, kernel="cpu").contiguous()
+    if cpu_attention.available():   # KVARN_CPU_KERNEL=0: off (the kernel's output is contiguous)
+        out = attention(q, buffers, mask, scale, causal, window, kernel="cpu")
+        return out if out.is_contiguous() else out.contiguous()
     return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 
 
@@ -137,8 +155,89 @@ def _attention_cuda(q, buffers, mask, scale, causal, window):
     from kvarn_compile.kernels import triton_available
 
     if triton_available():
+        f = unpack(buffers)
+        attention_ref.check_queries(q, f)
+        # a masked query block longer than a decode step keeps the checked path (it builds no
+        # [B, Hq, Tq, N*G] bias) unless host checks are off
+        if not f.layout.fp8_factors and (mask is None or q.shape[2] <= CPU_KERNEL_MAX_QUERIES
+                                         or not cuda_checks_on()):
+            return _cuda_step_attention(q, f, mask, scale, causal, window).to(q.dtype).contiguous()
         return attention(q, buffers, mask, scale, causal, window, kernel="triton").contiguous()
     return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+#: ``KVARN_CUDA_CHECKS=0``: the CUDA steps never read tensors on the host; what the checked
+#: mode raises before writing is recorded in device error flags instead (read them with
+#: :func:`raise_device_errors`). Inside a CUDA graph capture this mode is always on.
+CUDA_CHECKS_ENV = "KVARN_CUDA_CHECKS"
+
+
+def cuda_checks_on() -> bool:
+    """True when the CUDA steps check on the host (the default outside a graph capture)."""
+    import os
+
+    if os.environ.get(CUDA_CHECKS_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def raise_device_errors(device: torch.device | str, name: str = "") -> None:
+    """Read and clear the device error flags of the unchecked CUDA steps (one host sync;
+    call it after a step or a graph replay) and raise what the checked mode would have."""
+    from kvarn_compile.kernels.triton import append as triton_append
+
+    flags = triton_append.error_flags(device)
+    bits = int(flags)
+    flags.zero_()
+    if not bits:
+        return
+    where = f" in {name}" if name else ""
+    what = [triton_append.ERROR_BITS[b] for b in triton_append.ERROR_BITS if bits & b]
+    if bits & triton_append.ERR_NONFINITE and bits == triton_append.ERR_NONFINITE:
+        from kvarn_compile.quant.quantize import NonFiniteError
+        raise NonFiniteError(f"KVarN append{where}: NaN/inf in the new keys/values (stored; a tile "
+                             "holding one is garbage). Expected finite values.")
+    raise ValueError(
+        f"KVarN append/attention{where}: a step without host checks found {', '.join(what)} "
+        "errors (a row writing at a position other than its length, beyond the cache's capacity "
+        "or the tail's slots, |x| beyond float16, or a mask shorter than the cache); those rows "
+        f"were left unchanged. Run the step with {CUDA_CHECKS_ENV}=1 for the full message.")
+
+
+def _cuda_step_attention(q, f, mask, scale, causal, window):
+    """The CUDA attention of any step without a host sync: the exact region in torch, the
+    tiles through the Triton kernel with the causal bound (``kv_end``, multi-token queries)
+    and the mask (an additive bias) applied inside, merged by log-sum-exp. Equal to the
+    reference wherever it is defined; the mask-length check is the reference's (a host
+    read) in the checked mode and a device flag otherwise."""
+    from kvarn_compile.kernels import kvarn_decode_attention
+    from kvarn_compile.kernels.triton import append as triton_append
+
+    geo = Geometry.of(f)
+    bsz, tq, d = q.shape[0], q.shape[2], q.shape[-1]
+    if mask is not None:
+        if cuda_checks_on():
+            attention_ref.check_mask(f, mask)
+        else:
+            short = (f.lengths.max() > mask.shape[-1]).int() * triton_append.ERR_MASK
+            triton_append.error_flags(q.device).bitwise_or_(short)
+    out_e, lse_e = regions.exact_region(q, f, mask, scale, causal, window)
+    rot = triton_append.rotation(d, q.device)
+    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
+    bias = None
+    if mask is not None:
+        m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        cols = geo.sink + torch.arange(geo.max_tiles * geo.group, device=q.device)
+        bias = regions.bias_at(m4, cols[None, :].expand(bsz, -1), (bsz, m4.shape[1], tq))
+    q32 = q.float().contiguous()
+    out_t, lse_t = kvarn_decode_attention(
+        (q32 @ rot).contiguous(), *f.k.core, *f.v.core, f.n_tiles, scale=float(scale),
+        kv_start=kv_lo if window > 0 else None,
+        kv_end=kv_hi if causal and tq > 1 else None, bias=bias,
+        q_plain=None if f.k_plain is None else q32, k_plain=f.k_plain)
+    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot.T, lse_t)
+    return out
 
 
 # ------------------------------------------------------------------------------ append
@@ -188,6 +287,19 @@ def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.T
 
 @library.append_.register_kernel("cuda")
 def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
+    """Without host checks (a CUDA graph, ``KVARN_CUDA_CHECKS=0``) the decode step's append
+    runs on the device alone (``kernels/triton/append.py``); else the reference bookkeeping
+    with the Triton tile quantizer."""
+    from kvarn_compile.kernels import triton_available
+
+    if not cuda_checks_on() and triton_available():
+        from kvarn_compile.kernels.triton import append as triton_append
+
+        append_ref.check_method(method)
+        if triton_append.applies(unpack(buffers), k, method, hold, check_finite):
+            triton_append.append_decode(buffers, k, v, start_pos, method=method, iters=iters,
+                                        recent=recent)
+            return
     append_ref.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                       tile_kernel=freeze_tiles_triton)
 

@@ -384,18 +384,28 @@ def test_gpu_replayed_template_config_is_the_only_choice():
     assert tiles and tiles[0].replayed and len(tiles[0].offered) == 1
 
 
-def test_cpu_auto_path_calls_the_cpp_kernel_extern_for_a_decode_step():
-    """Issue 16: where the C++ kernel is the op's CPU implementation (decode, Tq=1), the
-    auto path lowers to the extern call, with no decomposition inlined and nothing tuned."""
+@pytest.mark.parametrize("tq", [1, 40])
+def test_cpu_auto_path_calls_the_cpp_kernel_extern(tq, monkeypatch):
+    """Issues 16 and 29: where the C++ kernel is the op's CPU implementation (a decode step,
+    Tq=1, and a prefill chunk of more than ``CPU_KERNEL_MAX_QUERIES`` queries inside the
+    quantized region: the multi-query path), the auto path lowers to one extern call, with
+    no decomposition inlined and nothing tuned."""
     from kvarn_compile.kernels.cpu import attention as cpu_attention
+    from kvarn_compile.ops import dispatch
 
     if not cpu_attention.available():
         pytest.skip("the C++ decode kernel does not build here")
-    st = packed_cache(device="cpu")
-    q = torch.randn(2, 4, 1, 16)
+    assert tq == 1 or tq > dispatch.CPU_KERNEL_MAX_QUERIES
+    st = packed_cache(device="cpu", new=tq)
+    q = torch.randn(2, 4, tq, 16)
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention",
+                        lambda *a, **k: calls.append(k["many"]) or real(*a, **k))
     first = len(lowering.DECISIONS)
     with lowering.use_path("auto"):
         out, code = _compile_and_run(_attend, q, *st.buffers)
+    assert calls and set(calls) == {tq > 1}, calls
     torch.testing.assert_close(out, 2.0 * attention_ref.attention(q, st.buffers, None, 0.3, True, 0),
                                atol=2e-5, rtol=1e-5)
     source = "\n".join(code)

@@ -83,6 +83,28 @@ def test_prefill_chunk_overlapping_tiles_falls_back():
     assert not triton_impl.kernel_applies(q, st.buffers, None)
 
 
+@pytest.mark.parametrize("tq", [3, 40])
+def test_cpu_op_runs_the_cpp_kernel_for_queries_inside_the_quantized_region(tq, monkeypatch):
+    """A prefill chunk (more than CPU_KERNEL_MAX_QUERIES queries: the multi-query path) and a
+    short block whose queries need causal masking inside the tiles (the decode loop, exact
+    per position) both run C++ on CPU, never the reference."""
+    st = _filled([G + 3 * G + 1, G + 2 * G + 1])            # the newest tiles end after the oldest query
+    q = torch.randn(2, 3 * H, tq, D)
+    assert not triton_impl.kernel_applies(q, st.buffers, None)
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a, **k: calls.append(k["many"]) or real(*a, **k))
+    mask = torch.rand(2, 1, tq, 256) > 0.2
+    for m in (None, mask):
+        out = torch.ops.kvarn.attention(q, st.buffers, m, 0.2, True, 0)
+        torch.testing.assert_close(out, attention_ref.attention(q, st.buffers, m, 0.2, True, 0), atol=2e-5, rtol=2e-5)
+    assert calls == [tq > triton_impl.CPU_KERNEL_MAX_QUERIES] * 2
+    fp8 = _filled([150], scale_dtype="float8_e4m3fn")             # fp8 scales: the reference
+    calls.clear()
+    torch.ops.kvarn.attention(q[:1], fp8.buffers, None, 0.2, True, 0)
+    assert not calls
+
+
 def test_freeze_kernel_writes_the_reference_tiles():
     k, v = torch.randn(1, H, 3 * G, D), torch.randn(1, H, 3 * G, D)
     ref = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,

@@ -13,6 +13,12 @@ one online softmax (no separate torch pass, no log-sum-exp merge in Python):
 * q is rotated, and the rotated part of the output rotated back, inside the call; scales
   are read in their storage dtype (fp16/bf16/fp32), never converted buffer-wide.
 
+Many queries (a prefill chunk, ``decode_attention(..., many=True)``): tasks over (batch row,
+kv head, block of queries); each tile is dequantized once per task into an fp32 block that
+stays in cache and all the task's query rows go through it with GEMM micro-kernels (scores
+and p.V), one online softmax per row; causal, window and mask visibility per element
+where a block is not wholly visible, so queries inside the quantized region are exact.
+
 Work is split over (batch row, kv head, range of units) where a unit is the sink, one
 tile or the tail; the ranges are merged by log-sum-exp in C++. Causal, sliding-window and
 mask visibility is applied per position in every region, so the result matches the
@@ -129,16 +135,21 @@ def tile_attention(q_rot: torch.Tensor, k: list[torch.Tensor], v: list[torch.Ten
         None, None, None, None,
         _c(k[0]), _c(k[1]), _c(k[2]), _c(k[3]), _c(v[0]), _c(v[1]), _c(v[2]), _c(v[3]),
         None, _c(n_tiles.to(torch.int64)), start, _plain(k_plain), None,
-        float(scale), False, 0, kb, vb)
+        float(scale), False, 0, kb, vb, 0)
     return out, lse
+
+
+#: Query rows (query heads x query tokens) per task of the multi-query path: its scores,
+#: accumulators and one dequantized tile stay in L2 (~250 KB at D = 64, G = 128).
+CHUNK_TASK_ROWS = 128
 
 
 def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
                      k: list[torch.Tensor], v: list[torch.Tensor],
                      tail: tuple[torch.Tensor, torch.Tensor], lengths: torch.Tensor,
                      n_tiles: torch.Tensor, *, scale: float, causal: bool = True, window: int = 0,
-                     mask: torch.Tensor | None = None, k_plain: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, k_plain: torch.Tensor | None = None,
+                     many: bool = False) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] (the last Tq tokens of each row) over the whole packed
     cache in one C++ call: fp32 output [B, Hq, Tq, D], un-rotated.
 
@@ -146,6 +157,12 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
     buffer), k/v the tile buffers, as in ``state.py``; semantics of causal / window / mask
     as in ``ops.attention.attention`` (mask: bool or additive float, broadcastable to
     [B, Hq, Tq, M], indexed by absolute key position). k_plain as in :func:`tile_attention`.
+
+    ``many``: the multi-query path (a prefill chunk): tasks of :data:`CHUNK_TASK_ROWS`
+    query rows of one (batch row, kv head), each tile dequantized once per task into an
+    fp32 block that all its rows read through GEMM micro-kernels; exact for any causal,
+    window or mask visibility, including queries inside the quantized region. Without it
+    the decode step's loop (codes unpacked in registers per 4 rows, splits over tiles).
     """
     bsz, hq, tq, d = q.shape
     kb, vb = _bits(k, v, d)
@@ -158,7 +175,7 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
         _c(q.float()), None, rot, rot_t, _c(sink[0]), _c(sink[1]), _c(tail[0]), _c(tail[1]),
         _c(k[0]), _c(k[1]), _c(k[2]), _c(k[3]), _c(v[0]), _c(v[1]), _c(v[2]), _c(v[3]),
         _c(lengths), _c(n_tiles), None, _plain(k_plain), m,
-        float(scale), bool(causal), int(window), kb, vb)
+        float(scale), bool(causal), int(window), kb, vb, CHUNK_TASK_ROWS if many else 0)
     return out
 
 

@@ -950,6 +950,322 @@ void run(const Call& a) {
 
 }
 
+// ================================================================ many queries (prefill)
+// The multi-query form of run(): a task is one block of QB queries of one (batch row, kv
+// head) with all grp query heads of that kv head (rows r = gi * QB + t, R = grp * QB). Each
+// key block -- the sink or the tail in runs of XB slots, or one packed tile -- is made an
+// fp32 block once per task (a tile dequantized with its dual scales into K^T [D, G] and
+// V [G, D], in the code order of the loops above), and every row of the task goes through
+// it with two register-blocked GEMM micro-kernels (scores = Q K^T, out += P V) and one
+// online softmax. The dual-scale fold is the decode step's (and the reference's): the key
+// row scale in q, the column scale in the scores, the value row scale in the weights, the
+// column scale in the output; the blocks hold the codes as floats. Causal / window / mask visibility is applied per element only where a
+// block is not wholly visible to a row, so queries inside the quantized region (a prefill
+// chunk after a packed past) are exact. No splits: a task owns its rows' whole softmax.
+typedef float v8f __attribute__((vector_size(32)));   // one ymm with AVX2
+inline v8f vld8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vst8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline v8f splat8(float x) { return v8f{} + x; }
+
+constexpr int MR = 6;    // rows per micro-kernel block: 12 accumulators + 2 loads + 1 broadcast
+constexpr int XB = 64;   // exact-region tokens per block
+
+// S[r][j] = sum_c Q[r][c] * Kt[c][j] for r < NR, j < n (a multiple of 16)
+template <int NR>
+void mq_scores(const float* Q, int D, const float* Kt, int n, float* S, int lds) {
+  for (int j = 0; j < n; j += 16) {
+    v8f acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = v8f{};
+    const float* kp = Kt + j;
+    for (int c = 0; c < D; ++c, kp += n) {
+      const v8f k0 = vld8(kp), k1 = vld8(kp + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < NR; ++r) {
+        const v8f qv = splat8(Q[r * D + c]);
+        acc[r][0] += qv * k0;
+        acc[r][1] += qv * k1;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      vst8(S + r * lds + j, acc[r][0]);
+      vst8(S + r * lds + j + 8, acc[r][1]);
+    }
+  }
+}
+
+// O[r][c] += sum_t P[r][t] * V[t][c] for r < NR, c < D (a multiple of 16), t < n
+template <int NR>
+void mq_values(const float* P, int ldp, const float* V, int D, int n, float* O) {
+  for (int c = 0; c < D; c += 16) {
+    v8f acc[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = vld8(O + r * D + c);
+      acc[r][1] = vld8(O + r * D + c + 8);
+    }
+    const float* vp = V + c;
+    for (int t = 0; t < n; ++t, vp += D) {
+      const v8f v0 = vld8(vp), v1 = vld8(vp + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < NR; ++r) {
+        const v8f pv = splat8(P[r * ldp + t]);
+        acc[r][0] += pv * v0;
+        acc[r][1] += pv * v1;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      vst8(O + r * D + c, acc[r][0]);
+      vst8(O + r * D + c + 8, acc[r][1]);
+    }
+  }
+}
+
+template <int NR>
+void mq_scores_at(int nr, const float* Q, int D, const float* Kt, int n, float* S, int lds) {
+  if (nr == NR) mq_scores<NR>(Q, D, Kt, n, S, lds);
+  else if constexpr (NR > 1) mq_scores_at<NR - 1>(nr, Q, D, Kt, n, S, lds);
+}
+template <int NR>
+void mq_values_at(int nr, const float* P, int ldp, const float* V, int D, int n, float* O) {
+  if (nr == NR) mq_values<NR>(P, ldp, V, D, n, O);
+  else if constexpr (NR > 1) mq_values_at<NR - 1>(nr, P, ldp, V, D, n, O);
+}
+// all R rows: S = Q Kt (lds = row stride of S), O += P V (P = S)
+void gemm_scores(const float* Q, int R, int D, const float* Kt, int n, float* S, int lds) {
+  for (int r0 = 0; r0 < R; r0 += MR)
+    mq_scores_at<MR>(std::min(MR, R - r0), Q + (int64_t)r0 * D, D, Kt, n, S + (int64_t)r0 * lds, lds);
+}
+void gemm_values(const float* P, int R, int ldp, const float* V, int D, int n, float* O) {
+  for (int r0 = 0; r0 < R; r0 += MR)
+    mq_values_at<MR>(std::min(MR, R - r0), P + (int64_t)r0 * ldp, ldp, V, D, n, O + (int64_t)r0 * D);
+}
+
+// One packed row of `nbytes` bytes of BITS-bit codes as floats in the loops' code order:
+// out[k * nbytes + j] = code j * PER + k (8-bit: natural order).
+template <int BITS>
+inline void row_codes(const uint8_t* p, int nbytes, float* out) {
+  constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
+  for (int k = 0; k < PER; ++k) {
+    float* o = out + k * nbytes;
+    for (int j = 0; j < nbytes; ++j) o[j] = (float)((p[j] >> (k * BITS)) & MASK);
+  }
+}
+inline void row_codes_any(int bits, const uint8_t* p, int nbytes, float* out) {
+  if (bits == 2) row_codes<2>(p, nbytes, out);
+  else if (bits == 4) row_codes<4>(p, nbytes, out);
+  else row_codes<8>(p, nbytes, out);
+}
+
+void run_chunk(const Call& a, int qb_rows) {
+  const int B = a.B, H = a.H, HQ = a.HQ, TQ = a.TQ, D = a.D, N = a.N, G = a.G;
+  const int grp = HQ / H;
+  const int QB = std::max(1, std::min(TQ, qb_rows));
+  const int nqb = (TQ + QB - 1) / QB;
+  const int RM = grp * QB;                        // rows of a full task
+  const int knb_packed = G * a.kb / 8, vnb_packed = D * a.vb / 8;
+  const bool k_native = a.kb == 2 || a.kb == 4 || a.kb == 8;
+  const bool v_native = a.vb == 2 || a.vb == 4 || a.vb == 8;
+  const int kbits = k_native ? a.kb : 8, vbits = v_native ? a.vb : 8;
+  const int kper = 8 / kbits, vper = 8 / vbits;
+  const int knb = G / kper, vnb = D / vper;
+  const int LS = std::max(G, XB);                 // score row stride
+  std::vector<int> chan(D);                       // value-code order -> channel
+  for (int i = 0; i < D; ++i) chan[i] = (i % vnb) * vper + i / vnb;
+  std::vector<int> tok(G);                        // key-code order -> token of the tile
+  for (int i = 0; i < G; ++i) tok[i] = (i % knb) * kper + i / knb;
+  const int64_t ntasks = (int64_t)B * H * nqb;
+  std::atomic<int64_t> next{0};
+  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    std::vector<float> Qp((size_t)RM * D), Qr((size_t)RM * D), Qs((size_t)RM * D), S((size_t)RM * LS);
+    std::vector<float> Orot((size_t)RM * D), Opl((size_t)RM * D), Ot((size_t)RM * D), m(RM), l(RM);
+    std::vector<float> bias(RM), zsum(RM);
+    std::vector<float> Kt((size_t)D * LS), V((size_t)LS * D), ctmp(std::max(G, D));
+    std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(D), qtmp(D);
+    std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
+    std::vector<int64_t> lo(QB), hi(QB), open_end(RM), pos(XB);
+    std::vector<int> slot(XB);
+    int64_t task;
+    while ((task = next.fetch_add(1)) < ntasks) {
+      // the last query blocks (the most keys under a causal mask) first
+      const int qbi = nqb - 1 - (int)(task / ((int64_t)B * H));
+      const int64_t bh = task % ((int64_t)B * H);
+      const int b = bh / H, h = bh % H;
+      const int t0 = qbi * QB, qn = std::min(QB, TQ - t0), R = grp * qn;
+      const int64_t len = a.lengths[b];
+      const int nt = (int)std::min<int64_t>(std::max<int64_t>(a.n_tiles[b], 0), N);
+      // rows r = gi * qn + t: query t0 + t of query head h * grp + gi
+      auto qrow = [&](int r) { return ((int64_t)b * HQ + h * grp + r / qn) * TQ + t0 + r % qn; };
+      for (int r = 0; r < R; ++r) {
+        const float* x = a.q + qrow(r) * D;
+        std::memcpy(Qp.data() + (size_t)r * D, x, sizeof(float) * D);
+        vec_mat(x, a.rot, nullptr, D, nullptr, 1.f, Qr.data() + (size_t)r * D);
+      }
+      std::fill(Orot.begin(), Orot.begin() + (size_t)R * D, 0.f);
+      std::fill(Opl.begin(), Opl.begin() + (size_t)R * D, 0.f);
+      std::fill(m.begin(), m.begin() + R, NEG_INF);
+      std::fill(l.begin(), l.begin() + R, 0.f);
+      int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = std::numeric_limits<int64_t>::min();
+      for (int t = 0; t < qn; ++t) {
+        const int64_t qpos = len - TQ + t0 + t;
+        lo[t] = a.window > 0 ? qpos - a.window + 1 : std::numeric_limits<int64_t>::min();
+        hi[t] = a.causal ? qpos : std::numeric_limits<int64_t>::max();
+        lo_min = std::min(lo_min, lo[t]);
+        hi_max = std::max(hi_max, hi[t]);
+      }
+      auto mask_off = [&](int r) {
+        return b * a.msb + (int64_t)(h * grp + r / qn) * a.msh + (int64_t)(t0 + r % qn) * a.msq;
+      };
+      // open_end[r]: the mask attends every position < open_end[r] (of this row's range)
+      for (int r = 0; r < R; ++r) {
+        if (!a.mask) { open_end[r] = std::numeric_limits<int64_t>::max(); continue; }
+        if (r >= qn && a.msh == 0) { open_end[r] = open_end[r % qn]; continue; }
+        const int64_t off = mask_off(r), end = hi[r % qn] >= len ? len : hi[r % qn] + 1;
+        int64_t p = 0;
+        if (a.mask_float) { const float* mf = (const float*)a.mask + off; while (p < end && mf[p * a.msm] == 0.f) ++p; }
+        else { const uint8_t* mb = (const uint8_t*)a.mask + off; while (p < end && mb[p * a.msm]) ++p; }
+        open_end[r] = p >= end ? std::numeric_limits<int64_t>::max() : p;
+      }
+      auto apply_mask = [&](int r, int64_t p, float x) -> float {
+        const int64_t off = mask_off(r) + p * a.msm;
+        if (a.mask_float) return x + ((const float*)a.mask)[off];
+        return ((const uint8_t*)a.mask)[off] ? x : NEG_INF;
+      };
+      // scores of a block (positions p(i), i < n, spanning [p0, p1]) finished by
+      // fold(r, row), visibility, then the online softmax; rescales the accumulators of
+      // rows whose max moved
+      auto softmax_block = [&](int n, int cnt, int64_t p0, int64_t p1, auto&& p_of, auto&& fold) {
+        for (int r = 0; r < R; ++r) {
+          const int t = r % qn;
+          float* v = S.data() + (size_t)r * LS;
+          fold(r, v);
+          if (!(p0 >= lo[t] && p1 <= hi[t] && p1 < open_end[r])) {
+            for (int i = 0; i < cnt; ++i) {
+              const int64_t p = p_of(i);
+              if (p < lo[t] || p > hi[t]) v[i] = NEG_INF;
+              else if (a.mask && p >= open_end[r]) v[i] = apply_mask(r, p, v[i]);
+            }
+          }
+          for (int i = cnt; i < n; ++i) v[i] = NEG_INF;
+          const float al = softmax_step(v, n, m[r], l[r]);
+          if (al >= 0.f && al != 1.f) {
+            scale_rows(Orot.data() + (size_t)r * D, D, al);
+            scale_rows(Opl.data() + (size_t)r * D, D, al);
+          }
+        }
+      };
+
+      // ------------------------------------------------ exact regions (sink, tail)
+      const int64_t bh_row = bh;
+      for (int region = 0; region < 2; ++region) {
+        const bool tail = region == 1;
+        const int slots = tail ? a.W : a.S;
+        if (!slots) continue;
+        const void* kb_ = tail ? a.tail_k : a.sink_k;
+        const void* vb_ = tail ? a.tail_v : a.sink_v;
+        const int64_t row0 = bh_row * slots;
+        const int64_t base = a.S + (int64_t)a.n_tiles[b] * G;
+        int64_t off0 = tail ? (0 - (base - a.S)) % a.W : 0;
+        if (off0 < 0) off0 += a.W;
+        for (int s0 = 0; s0 < slots; s0 += XB) {
+          int cnt = 0;
+          int64_t off = tail ? (off0 + s0) % a.W : 0, pmin = std::numeric_limits<int64_t>::max(), pmax = -1;
+          for (int sl = s0; sl < std::min(slots, s0 + XB); ++sl) {
+            int64_t p;
+            bool ok;
+            if (tail) { p = base + off; if (++off == a.W) off = 0; ok = p < len && len > a.S; }
+            else { p = sl; ok = p < len; }
+            if (!ok || p < lo_min || p > hi_max) continue;
+            pos[cnt] = p; slot[cnt] = sl; ++cnt;
+            pmin = std::min(pmin, p); pmax = std::max(pmax, p);
+          }
+          if (!cnt) continue;
+          const int n = (cnt + 15) / 16 * 16;
+          for (int i = 0; i < cnt; ++i) {             // K^T [D, n] and V [n, D], zero padded
+            to_float(kb_, a.exact_dt, (row0 + slot[i]) * D, qtmp.data(), D);
+            for (int c = 0; c < D; ++c) Kt[(size_t)c * n + i] = qtmp[c];
+            to_float(vb_, a.exact_dt, (row0 + slot[i]) * D, V.data() + (size_t)i * D, D);
+          }
+          for (int c = 0; c < D; ++c) std::fill(Kt.begin() + (size_t)c * n + cnt, Kt.begin() + (size_t)c * n + n, 0.f);
+          std::fill(V.begin() + (size_t)cnt * D, V.begin() + (size_t)n * D, 0.f);
+          gemm_scores(Qp.data(), R, D, Kt.data(), n, S.data(), LS);
+          softmax_block(n, cnt, pmin, pmax, [&](int i) { return pos[i]; }, [&](int, float* v) {
+            for (int i = 0; i < n; ++i) v[i] *= a.scale;
+          });
+          gemm_values(S.data(), R, LS, V.data(), D, n, Opl.data());
+        }
+      }
+      // ------------------------------------------------ packed tiles
+      for (int j = 0; j < nt; ++j) {
+        const int64_t p0 = a.S + (int64_t)j * G, p1 = p0 + G - 1;
+        if (p1 < lo_min || p0 > hi_max) continue;
+        const int64_t tile = bh * N + j;
+        to_float(a.krs, a.scale_dt, tile * D, ks.data(), D);
+        to_float(a.krz, a.scale_dt, tile * D, kz.data(), D);
+        to_float_perm(a.kcs, a.scale_dt, tile * G, ctmp.data(), kcs.data(), G, kper);
+        for (int i = 0; i < G; ++i) kcs[i] *= a.scale;
+        to_float_perm(a.vrs, a.scale_dt, tile * G, ctmp.data(), vs.data(), G, kper);
+        to_float_perm(a.vrz, a.scale_dt, tile * G, ctmp.data(), vz.data(), G, kper);
+        to_float_perm(a.vcs, a.scale_dt, tile * D, ctmp.data(), vcs.data(), D, vper);
+        // K^T [D, G] and V [G, D] as float codes: tokens in the key code order (V's rows
+        // too), V's channels in the value code order
+        const uint8_t* kcodes = a.kc + tile * D * knb_packed;
+        if (!k_native) { unpack_bytes(kcodes, D, G, a.kb, k8.data()); kcodes = k8.data(); }
+        for (int c = 0; c < D; ++c) row_codes_any(kbits, kcodes + (int64_t)c * knb, knb, Kt.data() + (size_t)c * G);
+        const uint8_t* vcodes = a.vc + tile * G * vnb_packed;
+        if (!v_native) { unpack_bytes(vcodes, G, D, a.vb, v8.data()); vcodes = v8.data(); }
+        for (int i = 0; i < G; ++i) row_codes_any(vbits, vcodes + (int64_t)tok[i] * vnb, vnb, V.data() + (size_t)i * D);
+        // s[t] = scale * cs[t] * ((q * rs) . code[:, t] + q . rz)
+        const float* qsrc = a.k_plain && a.k_plain[tile] ? Qp.data() : Qr.data();
+        for (int r = 0; r < R; ++r) {
+          const float* x = qsrc + (size_t)r * D;
+          float* o = Qs.data() + (size_t)r * D;
+          float z = 0.f;
+          for (int c = 0; c < D; ++c) { o[c] = x[c] * ks[c]; z += x[c] * kz[c]; }
+          bias[r] = z;
+        }
+        gemm_scores(Qs.data(), R, D, Kt.data(), G, S.data(), LS);
+        softmax_block(G, G, p0, p1, [&](int i) { return p0 + tok[i]; }, [&](int r, float* v) {
+          const float z = bias[r];
+          for (int i = 0; i < G; ++i) v[i] = (v[i] + z) * kcs[i];
+        });
+        // o[c] += cs[c] * ((p * rs) . code[:, c] + p . rz)
+        for (int r = 0; r < R; ++r) {
+          float* v = S.data() + (size_t)r * LS;
+          float z = 0.f;
+          for (int i = 0; i < G; ++i) { z += v[i] * vz[i]; v[i] *= vs[i]; }
+          zsum[r] = z;
+        }
+        std::fill(Ot.begin(), Ot.begin() + (size_t)R * D, 0.f);
+        gemm_values(S.data(), R, LS, V.data(), D, G, Ot.data());
+        for (int r = 0; r < R; ++r) {
+          float* o = Orot.data() + (size_t)r * D;
+          const float* t = Ot.data() + (size_t)r * D;
+          const float z = zsum[r];
+          for (int c = 0; c < D; ++c) o[c] += vcs[c] * (t[c] + z);
+        }
+      }
+      // ------------------------------------------------ normalize, rotate back, write
+      for (int r = 0; r < R; ++r) {
+        const int64_t orow = qrow(r);
+        float* o = a.out + orow * D;
+        if (!(m[r] > NEG_INF)) {
+          std::fill(o, o + D, 0.f);
+          a.lse[orow] = NEG_INF;
+        } else if (std::isnan(l[r])) {
+          std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+          a.lse[orow] = std::numeric_limits<float>::quiet_NaN();
+        } else {
+          const float L = l[r];
+          a.lse[orow] = L > 0.f ? std::log(L) + m[r] : NEG_INF;
+          vec_mat(Orot.data() + (size_t)r * D, a.rot_t, chan.data(), D, Opl.data() + (size_t)r * D,
+                  L > 0.f ? 1.f / L : 0.f, o);
+        }
+      }
+    }
+  });
+}
+
 int64_t pick_splits(int64_t bh, int64_t units) {
   // enough tasks to balance the threads, each at least ~4 units (a unit: one tile, the sink
   // or the tail)
@@ -971,6 +1287,8 @@ void check_contig(const torch::Tensor& t, const char* name) {
 // Tiles and (optionally) the exact regions. Exact mode when `lengths` is given: positions,
 // causal/window/mask visibility, the sink/tail, q rotation and the rotation back; otherwise
 // tiles only in the rotated frame (kv_start: first visible tile token per (b, tq)).
+// task_rows > 0 (exact mode only): run_chunk, the many-query path, with about that many
+// query rows (query heads x queries) per task; 0: run, the decode step.
 std::vector<torch::Tensor> kvarn_attention(
     std::optional<torch::Tensor> q, std::optional<torch::Tensor> q_rot, std::optional<torch::Tensor> rot,
     std::optional<torch::Tensor> rot_t,
@@ -980,7 +1298,7 @@ std::vector<torch::Tensor> kvarn_attention(
     torch::Tensor vc, torch::Tensor vrs, torch::Tensor vrz, torch::Tensor vcs,
     std::optional<torch::Tensor> lengths, torch::Tensor n_tiles, std::optional<torch::Tensor> kv_start,
     std::optional<torch::Tensor> k_plain, std::optional<torch::Tensor> mask,
-    double scale, bool causal, int64_t window, int64_t kb, int64_t vb) {
+    double scale, bool causal, int64_t window, int64_t kb, int64_t vb, int64_t task_rows) {
   Call a;
   const torch::Tensor& qref = q.has_value() && q->defined() ? *q : *q_rot;
   a.B = qref.size(0); a.HQ = qref.size(1); a.TQ = qref.size(2); a.D = qref.size(3);
@@ -1048,7 +1366,13 @@ std::vector<torch::Tensor> kvarn_attention(
   auto out = torch::empty({a.B, a.HQ, a.TQ, a.D}, qref.options().dtype(torch::kFloat));
   auto lse = torch::empty({a.B, a.HQ, a.TQ}, qref.options().dtype(torch::kFloat));
   a.out = out.data_ptr<float>(); a.lse = lse.data_ptr<float>();
-  run(a);
+  if (task_rows > 0) {      // the multi-query path: rows per task ~ task_rows
+    TORCH_CHECK(a.lengths && a.rot && a.rot_t, "kvarn CPU kernel: the multi-query path needs the exact regions and both rotations");
+    const int grp = a.HQ / a.H;
+    run_chunk(a, (int)std::max<int64_t>(1, (task_rows + grp - 1) / grp));
+  } else {
+    run(a);
+  }
   return {out, lse};
 }
 
