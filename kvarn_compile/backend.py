@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
+from kvarn_compile.cache_book import CacheBook, _Site
 from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
 from kvarn_compile.ops.buffers import claim, releasable, release_storage
 from kvarn_compile.report import Report, rewrite_context, run_rewrite
@@ -51,6 +52,8 @@ class KVarNBackend:
         self.options = options or KVarNOptions()
         self.compiler = compiler
         self.mode = mode
+        #: (site name, batch) -> the packed state that site's latest call used (each cache has
+        #: its own: kvarn_compile.cache_book; :meth:`all_states` lists every live one)
         self.states: dict[tuple[str, int], LayerState] = {}
         #: the registered group of context-parallel decoding, or None
         self.context_parallel = None
@@ -64,12 +67,14 @@ class KVarNBackend:
         #: id(parameter) -> (weak reference, model number): which model a graph belongs to
         self._param_models: dict[int, tuple[Any, int]] = {}
         self._n_models = 0
-        self.report = Report(states=lambda: self.states.values())
+        self.report = Report(states=self.all_states)
         #: ``on_graph(stage, gm)``, stage "before"/"after" the rewrite: a test's graph recorder
         #: (:func:`kvarn_compile.testing.record_graphs`); None in production
         self.on_graph: Callable[[str, fx.GraphModule], None] | None = None
-        self._rewritten_sites: set[str] = set()
         self._lock = threading.Lock()
+        #: the packed states keyed on the caches that hold them (kvarn_compile.cache_book)
+        self.book = CacheBook(lambda name, **kw: self._allocate(name, **kw), self.report.note,
+                              _reset_state)
         if compiler == "inductor":   # Inductor lowerings (templates, autotuning) of the kvarn ops
             from kvarn_compile import lowering
 
@@ -87,8 +92,10 @@ class KVarNBackend:
     def _get_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
                    dtype: torch.dtype, device: torch.device, tokens: Any = None,
                    fresh: bool = False) -> LayerState:
-        """The packed state of site ``name`` (shared by every graph of the model), allocated
-        when missing or of another geometry. ``tokens`` (cat caches only, see
+        """The state compiled with site ``name`` (by name and batch size), allocated when
+        missing or of another geometry. At run time each cache gets its own state
+        (:mod:`kvarn_compile.cache_book`); this one serves the first cache of the site and
+        any site whose cache is not a graph input. ``tokens`` (cat caches only, see
         ``RewriteContext``): the state grows with the sequence instead of holding
         ``max_len`` up front (not under context parallelism, whose tile ranges are fixed)."""
         key = (name, batch)
@@ -97,17 +104,24 @@ class KVarNBackend:
         if state is None or state.max_len != max_len or state.head_dim != head_dim \
                 or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device) \
                 or state.growable != growable:
-            kw = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
-                      dtype=dtype, device=device, spec_tokens=self.spec_tokens, name=name)
-            if self.context_parallel is not None:
-                from kvarn_compile.ops import context_parallel as cp
-
-                state = cp.allocate(self.context_parallel, self.config, **kw)
-            else:
-                grow_from = (tokens if isinstance(tokens, int) else 0) if growable else None
-                state = allocate_layer(self.config, **kw, grow_from=grow_from)
+            state = self._allocate(name, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
+                                   max_len=max_len, dtype=dtype, device=device, tokens=tokens)
             self.states[key] = state
         return state
+
+    def _allocate(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                  dtype: torch.dtype, device: torch.device, tokens: Any = None,
+                  fresh: bool = False) -> LayerState:
+        """A new packed state for site ``name`` (growable for cat caches, ``tokens`` given)."""
+        growable = tokens is not None and self.context_parallel is None
+        kw = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
+                  dtype=dtype, device=device, spec_tokens=self.spec_tokens, name=name)
+        if self.context_parallel is not None:
+            from kvarn_compile.ops import context_parallel as cp
+
+            return cp.allocate(self.context_parallel, self.config, **kw)
+        grow_from = (tokens if isinstance(tokens, int) else 0) if growable else None
+        return allocate_layer(self.config, **kw, grow_from=grow_from)
 
     def _model_tag(self, example_inputs: list[Any]) -> str:
         """Site-name prefix of the model a graph comes from: "" for the first model (and for
@@ -131,10 +145,17 @@ class KVarNBackend:
             self._param_models[id(p)] = (weakref.ref(p), number)
         return f"model{number + 1}/" if number else ""
 
+    def all_states(self) -> list[LayerState]:
+        """Every packed state this backend holds: :attr:`states` (per site, the one its
+        latest call used) and those of other live caches (:mod:`kvarn_compile.cache_book`)."""
+        out = {id(s): s for s in self.states.values()}
+        out.update((id(s), s) for s in self.book.live.values())
+        return list(out.values())
+
     @property
     def nbytes(self) -> int:
         """Bytes held by all packed states of this backend (live tensors)."""
-        return sum(s.nbytes for s in self.states.values())
+        return sum(s.nbytes for s in self.all_states())
 
     max_cache_len = property(lambda self: self.options.max_cache_len)
     release_buffers = property(lambda self: self.options.release_buffers)
@@ -147,10 +168,8 @@ class KVarNBackend:
 
     def reset(self) -> None:
         """Forget every sequence (the states stay allocated; growable ones shrink back)."""
-        for state in self.states.values():
-            for name in ("lengths", "committed", "n_tiles"):
-                getattr(state, name).zero_()
-            state.reserve(0, fresh=True)
+        for state in self.all_states():
+            _reset_state(state)
 
     # ------------------------------------------------------------------ backend
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
@@ -180,13 +199,46 @@ class KVarNBackend:
 
             ctx = rewrite_context(self, get_state=get_state,
                                   separate_adopt=self.knob_tuner is not None)
-            extra, _ = run_rewrite(self, gm, new_gm, list(example_inputs), ctx, what="graph",
-                                         seen=self._rewritten_sites, rename=lambda n: tag + n,
+            extra, reports = run_rewrite(self, gm, new_gm, list(example_inputs), ctx, what="graph",
+                                         seen=None, rename=lambda n: tag + n,
                                          finish=use_context_parallel)
+        graph_id = self.report.graphs
+        unchanged = [r for r in reports if not r.rewritten]
+        why = "; ".join(dict.fromkeys(f"{r.name}: {r.reason}" for r in unchanged)) or \
+            "no attention over it that the pass rewrites in this graph"
+        # tensor inputs a cache could be (not parameters); those a rewritten site consumes
+        # are read through the kvarn ops, the others must not be packed caches (book.guard)
+        candidates = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
+                      and not isinstance(t, torch.nn.Parameter) and t.dim() >= 3]
+        conflict = [loc for loc in ctx.locations if loc.kind == "buffer" and loc.k_input is not None
+                    and loc.v_input is not None and not loc.adopts]
+        if conflict:
+            # a cache a site of this graph packs is also read in full precision in this graph:
+            # the graph runs as Dynamo made it, its caches materialized before each call
+            reason = (f"the KV cache of {conflict[0].site} is also read by another operation of "
+                      "this graph, which the pass does not rewrite; the whole graph keeps its "
+                      "caches in full precision")
+            for r in reports:
+                if r.rewritten:
+                    r.rewritten, r.reason = False, reason
+            why, extra = reason, []
         if not extra:  # nothing rewritten: compile Dynamo's graph untouched
-            return self._compile(gm, list(example_inputs), mode)
+            compiled = self._compile(gm, list(example_inputs), mode)
+            if not candidates:
+                return compiled
+
+            def run_unchanged(*args: Any) -> Any:
+                return compiled(*self.book.guard(list(args), candidates, graph_id, why))
+            return run_unchanged
         # this frame may no longer run uncompiled (its model's caches are released)
         refuse_eager_fallback()
+        consumed = {i for loc in ctx.locations for i in (loc.k_input, loc.v_input) if i is not None}
+        candidates = [i for i in candidates if i not in consumed]
+        book_sites = [_Site(tag + name, kw, loc, graph_id)
+                      for (name, kw), loc in zip(sites, ctx.locations)]
+        for site, state in zip(book_sites, site_states):
+            self.book.offer(site.name, state)
+        site_keys = [(site.name, kw["batch"]) for site, (_, kw) in zip(book_sites, sites)]
         # growable states (cat caches): sized before every call for the tokens the call's
         # appends bring (an int, or evaluated from the call's arguments); their growing axis is
         # dynamic in the compiled graph, so growing never recompiles
@@ -205,32 +257,36 @@ class KVarNBackend:
         else:
             compiled = compile_with(new_gm, list(example_inputs) + extra)
         released = tuple(ctx.released_inputs)
-        models = {tag: _SiteStates(site_states)}
+        models = {tag: list(site_states)}
         first_param = weakref.ref(example_inputs[param_at[0]]) if param_at else None
+        flat = _SiteStates()
 
-        def states_for(args: tuple[Any, ...]) -> "_SiteStates":
-            # Dynamo does not guard on the module instance: a second model of the same
-            # class runs this graph with its own parameters; it gets its own states.
+        def by_name(args: list[Any], i: int) -> LayerState:
+            # a site whose cache is not a graph input: its state by site name and model
+            # (Dynamo does not guard on the module instance: a second model of the same
+            # class runs this graph with its own parameters; it gets its own states)
             if first_param is None or args[param_at[0]] is first_param():
-                states = models[tag]
-            else:
-                with self._lock:
-                    model = self._model_tag([args[i] for i in param_at])
-                    if model not in models:
-                        models[model] = _SiteStates([self._get_state(model + name, **kw)
-                                                     for name, kw in sites])
-                    states = models[model]
-            for i, tokens, fresh in growth:
-                states.states[i].reserve(tokens(args), fresh=fresh)
-            return states
+                return models[tag][i]
+            with self._lock:
+                model = self._model_tag([args[j] for j in param_at])
+                if model not in models:
+                    models[model] = [self._get_state(model + name, **kw) for name, kw in sites]
+                return models[model][i]
 
-        def run(*args: Any) -> Any:
+        def run(*call_args: Any) -> Any:
+            args = self.book.guard(list(call_args), candidates, graph_id, why)
             for i, _ in released:
                 claim(args[i])
-            states = states_for(args)
-            out = compiled(*args, *states.buffers())
+            states = [self.book.resolve(site, args, lambda i=i: by_name(args, i))
+                      for i, site in enumerate(book_sites)]
+            for key, state in zip(site_keys, states):
+                self.states[key] = state
+            for i, tokens, fresh in growth:
+                states[i].reserve(tokens(args), fresh=fresh)
+            out = compiled(*args, *flat.buffers(states))
             for i, _, _ in growth:          # the tail slots this call's frozen tiles freed
-                states.states[i].trim()
+                states[i].trim()
+            self.book.after(list(zip(book_sites, states)), out)
             # The model's own cache tensors this graph no longer reads: freed after the
             # call (kvarn::append_from_ has taken over any prompt written there before), on
             # every call, so a new cache passed in their place (a second StaticCache) or a
@@ -272,20 +328,26 @@ class KVarNBackend:
 
 
 class _SiteStates:
-    """The states of one graph's sites for one model, and their flat buffer list (the extra
-    graph inputs), rebuilt only after a state reallocated its tile buffers."""
+    """The flat buffer list (the extra graph inputs) of one graph's site states, rebuilt only
+    when a site's state changed (another cache) or reallocated its tile buffers."""
 
-    def __init__(self, states: list[LayerState]) -> None:
-        self.states = states
-        self._versions: tuple[int, ...] | None = None
+    def __init__(self) -> None:
+        self._key: tuple[tuple[int, int], ...] | None = None
         self._flat: list[torch.Tensor] = []
 
-    def buffers(self) -> list[torch.Tensor]:
-        versions = tuple(st.version for st in self.states)
-        if versions != self._versions:
-            self._flat = [b for st in self.states for b in st.buffers]
-            self._versions = versions
+    def buffers(self, states: list[LayerState]) -> list[torch.Tensor]:
+        key = tuple((id(st), st.version) for st in states)
+        if key != self._key:
+            self._flat = [b for st in states for b in st.buffers]
+            self._key = key
         return self._flat
+
+
+def _reset_state(state: LayerState) -> None:
+    """Empty ``state`` (a new sequence; growable states shrink back)."""
+    for name in ("lengths", "committed", "n_tiles"):
+        getattr(state, name).zero_()
+    state.reserve(0, fresh=True)
 
 
 def _stand_ins(inputs: list[Any], first: int, grown: list[torch.Tensor]

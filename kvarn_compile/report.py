@@ -192,7 +192,7 @@ def rewrite_context(frontend: Any, **kw: Any) -> RewriteContext:
 
 
 def run_rewrite(frontend: Any, original: fx.GraphModule, gm: fx.GraphModule,
-                example_inputs: list[Any], ctx: RewriteContext, *, what: str, seen: set[str],
+                example_inputs: list[Any], ctx: RewriteContext, *, what: str, seen: set[str] | None,
                 rename: Callable[[str], str] = str,
                 finish: Callable[[list[Any]], None] | None = None
                 ) -> tuple[list[Any], list[SiteReport]]:
@@ -200,7 +200,8 @@ def run_rewrite(frontend: Any, original: fx.GraphModule, gm: fx.GraphModule,
     front-end got it), as a front-end runs it: numbered in ``frontend.report``, logged
     before and after, its site names ``rename``d, ``finish(extra)`` applied to the rewritten
     graph, refused when it splits a cache an earlier graph packed (:func:`check_consistent`,
-    ``seen``), its sites added to the report, and ``frontend.on_graph(stage, gm)`` called
+    ``seen``: the keyed front-end; ``kvarn_backend`` passes None and enforces it per cache at
+    run time, :mod:`kvarn_compile.cache_book`), its sites added to the report, and ``frontend.on_graph(stage, gm)`` called
     before and after when set (graph recording is a test's job:
     :func:`kvarn_compile.testing.record_graphs`). Returns the rewrite's extra graph inputs
     and the site reports."""
@@ -216,7 +217,8 @@ def run_rewrite(frontend: Any, original: fx.GraphModule, gm: fx.GraphModule,
         r.name = rename(r.name)
     if finish is not None:
         finish(extra)
-    check_consistent(seen, reports)
+    if seen is not None:
+        check_consistent(seen, reports)
     report.add_sites(reports)
     if hook is not None:
         hook("after", gm)

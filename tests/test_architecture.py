@@ -27,7 +27,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("autotune", ("autotune",)),
     ("passes/lowering", ("passes", "lowering")),
     ("report", ("report",)),
-    ("front-ends", ("backend", "pre_grad_pass", "hf", "distributed", "")),   # "": the package API
+    ("front-ends", ("backend", "cache_book", "pre_grad_pass", "hf", "distributed", "")),   # "": the package API
     ("eval", ("eval",)),
     ("cli", ("cli",)),
     ("testing", ("testing",)),

@@ -51,7 +51,34 @@ from kvarn_compile.passes.sites import SiteReport, find_sites, site_name
 from kvarn_compile.state import LayerState
 
 #: ``SiteReport`` lives in :mod:`kvarn_compile.passes.sites`; callers outside the pass import it from here
-__all__ = ["RewriteContext", "SiteReport", "rewrite_graph"]
+__all__ = ["RewriteContext", "SiteReport", "CacheLocation", "rewrite_graph"]
+
+
+@dataclasses.dataclass
+class CacheLocation:
+    """Where a rewritten site's KV cache lives among the graph's inputs and outputs, so that
+    the front-end can key the packed state on the cache itself (the tensor the model owns,
+    or the chain of handles a ``cat`` cache passes from call to call), not on a name.
+
+    ``kind``: ``"buffer"`` (a preallocated cache written in place) or ``"chain"`` (a ``cat``
+    cache). ``k_input``/``v_input``: graph-input indices of the K/V cache tensors (buffer:
+    the tensor written; chain: the past the ``cat`` extends), None when the tensor is not a
+    graph input (made inside the graph). ``k_outputs``/``v_outputs``: chain only, the
+    positions in the graph's output of the handles standing for the ``cat``. ``perm``: the
+    cache axes holding batch, heads, positions, head dim; ``adopts``: the rewritten graph
+    hands the buffers to ``kvarn::append_from_``/``adopt_``, which takes over tokens a
+    full-precision forward wrote there.
+    """
+
+    kind: str
+    site: str
+    k_input: int | None = None
+    v_input: int | None = None
+    k_outputs: tuple[int, ...] = ()
+    v_outputs: tuple[int, ...] = ()
+    perm: tuple[int, int, int, int] = (0, 1, 2, 3)
+    batch: int = 1
+    adopts: bool = False
 
 
 @dataclasses.dataclass
@@ -83,6 +110,9 @@ class RewriteContext:
     #: filled by rewrite_graph (inputs mode): (graph input index, site report) of every
     #: model-owned cache tensor the caller must free after each call (see _hand_over)
     released_inputs: list[tuple[int, SiteReport]] = dataclasses.field(default_factory=list)
+    #: filled by rewrite_graph: one :class:`CacheLocation` per rewritten site, in the order
+    #: of its ``get_state`` calls
+    locations: list[CacheLocation] = dataclasses.field(default_factory=list)
 
 
 def _statically_zero(size: Any) -> bool:
@@ -237,8 +267,9 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_body = placeholders[-1].next if placeholders else next(iter(graph.nodes))
     extra: list[torch.Tensor] = []
-    caches: list[tuple[SiteReport, _Match, fx.Node]] = []
+    caches: list[tuple[SiteReport, _Match, fx.Node, CacheLocation]] = []
     keyed = ctx.state_key is not None
+    stems: set[str] = set()
     for m in matches:
         name = site_name(m.site.out)
         raw = example(m.wk.new)
@@ -256,12 +287,18 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             growth = dict(tokens=tokens, fresh=_statically_zero(past))
         state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim, max_len=max_len,
                               dtype=raw.dtype, device=raw.device, **growth)
+        loc = _location(m, name, placeholders)
+        ctx.locations.append(loc)
         # 1. the state's buffers become graph inputs (keyed mode: a constant key instead)
         bufs: list[fx.Node] = []
         if not keyed:
             with graph.inserting_before(first_body):
+                stem = f"kvarn_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}"
+                while stem in stems:       # two sites named alike (one helper, two caches)
+                    stem += "_"
+                stems.add(stem)
                 for i, t in enumerate(state.buffers):
-                    ph = graph.placeholder(f"kvarn_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}_{i}")
+                    ph = graph.placeholder(f"{stem}_{i}")
                     ph.meta["example_value"] = t
                     bufs.append(ph)
             extra.extend(state.buffers)
@@ -306,6 +343,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             att.meta["example_value"] = example(m.site.out)
         m.site.out.replace_all_uses_with(att)
         # 4. the model's cache is no longer written; cat caches get a row-tagged handle
+        handles = {}
         for w in (m.wk, m.wv):
             if w.cache is None:
                 cat = w.full
@@ -318,6 +356,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                     zero = graph.call_method("view", (tags, batch, 1, 1, 1))
                     shape[w.axis] = _key_length(graph, m, w, heads * dim)
                     handle = graph.call_method("expand", (zero, *shape))
+                handles[w is m.wk] = handle
                 for user in list(cat.users):
                     if user.op == "output" or is_size_query(user, cat):
                         user.replace_input_with(cat, handle)    # same shape as the cat
@@ -331,17 +370,38 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                         graph.erase_node(node)
                         node._erased = True
                 _drop_aliases(graph, w.cache)
+        if handles:
+            loc.k_outputs, loc.v_outputs = (_output_positions(graph, handles.get(k)) for k in (True, False))
         report = SiteReport(name, True, m.site.form, m.wk.spelling, m.rk.spelling,
                             state_bytes=state.nbytes, graph=graph_id)
         reports.append(report)
         if m.wk.cache is not None:
-            caches.append((report, m, append))
+            caches.append((report, m, append, loc))
     dce(graph, keep=[n for n in side_effects if not getattr(n, "_erased", False)])
-    for report, m, append in caches:
-        _hand_over(graph, ctx, report, m, append, placeholders)
+    for report, m, append, loc in caches:
+        loc.adopts = _hand_over(graph, ctx, report, m, append, placeholders)
     graph.lint()
     gm.recompile()
     return extra, reports
+
+
+def _location(m: _Match, name: str, placeholders: list[fx.Node]) -> CacheLocation:
+    """The :class:`CacheLocation` of match ``m`` (outputs filled in after the rewrite)."""
+    def index(node: Any) -> int | None:
+        return placeholders.index(node) if isinstance(node, fx.Node) and node in placeholders else None
+
+    if m.wk.cache is not None:
+        return CacheLocation("buffer", name, index(m.wk.cache), index(m.wv.cache),
+                             perm=tuple(m.perm), batch=m.batch)
+    return CacheLocation("chain", name, index(m.wk.start), index(m.wv.start), perm=tuple(m.perm),
+                         batch=m.batch)
+
+
+def _output_positions(graph: fx.Graph, node: fx.Node | None) -> tuple[int, ...]:
+    """Positions of ``node`` in the graph's (flat) output tuple."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return tuple(i for i, v in enumerate(values) if node is not None and v is node)
 
 
 def _drop_aliases(graph: fx.Graph, root: fx.Node) -> None:
@@ -358,7 +418,7 @@ def _drop_aliases(graph: fx.Graph, root: fx.Node) -> None:
 
 
 def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, m: _Match,
-               append: fx.Node, placeholders: list[fx.Node]) -> None:
+               append: fx.Node, placeholders: list[fx.Node]) -> bool:
     """Give the model's own preallocated K/V tensors (graph inputs the rewritten graph no
     longer reads) to the append: a prompt a non-compiled forward wrote there is adopted
     into the packed state, then their memory is freed (``release_buffers``).
@@ -373,9 +433,9 @@ def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, m: _Mat
     """
     cache_k, cache_v = m.wk.cache, m.wv.cache
     if cache_k not in placeholders or cache_v not in placeholders:
-        return
+        return False
     if any(u.op != "output" for c in (cache_k, cache_v) for u in c.users):
-        return
+        return False
     views = []
     with graph.inserting_before(append):
         for c in (cache_k, cache_v):
@@ -391,7 +451,7 @@ def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, m: _Mat
         args = list(append.args)
         args[3], args[4], args[12] = view_k, view_v, bool(ctx.release_buffers) and whole
         append.args = tuple(args)
-        return
+        return True
     fresh = bool(ctx.release_buffers)
     if ctx.separate_adopt:
         bufs, _, _, start = append.args[:4]
@@ -407,3 +467,4 @@ def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, m: _Mat
         graph.erase_node(append)
     if ctx.release_buffers:
         ctx.released_inputs.extend((placeholders.index(c), report) for c in (cache_k, cache_v))
+    return True

@@ -1,0 +1,329 @@
+"""Which packed state holds which KV cache: keyed on the cache itself, across every graph.
+
+A model's cache is a tensor it owns (a preallocated buffer written in place, a transformers
+``StaticCache`` layer) or a chain of ``cat`` results it passes from call to call (a
+``DynamicCache``); a rewritten graph hands a ``cat`` cache back as a *handle* (a tensor of
+the cache's shape holding the batch-row tags, see :mod:`kvarn_compile.passes.rewrite`).
+The backend keys each packed state on that cache, never on a site name: a
+:class:`CacheToken` rides on the cache's tensors (their ``__dict__``, and for handles their
+storage too, so a ``crop`` view keeps it), so
+
+* every graph that writes or reads one cache uses one state, whatever its sites are called
+  (two layers calling one attention helper with their own caches get two states; a prefill
+  and a decode written on different source lines share one);
+* ``copy.deepcopy`` of a cache copies its packed state (prefix reuse), a new cache gets a
+  fresh state, and a dropped cache gives its state back for reuse;
+* a graph that reads a packed cache **without** the kvarn ops (a form the pass leaves
+  unchanged, a graph break before the attention) is caught before it runs
+  (:meth:`CacheBook.guard`): the cache is materialized back — dequantized into the model's
+  own buffer (the next rewritten call adopts it again), or passed dequantized in place of a
+  handle — and the report says so; where that is impossible it stops with a one-line error
+  before anything is computed. A cache is packed everywhere or nowhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvarn_compile.ops.append import crop_, materialize
+from kvarn_compile.passes.rewrite import CacheLocation
+from kvarn_compile.state import LayerState
+
+__all__ = ["CacheBook", "CacheToken", "TOKEN", "token_of"]
+
+#: the attribute naming a packed cache's :class:`CacheToken` on its tensors and storages
+TOKEN = "_kvarn_cache"
+
+
+class CacheToken:
+    """One packed cache: the state holding its tokens, and where the model keeps it.
+
+    The cache's tensors carry ``(token, role)`` (role ``"k"`` or ``"v"``). Deep-copying a
+    tensor that carries it (``copy.deepcopy(cache)``) copies the packed state once per copy
+    (both roles share the copy)."""
+
+    def __init__(self, book: "CacheBook", state: LayerState, loc: CacheLocation, graph: int):
+        self.book = book
+        self.state = state
+        self.kind = loc.kind
+        self.site = loc.site
+        self.perm = loc.perm
+        self.batch = loc.batch
+        self.adopts = loc.adopts
+        self.graph = graph
+        #: chain: the tokens the newest handle stands for
+        self.length = 0
+        #: buffer: roles dequantized into the model's buffers by :meth:`CacheBook.guard`;
+        #: while any is, the buffers hold the tokens and the next rewritten call adopts them
+        self.materialized: set[str] = set()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # torch.save / pickle of a cache tensor: the packed state is not part of the tensor's
+        # data (the tensor saves what it holds); the copy carries no token
+        return _no_token, ()
+
+    def __deepcopy__(self, memo: dict) -> "CacheToken":
+        new = object.__new__(CacheToken)
+        new.__dict__.update(self.__dict__)
+        memo[id(self)] = new
+        new.materialized = set(self.materialized)
+        new.state = self.book.clone(self.state, self.site)
+        new.book.bind(new.state, new)
+        return new
+
+
+def _no_token() -> None:
+    return None
+
+
+def token_of(t: Any) -> tuple[CacheToken, str] | None:
+    """The ``(token, role)`` a tensor carries, on itself or (a view of a handle: ``crop``)
+    on its storage; None for any other tensor."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    ref = t.__dict__.get(TOKEN)
+    if ref is None and t.dim() and 0 in t.stride():
+        ref = getattr(t.untyped_storage(), TOKEN, None)
+    return ref if ref is not None and ref[0] is not None else None
+
+
+def _stamp(t: torch.Tensor, token: CacheToken, role: str, storage: bool) -> None:
+    t.__dict__[TOKEN] = (token, role)
+    if storage:
+        setattr(t.untyped_storage(), TOKEN, (token, role))
+
+
+@dataclasses.dataclass
+class _Site:
+    """One rewritten site of one compiled graph, as the runtime sees it."""
+
+    name: str
+    geometry: dict[str, Any]
+    loc: CacheLocation
+    graph: int
+
+
+class CacheBook:
+    """The packed states of one backend, keyed on the caches that hold them.
+
+    ``allocate(name, **geometry)`` makes a new state, ``reset(state)`` empties one,
+    ``note(text)`` adds a report note; :attr:`live` holds every state made here that a live
+    cache (or the free list) still holds."""
+
+    def __init__(self, allocate: Callable[..., LayerState], note: Callable[[str], None],
+                 reset: Callable[[LayerState], None]):
+        self._allocate = allocate
+        self.live: dict[Any, LayerState] = {}
+        self._note = note
+        self._reset = reset
+        #: site name -> states that no live cache holds (reused before allocating)
+        self._free: dict[str, list[LayerState]] = {}
+        #: id(state) -> weak reference to the token holding it
+        self._owner: dict[int, weakref.ref] = {}
+        #: site name -> the newest chain token (a reordered handle copy carries none)
+        self._last_chain: dict[str, CacheToken] = {}
+        self._serial = 0
+
+    # ------------------------------------------------------------------ states
+    def offer(self, name: str, state: LayerState) -> None:
+        """A state allocated at compile time for site ``name``, free for the first cache."""
+        if id(state) not in self._owner and all(s is not state for s in self._free.get(name, ())):
+            self._free.setdefault(name, []).append(state)
+
+    def clone(self, state: LayerState, name: str) -> LayerState:
+        """A copy of ``state`` (``copy.deepcopy`` of a cache)."""
+        new = dataclasses.replace(state, buffers=[b.clone() for b in state.buffers])
+        self._keep(name, new)
+        return new
+
+    def bind(self, state: LayerState, token: CacheToken) -> None:
+        self._owner[id(state)] = weakref.ref(token)
+        weakref.finalize(token, self._release, token.site, state)
+
+    def _keep(self, name: str, state: LayerState) -> None:
+        self._serial += 1
+        self.live[(name, self._serial)] = state
+
+    def _release(self, name: str, state: LayerState) -> None:
+        """The cache holding ``state`` is gone: the state is free for the next cache of
+        its site (one free state per site is kept; more go)."""
+        self._owner.pop(id(state), None)
+        free = self._free.setdefault(name, [])
+        if any(s.max_len == state.max_len and s.batch == state.batch for s in free):
+            for key, st in list(self.live.items()):
+                if st is state:
+                    del self.live[key]
+        else:
+            free.append(state)
+
+    def _fresh(self, site: _Site) -> LayerState:
+        """A state for a cache seen for the first time: a free one of the site's geometry,
+        else a new one."""
+        g = site.geometry
+        for st in self._free.get(site.name, []):
+            if _fits(st, g) and st.sink_k.device == torch.device(g["device"]):
+                self._free[site.name] = [s for s in self._free[site.name] if s is not st]
+                self._reset(st)
+                return st
+        state = self._allocate(site.name, **g)
+        self._keep(site.name, state)
+        return state
+
+    def _new_token(self, site: _Site) -> CacheToken:
+        token = CacheToken(self, self._fresh(site), site.loc, site.graph)
+        self.bind(token.state, token)
+        return token
+
+    # ------------------------------------------------------------------ per call
+    def resolve(self, site: _Site, args: list[Any], fallback: Callable[[], LayerState]) -> LayerState:
+        """The state of ``site`` for this call, from the cache tensors in ``args``."""
+        loc = site.loc
+        if loc.kind == "buffer":
+            if loc.k_input is None or loc.v_input is None:
+                return fallback()
+            k, v = args[loc.k_input], args[loc.v_input]
+            ref = token_of(k)
+            if ref is None or not _fits(ref[0].state, site.geometry):
+                token = self._new_token(site)
+                _stamp(k, token, "k", False)
+                _stamp(v, token, "v", False)
+                return token.state
+            token = ref[0]
+            if token.materialized:
+                # a full-precision graph ran on the model's buffers: they hold the tokens
+                # now; the append (kvarn::append_from_) adopts them into the restarted state
+                self._reset(token.state)
+                token.materialized.clear()
+            return token.state
+        return self._resolve_chain(site, args)
+
+    def _resolve_chain(self, site: _Site, args: list[Any]) -> LayerState:
+        loc = site.loc
+        past = args[loc.k_input] if loc.k_input is not None else None
+        ref = token_of(past)
+        axis = loc.perm[2]
+        if ref is not None and _fits(ref[0].state, site.geometry):
+            token = ref[0]
+            held = past.shape[axis]
+            if held < token.length:          # a cropped cache (DynamicCache.crop)
+                crop_(token.state.buffers, torch.full_like(token.state.lengths, held))
+                token.length = held
+            self._last_chain[site.name] = token
+            return token.state
+        if isinstance(past, torch.Tensor) and past.numel():
+            last = self._last_chain.get(site.name)
+            if _row_tags(past, axis, loc.perm[0]) and last is not None and _fits(last.state, site.geometry):
+                return last.state             # the handle, reordered along the batch (beam search)
+            # a past holding real keys and values (a forward that was not rewritten made it):
+            # a new packed sequence starts from them
+            token = self._new_token(site)
+            pv = args[loc.v_input] if loc.v_input is not None else None
+            if pv is None:
+                raise RuntimeError(
+                    f"kvarn_backend: {site.name} continues a cache the compiled model did not pack, "
+                    "but its past values are not a graph input, so they cannot be adopted. Start "
+                    "from an empty cache, or compile the forward that made this one.")
+            self._adopt_past(token, past, pv)
+            self._last_chain[site.name] = token
+            return token.state
+        token = self._new_token(site)
+        self._last_chain[site.name] = token
+        return token.state
+
+    def _adopt_past(self, token: CacheToken, pk: torch.Tensor, pv: torch.Tensor) -> None:
+        state, perm = token.state, token.perm
+        k, v = (x.permute(perm) for x in (pk, pv))
+        n = k.shape[2]
+        state.reserve(n, fresh=True)
+        start = torch.zeros(k.shape[0], dtype=torch.int64, device=k.device)
+        torch.ops.kvarn.append_(state.buffers, k, v, start, state.config.op_method,
+                                state.config.sinkhorn_iters, state.config.recent_window, 0,
+                                state.config.check_finite, token.site)
+        state.trim()
+        token.length = n
+        self._note(f"{token.site}: a cache a full-precision forward filled ({n} tokens) was "
+                   "adopted into the packed state")
+
+    def after(self, sites: list[tuple[_Site, LayerState]], out: Any) -> None:
+        """Tag the handles a call returned with their chain's token."""
+        values = out if isinstance(out, (tuple, list)) else (out,)
+        for site, state in sites:
+            loc = site.loc
+            if loc.kind != "chain" or not (loc.k_outputs or loc.v_outputs):
+                continue
+            token = self._last_chain.get(site.name)
+            if token is None or token.state is not state:
+                continue
+            for role, where in (("k", loc.k_outputs), ("v", loc.v_outputs)):
+                for i in where:
+                    h = values[i]
+                    if isinstance(h, torch.Tensor):
+                        _stamp(h, token, role, True)
+                        token.length = h.shape[loc.perm[2]]
+
+    # ------------------------------------------------------------------ the invariant
+    def guard(self, args: list[Any], candidates: list[int], graph: int, why: str) -> list[Any]:
+        """Before a graph runs: every packed cache among ``args[candidates]`` (inputs the
+        graph reads without the kvarn ops) is materialized back, or the call is refused."""
+        out = None
+        dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in candidates:
+            ref = token_of(args[i])
+            if ref is None:
+                continue
+            token, role = ref
+            t = args[i]
+            if token.kind == "buffer" and not token.adopts:
+                raise RuntimeError(
+                    f"kvarn_backend: graph {graph} reads the KV cache of {token.site} in full "
+                    f"precision ({why}), but graph {token.graph} keeps that cache packed and "
+                    "cannot take tokens written there back; compile the model so that every "
+                    "forward's attention is rewritten, or leave it uncompiled.")
+            if token.kind == "buffer" and role in token.materialized:
+                continue
+            if id(token) not in dense:
+                dense[id(token)] = materialize(token.state.buffers, dtype=t.dtype)
+            k, v = dense[id(token)]
+            full = k if role == "k" else v                                   # [B, H, cap, D]
+            if token.kind == "buffer":
+                view = t.permute(token.perm)[:token.batch]
+                n = min(view.shape[2], full.shape[2])
+                with torch.no_grad():
+                    view[:, :, :n].copy_(full[:, :, :n])
+                token.materialized.add(role)
+                self._note(f"graph {graph} reads the packed KV cache of {token.site} in full "
+                           f"precision ({why}): it is dequantized into the model's buffer before "
+                           "such a call and packed again by the next rewritten one")
+            else:
+                n = t.shape[token.perm[2]]
+                inverse = [token.perm.index(a) for a in range(4)]
+                value = full[:, :, :n].permute(inverse).contiguous()
+                if value.shape != t.shape:
+                    raise RuntimeError(
+                        f"kvarn_backend: graph {graph} reads the KV cache of {token.site} in full "
+                        f"precision ({why}) with shape {tuple(t.shape)}, but its packed state "
+                        f"holds {tuple(value.shape)}; start a new cache for this call.")
+                out = list(args) if out is None else out
+                out[i] = value
+                self._note(f"graph {graph} reads the packed KV cache of {token.site} in full "
+                           f"precision ({why}): it is passed dequantized to such a call")
+        return args if out is None else out
+
+
+def _fits(state: LayerState, g: dict[str, Any]) -> bool:
+    return state.batch == g["batch"] and state.kv_heads == g["kv_heads"] \
+        and state.head_dim == g["head_dim"] and state.max_len == g["max_len"]
+
+
+def _row_tags(past: torch.Tensor, axis: int, batch_axis: int) -> bool:
+    """``past`` holds batch-row tags (a handle the compiled model returned, reordered along
+    the batch or copied): its first positions hold one whole number in [0, B) per row."""
+    head = past.narrow(axis, 0, min(4, past.shape[axis])).movedim(batch_axis, 0).flatten(1).float()
+    first = head[:, :1]
+    return bool((head == first).all() & (first == first.round()).all()
+                & (first >= 0).all() & (first < head.shape[0]).all())
