@@ -22,6 +22,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -68,6 +70,8 @@ class KVarNBackend:
         self._param_models: dict[int, tuple[Any, int]] = {}
         self._n_models = 0
         self.report = Report(states=self.all_states)
+        #: names of sites in graphs the backend traced again (see ``_per_batch``)
+        self._site_names: dict[str, str] = {}
         #: ``on_graph(stage, gm)``, stage "before"/"after" the rewrite: a test's graph recorder
         #: (:func:`kvarn_compile.testing.record_graphs`); None in production
         self.on_graph: Callable[[str, fx.GraphModule], None] | None = None
@@ -187,6 +191,7 @@ class KVarNBackend:
             site_states: list[LayerState] = []
 
             def get_state(name: str, **kw: Any) -> LayerState:
+                name = self._site_names.get(name, name)
                 sites.append((name, kw))
                 site_states.append(self._get_state(tag + name, **kw))
                 return site_states[-1]
@@ -200,9 +205,18 @@ class KVarNBackend:
             ctx = rewrite_context(self, get_state=get_state,
                                   separate_adopt=self.knob_tuner is not None)
             extra, reports = run_rewrite(self, gm, new_gm, list(example_inputs), ctx, what="graph",
-                                         seen=None, rename=lambda n: tag + n,
+                                         seen=None, rename=lambda n: tag + self._site_names.get(n, n),
                                          finish=use_context_parallel)
         graph_id = self.report.graphs
+        fakes = _fake_inputs(gm)
+        per_batch = _batch_symbols(fakes)
+        if per_batch and any(r.reason.startswith(_DYNAMIC_BATCH) for r in reports if not r.rewritten):
+            for r in reports:
+                if not r.rewritten:
+                    r.reason = ("the batch size is dynamic in this graph (the model ran with a "
+                                "second batch size): each batch size runs its own graph, "
+                                "compiled when first seen, with the cache packed")
+            return self._per_batch(gm, fakes, per_batch)
         unchanged = [r for r in reports if not r.rewritten]
         why = "; ".join(dict.fromkeys(f"{r.name}: {r.reason}" for r in unchanged)) or \
             "no attention over it that the pass rewrites in this graph"
@@ -301,6 +315,37 @@ class KVarNBackend:
 
         return run
 
+    def _per_batch(self, gm: fx.GraphModule, fakes: list[Any], batch: set[Any]):
+        """Run a graph Dynamo made dynamic in the batch size (a second batch size on one
+        compiled model) as one graph per batch size: each is Dynamo's graph traced again with
+        that batch size fixed (its other dynamic sizes stay dynamic), through this backend,
+        so its caches stay packed. A graph the pass leaves unchanged for another reason runs
+        as it is."""
+        keep = [(i, d) for i, t in enumerate(fakes) if isinstance(t, torch.Tensor)
+                for d, n in enumerate(t.shape) if isinstance(n, torch.SymInt)
+                and not (n.node.expr.free_symbols & batch)]
+        at = [i for i, t in enumerate(fakes) if isinstance(t, torch.Tensor)
+              and t.dim() and isinstance(t.shape[0], torch.SymInt)]
+        graphs: dict[tuple[int, ...], Any] = {}
+
+        def run(*args: Any) -> Any:
+            key = tuple(int(args[i].shape[0]) for i in at)
+            fn = graphs.get(key)
+            if fn is None:
+                for i, d in keep:
+                    torch._dynamo.maybe_mark_dynamic(args[i], d)
+                inner = _copy_graph_module(gm)
+                _plain_size_ops(inner.graph)
+                inner.recompile()
+                real = getattr(inner, "real_recompile", None)
+                if real is not None:          # Dynamo does not trace a lazy module's stub
+                    real()
+                self._site_names.update(_names_by_line(inner))
+                fn = graphs[key] = torch.compile(inner.forward, backend=self, fullgraph=True)
+            return fn(*args)
+
+        return run
+
     def _note_kept(self, tensor: torch.Tensor) -> None:
         """Say once per device why a model-owned buffer was kept instead of freed."""
         where = "cuda" if tensor.is_cuda else tensor.device.type
@@ -325,6 +370,46 @@ class KVarNBackend:
                                         dynamic_dim2_inputs=dynamic)
         self.report.add_lowerings(lowering.DECISIONS[first:])
         return compiled
+
+
+_DYNAMIC_BATCH = "dynamic batch"
+
+
+#: Dynamo's size functions and the builtins Dynamo traces again as such (on plain ints,
+#: ``torch.sym_*`` would be a torch function returning a non-tensor, which it refuses)
+_SIZE_OPS = {torch.sym_sum: sum, torch.sym_max: max, torch.sym_min: min, torch.sym_float: float,
+             torch.sym_int: int, torch.sym_not: operator.not_}
+
+
+def _plain_size_ops(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _SIZE_OPS:
+            node.target = _SIZE_OPS[node.target]
+
+
+def _names_by_line(gm: fx.GraphModule) -> dict[str, str]:
+    """Site names as the pass gives them to a trace of ``gm``'s generated code (its source
+    line), mapped to the names of the nodes that line came from (their module paths)."""
+    from kvarn_compile.passes.sites import site_name
+
+    nodes = list(gm.graph.nodes)
+    code = gm.forward.__code__
+    out = {}
+    for line, index in (getattr(gm, "_lineno_map", None) or {}).items():
+        if index is not None:
+            out[f"forward@{code.co_filename}:{line + gm._prologue_start}"] = site_name(nodes[index])
+    return out
+
+
+def _fake_inputs(gm: fx.GraphModule) -> list[Any]:
+    """What Dynamo traced each input of ``gm`` as (fake tensors with symbolic sizes, SymInts)."""
+    return [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def _batch_symbols(fakes: list[Any]) -> set[Any]:
+    """The size symbols of dim 0 (the batch) of a graph's tensor inputs."""
+    return {sym for t in fakes if isinstance(t, torch.Tensor) and t.dim()
+            and isinstance(t.shape[0], torch.SymInt) for sym in t.shape[0].node.expr.free_symbols}
 
 
 class _SiteStates:

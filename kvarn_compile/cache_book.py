@@ -211,14 +211,21 @@ class CacheBook:
             token = ref[0]
             held = past.shape[axis]
             if held < token.length:          # a cropped cache (DynamicCache.crop)
+                token.state.make_room_to_crop()
                 crop_(token.state.buffers, torch.full_like(token.state.lengths, held))
                 token.length = held
             self._last_chain[site.name] = token
             return token.state
         if isinstance(past, torch.Tensor) and past.numel():
             last = self._last_chain.get(site.name)
-            if _row_tags(past, axis, loc.perm[0]) and last is not None and _fits(last.state, site.geometry):
-                return last.state             # the handle, reordered along the batch (beam search)
+            if _row_tags(past, axis, loc.perm[0]):
+                if last is not None and _fits(last.state, site.geometry):
+                    return last.state         # the handle, reordered along the batch (beam search)
+                raise RuntimeError(
+                    f"kvarn_backend: {site.name} got a cache handle changed along the batch in a "
+                    "way the packed state cannot follow (batch_repeat_interleave, "
+                    "batch_select_indices, or handles of another graph); it holds no keys or "
+                    "values. Start from an empty cache with the batch size you need.")
             # a past holding real keys and values (a forward that was not rewritten made it):
             # a new packed sequence starts from them
             token = self._new_token(site)

@@ -52,7 +52,6 @@ class KVarNLayer(CacheLayerMixin):
     """One attention layer's packed KVarN cache (allocated on the first update)."""
 
     is_compileable = True
-    is_croppable = True
     is_sliding = False
 
     def __init__(self, config: KVarNConfig, max_cache_len: int, *, spec_tokens: int = 0,
@@ -142,14 +141,40 @@ class KVarNLayer(CacheLayerMixin):
             for name in ("lengths", "committed", "n_tiles"):
                 getattr(self.state, name).zero_()
 
-    def crop(self, max_length: int) -> None:
-        """transformers calls crop(-n) to drop the newest n tokens (crop(0) drops none);
-        the legacy crop(n) with n > 0 keeps the first n."""
-        if not self.is_initialized or max_length == 0:
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest ``-tokens_to_remove`` tokens (transformers' meaning: ``crop(-n)``;
+        ``crop(0)`` drops none; a positive value raises, as for transformers' own layers).
+        Tokens already packed into tiles are revised (``ops.append.crop_``), so any crop
+        works, which ``is_croppable`` says."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"KVarN crop: expected a negative number of tokens to remove (crop(-n)), but got "
+                f"{tokens_to_remove}; transformers' caches no longer take a positive length.")
+        if not self.is_initialized or tokens_to_remove == 0:
             return
-        lengths = self.state.lengths
-        new = lengths + max_length if max_length < 0 else torch.clamp(lengths, max=max_length)
+        if self.context_parallel is not None:
+            self._crop_context_parallel(tokens_to_remove)
+            return
+        crop_(self.state.buffers, torch.clamp(self.state.lengths + tokens_to_remove, min=0))
+
+    def _crop_context_parallel(self, tokens_to_remove: int) -> None:
+        # each rank holds only its share of the tiles: only the high-precision tail rolls back
+        f = self.state.fields
+        new = torch.clamp(f.lengths + tokens_to_remove, min=0)
+        frozen_end = torch.where(f.n_tiles > 0, self.state.sink_len + f.n_tiles * self.config.group_size,
+                                 torch.zeros_like(f.n_tiles))
+        if bool((new < frozen_end).any()):
+            raise ValueError(
+                f"KVarN crop: a context-parallel cache can roll back only the tokens in its "
+                f"high-precision tail, but {-tokens_to_remove} tokens reach into the packed tiles. "
+                "Allocate it with spec_tokens >= the tokens a draft may reject.")
         crop_(self.state.buffers, new)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Every crop works on one process; a context-parallel cache rolls back only within
+        its uncommitted tail (``spec_tokens``)."""
+        return self.context_parallel is None or self.spec_tokens > 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b takes the state of row beam_idx[b] (in place, static addresses)."""
@@ -239,9 +264,19 @@ def kvarn_attention_forward(module, query, key, value, attention_mask, scaling=N
     """transformers attention function over a KVarN cache (registered as ``"kvarn"``)."""
     state = getattr(key, _STATE_ATTR, None)
     if state is None:
-        raise RuntimeError(
-            "attn_implementation='kvarn' needs a KVarNCache: pass past_key_values="
-            "KVarNCache(model.config, max_cache_len=...) to generate()/forward().")
+        # full-precision keys and values: no cache, or one KVarN does not manage (transformers'
+        # own, e.g. the cache generate() makes for a model used as its own assistant); attend
+        # over them exactly, as sdpa would
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if not getattr(kvarn_attention_forward, "_warned", False) and key.shape[2] > query.shape[2]:
+            kvarn_attention_forward._warned = True
+            warnings.warn(
+                "kvarn attention was given a full-precision cache (not a KVarNCache): it attends "
+                "over it exactly, uncompressed. Pass cache=KVarNCache(model.config, "
+                "max_cache_len=...) to keep that cache packed.", stacklevel=3)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("KVarN attention does not support attention logit soft-capping.")
     if dropout and module.training:

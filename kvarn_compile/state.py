@@ -387,6 +387,15 @@ class LayerState:
         self._reallocate((have[0], tail, have[2]), keep=True)
         return True
 
+    def make_room_to_crop(self) -> bool:
+        """Give a growable state's tail the whole ring before a crop into its packed tiles
+        (``ops.append.crop_`` moves up to a tile's tokens back into the tail); True when
+        buffers were reallocated."""
+        if not self.growable or self.tail_len >= self._growth.tail:
+            return False
+        self._reallocate((self.sink_len, self._growth.tail, self.max_tiles), keep=True)
+        return True
+
     def _wanted(self, tiles_held: int) -> tuple[int, int, int]:
         """(sink, tail, tile) slots for :attr:`tokens`, the tail rounded up to the whole ring,
         or else to :data:`SLOT_STEP`, as far as the bytes stay within fp16's for those tokens

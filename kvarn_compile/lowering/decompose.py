@@ -23,6 +23,10 @@ templates on CUDA (``lowering/tiles.py``). Both decompositions take the op's arg
 flattened, plus the rotation: ``(q, *buffers[, mask], rot)`` and keyword scalars, the form Inductor's
 ``SubgraphTemplate`` needs (tensors positional, scalars keyword).
 
+A state with no tile slot (its capacity is below sink + one tile) has only the exact
+region; both decompositions then return it (a reduction over zero tile columns does not
+lower).
+
 Differences from the reference, all deliberate and tested: no host-side check that the
 mask covers every position (a shorter mask is padded with "attend"); summation order
 differs (results agree to float rounding).
@@ -50,7 +54,12 @@ def _split_args(args: tuple[torch.Tensor, ...], n_buffers: int, has_mask: bool):
 def _attention(args, n_buffers: int, has_mask: bool, scale: float, causal: bool,
                window: int, split_max: int, tiles_fn) -> torch.Tensor:
     q, buffers, mask, rot = _split_args(args, n_buffers, has_mask)
-    out_ex, lse_ex = regions.exact_region(q, unpack(buffers), mask, scale, causal, window)
+    f = unpack(buffers)
+    out_ex, lse_ex = regions.exact_region(q, f, mask, scale, causal, window)
+    if f.k.codes.shape[2] == 0:
+        # no tile slot (a cache allocated for fewer than sink + one tile positions): the
+        # exact region is the whole attention; a softmax over zero tile columns has no max
+        return out_ex.to(q.dtype)
     o_part, lse_part = tiles_fn(*tile_inputs(q, buffers, mask, causal, window, rot), scale, split_max)
     out_rot, lse_t = regions.combine_splits(o_part, lse_part)
     out, _ = regions.merge_regions(out_ex, lse_ex, out_rot @ rot.T, lse_t)

@@ -11,8 +11,9 @@ Semantics in one place:
 
 * ``append_(buffers, k, v, start_pos)`` writes T new K/V rows per batch row at positions
   start_pos[b] .. start_pos[b]+T-1. start_pos[b] == 0 starts a new sequence in that row;
-  otherwise start_pos[b] must lie in [committed[b], lengths[b]] (rewriting uncommitted
-  tokens is a rollback; committed tokens are final). Writing at p accepts (commits) every
+  otherwise start_pos[b] must lie in [1, lengths[b]]: a write before the end rolls the row
+  back to start_pos[b] first (uncommitted tokens just go; committed ones are revised by
+  :func:`crop_`: their tile goes back to the tail, dequantized). Writing at p accepts (commits) every
   token before p; of the new tokens all but the newest ``hold`` are committed at once
   (hold=0: commit everything, the plain decoding case; hold=k: keep k draft tokens
   revisable for speculative decoding). Complete committed tiles beyond the sink and the
@@ -107,9 +108,9 @@ def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                              f"holds {lengths[row]} tokens; positions must follow on without gaps "
                              "(or be 0 to start a new sequence).")
         if p0 < done:
-            raise ValueError(f"KVarN append{where}: batch row {row} writes at position {p0}, but "
-                             f"tokens < {done} are committed and cannot be written twice. Write at "
-                             f"position {length} to continue, or 0 to start a new sequence.")
+            # a rewrite of committed tokens (a static cache cropped, then written again): the
+            # append first revises the tiles back to p0 (crop_)
+            done, tiles = p0, min(tiles, max(p0 - s, 0) // g)
         end = p0 + t
         if end > capacity:
             raise ValueError(f"KVarN append{where}: batch row {row} would hold {end} tokens, but the "
@@ -289,6 +290,9 @@ def append_(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             f"kv head {bad[1]}, token position {int(start_pos[bad[0]]) + bad[2]}. Expected finite "
             "values; the cache was left unchanged. Disable check_finite to store such tokens as NaN.")
     f = unpack(buffers)
+    back = (start_pos > 0) & (start_pos < f.committed)
+    if bool(back.any()):     # writing over committed tokens discards them first
+        crop_(buffers, torch.where(back, start_pos.to(f.lengths), f.lengths))
     counters = [c.clone() for c in (f.lengths, f.committed, f.n_tiles)]
     try:
         for row, p0 in enumerate(start_pos.tolist()):
@@ -325,21 +329,58 @@ def commit_(buffers: list[torch.Tensor], upto: torch.Tensor, method: str = "kvar
 
 
 def crop_(buffers: list[torch.Tensor], new_lengths: torch.Tensor) -> None:
-    """Roll rows back to new_lengths[b] tokens (tokens in quantized tiles cannot go back)."""
+    """Roll rows back to new_lengths[b] tokens (at most what they hold).
+
+    Tokens in the uncommitted tail just go. A crop into the packed tiles *revises* them: the
+    tiles wholly past the new length are dropped, and the tokens of the tile the new length
+    falls in go back to the high-precision tail dequantized (the values attention already
+    read), to be quantized again when that tile fills anew. The ring must hold a tile's worth
+    of tokens (``_tail_slots``: always, unless a growable state trimmed it; see
+    ``LayerState.crop``).
+    """
     f = unpack(buffers)
-    s, g, _, _ = _geometry(buffers)
+    s, g, _, w = _geometry(buffers)
     lengths, committed, n_tiles = f.lengths, f.committed, f.n_tiles
-    frozen_end = torch.where(n_tiles > 0, s + n_tiles * g, torch.zeros_like(n_tiles))
-    if bool((new_lengths < frozen_end).any()) or bool((new_lengths < 0).any()):
-        row = int((new_lengths < frozen_end).nonzero()[0]) if bool((new_lengths < frozen_end).any()) else 0
-        raise ValueError(
-            f"KVarN crop: batch row {row} would go back to {int(new_lengths[row])} tokens, but tokens "
-            f"< {int(frozen_end[row])} are already quantized into tiles. Expected a length >= "
-            f"{int(frozen_end[row])}; keep speculative tokens uncommitted (hold / spec_tokens) or "
-            "use recent_window so rollbacks stay in the high-precision tail.")
     new = torch.minimum(new_lengths.to(lengths), lengths)
+    if bool((new < 0).any()):
+        row = int((new < 0).nonzero()[0])
+        raise ValueError(f"KVarN crop: expected lengths >= 0, but batch row {row} would go back "
+                         f"to {int(new[row])} tokens.")
+    keep_tiles = torch.clamp(new - s, min=0) // g
+    for row in (n_tiles > keep_tiles).nonzero().flatten().tolist():
+        n, end = int(keep_tiles[row]), int(new[row])
+        first = s + n * g
+        if end > first:
+            if end - first > w:
+                raise ValueError(
+                    f"KVarN crop: batch row {row} would move {end - first} tokens of a packed tile "
+                    f"back into its {w}-slot tail. Expected a state whose tail holds a whole tile "
+                    "(LayerState.crop makes room in a growable one).")
+            k, v = _dequantized_tile(f, row, n)
+            slots = (torch.arange(first, end, device=k.device) - s) % w
+            f.tail_k[row][:, slots] = k[:, :end - first].to(f.tail_k.dtype)
+            f.tail_v[row][:, slots] = v[:, :end - first].to(f.tail_v.dtype)
+        n_tiles[row] = n
     lengths.copy_(new)
     committed.copy_(torch.minimum(committed, new))
+
+
+def _dequantized_tile(f: StateFields[torch.Tensor], row: int, tile: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major K/V [H, G, D] (fp32, original frame) of one packed tile of one row."""
+    from kvarn_compile.quant.quantize import QuantizedTiles, dequantize_kv
+
+    geo = Geometry.of(f)
+    pick = lambda t: None if t is None else t[row, :, tile:tile + 1]  # noqa: E731
+    out = []
+    for kind, bits in (("k", geo.key_bits), ("v", geo.value_bits)):
+        t = f.tiles(kind)
+        q = QuantizedTiles(codes=pick(t.codes), row_scale=pick(t.row_scale), row_zero=pick(t.row_zero),
+                           col_scale=pick(t.col_scale), bits=bits, row_scale_factor=pick(t.row_factor),
+                           col_scale_factor=pick(t.col_factor),
+                           plain=pick(f.k_plain) if kind == "k" else None)
+        out.append(dequantize_kv(q, kind, rotated=True))
+    return out[0], out[1]
 
 
 def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,

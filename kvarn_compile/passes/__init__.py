@@ -9,8 +9,15 @@ does not match exactly is left alone and reported with a reason):
 * :mod:`.reads` - ``KV_STEPS`` and ``trace_kv``: the view steps from an attention operand back
   to its cache (the cache's layout, the batch rows and positions read, the GQA expansion);
 * :mod:`.attention_forms` - ``ATTENTIONS``: ``scaled_dot_product_attention`` and the eager
-  matmul/einsum + softmax chain (``AttentionSite``, ``MaskSpec``);
-* :mod:`.window_caches` - ``WINDOW_CACHES``: sliding-window caches, refused.
+  matmul/einsum + softmax chain, scores in any order of batch, heads, queries and keys
+  (``einsum("bshd,bthd->bsht")``, DeepSeek-V3) with the keys last (``AttentionSite``,
+  ``MaskSpec``);
+* :mod:`.window_caches` - ``WINDOW_CACHES``: sliding-window caches (the newest W kept, a
+  roll), refused; a window *read* of a full cache (``k[:, :, max(0, end - W):end]``, per-layer
+  windows) is rewritten: kvarn::attention reads [0, end) with the positions before the
+  window masked out;
+* :mod:`.stacked_caches` - caches stacked over layers (``cache_k[layer, :bsz, a:b] = xk``):
+  one 4-D view per layer, which the tables then match as a per-layer cache.
 
 The pass over a graph:
 

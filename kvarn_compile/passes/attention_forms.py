@@ -37,6 +37,20 @@ class MaskSpec:
     node: fx.Node
     value: float = 0.0
     scale: float = 1.0
+    #: scores not in [B, H, Tq, Lk] order (einsum ``->bsht``): the mask, broadcast to 4-D,
+    #: permuted by this
+    perm: tuple[int, ...] | None = None
+
+    def shape(self) -> tuple | None:
+        """The mask's shape as kvarn::attention reads it ([.., Tq, Lk] order)."""
+        val = example(self.node)
+        if val is None:
+            return None
+        shape = tuple(val.shape)
+        if self.perm is None:
+            return shape
+        shape = (1,) * (4 - len(shape)) + shape
+        return tuple(shape[p] for p in self.perm)
 
 
 @dataclasses.dataclass
@@ -94,53 +108,71 @@ def _einsum(n: fx.Node) -> tuple[str, list[fx.Node]] | None:
     return eq, ops
 
 
-def _qk_product(s: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None] | None:
-    """(q, k operand, its labels, q permutation) of a q·kᵀ product [B, H, Tq, Lk]."""
+#: the roles of the score axes in kvarn's order: batch, heads, queries, keys
+_ROLES = ("b", "h", "t", "k")
+
+
+def _einsum_roles(a: str, b: str, out: str, a_only: str, b_only: str):
+    """The letters of a two-operand 4-D einsum ``a,b->out`` by role: (batch, heads, the
+    letter only ``a`` and ``out`` share, the letter only ``b`` and ``out`` share, the letter
+    only ``a`` and ``b`` share (contracted)), or None. Batch and heads are the two letters
+    all three share; batch is the one written first in ``out``."""
+    if not (len(a) == len(b) == len(out) == 4 and len(set(a)) == len(set(b)) == len(set(out)) == 4):
+        return None
+    shared = [c for c in out if c in a and c in b]
+    x = [c for c in out if c in a and c not in b]
+    y = [c for c in out if c in b and c not in a]
+    z = [c for c in a if c in b and c not in out]
+    if len(shared) != 2 or len(x) != 1 or len(y) != 1 or len(z) != 1:
+        return None
+    return shared[0], shared[1], x[0], y[0], z[0]
+
+
+def _qk_product(s: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None, tuple] | None:
+    """(q, k operand, its labels, q permutation, the roles of the score axes) of a q·kᵀ
+    product: ``matmul`` [B, H, Tq, Lk], or an einsum with scores in any order of batch,
+    heads, queries and keys (``bhqd,bhkd->bhqk``; ``bshd,bthd->bsht``, DeepSeek-V3)."""
     if is_op(s, "matmul"):
         q, kt = s.args[:2]
-        return q, kt, ["b", "q", "d", "s"], None   # kᵀ: its transpose is the first read step
+        return q, kt, ["b", "q", "d", "s"], None, _ROLES   # kᵀ: its transpose is the first read step
     spec = _einsum(s)
     if spec is None:
         return None
     eq, (q, k) = spec
     ins, out = eq.split("->")
     qs, ks = ins.split(",")
-    if not (len(qs) == len(ks) == len(out) == 4 and len(set(qs)) == len(set(ks)) == 4):
+    roles = _einsum_roles(qs, ks, out, "q", "k")
+    if roles is None:
         return None
-    d = [c for c in qs if c in ks and c not in out]
-    if len(d) != 1 or out[3] not in ks or out[3] in qs or out[2] not in qs or out[2] in ks \
-            or out[0] not in qs + ks or out[1] not in qs + ks:
-        return None            # scores must be [batch, heads, queries, keys]
-    names = {out[0]: "b", out[1]: "q", out[3]: "s", d[0]: "d"}
-    if any(c not in names for c in ks) or set(qs) != {out[0], out[1], out[2], d[0]}:
-        return None
-    q_order = (out[0], out[1], out[2], d[0])
-    q_perm = tuple(qs.index(c) for c in q_order)
-    return q, k, [names[c] for c in ks], None if q_perm == (0, 1, 2, 3) else q_perm
+    b, h, tq, key, d = roles
+    names = {b: "b", h: "q", key: "s", d: "d"}
+    q_perm = tuple(qs.index(c) for c in (b, h, tq, d))
+    score_roles = tuple({b: "b", h: "h", tq: "t", key: "k"}[c] for c in out)
+    return q, k, [names[c] for c in ks], None if q_perm == (0, 1, 2, 3) else q_perm, score_roles
 
 
-def _pv_product(n: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None] | None:
-    """(weights, v operand, its labels, output permutation) of a weights·v product."""
+def _pv_product(n: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None, tuple] | None:
+    """(weights, v operand, its labels, output permutation, the roles of the weights' axes)
+    of a weights·v product (``matmul``, or an einsum in any order of batch, heads, queries
+    and keys: ``bhqk,bhkd->bhqd``; ``bsht,bthd->bshd``, DeepSeek-V3)."""
     if is_op(n, "matmul"):
         w, v = n.args[:2]
-        return w, v, ["b", "q", "s", "d"], None
+        return w, v, ["b", "q", "s", "d"], None, _ROLES
     spec = _einsum(n)
     if spec is None:
         return None
     eq, (w, v) = spec
     ins, out = eq.split("->")
     ws, vs = ins.split(",")
-    if not (len(ws) == len(vs) == len(out) == 4 and len(set(vs)) == 4):
+    roles = _einsum_roles(ws, vs, out, "w", "v")
+    if roles is None:
         return None
-    b, h, tq, key = ws
-    dd = [c for c in vs if c not in ws]
-    if len(dd) != 1 or key not in vs or key in out or set(out) != {b, h, tq, dd[0]} \
-            or not set(vs) <= {b, h, key, dd[0]}:
-        return None
-    names = {b: "b", h: "q", key: "s", dd[0]: "d"}
-    order = (b, h, tq, dd[0])                  # kvarn's output order
+    b, h, tq, dd, key = roles
+    names = {b: "b", h: "q", key: "s", dd: "d"}
+    order = (b, h, tq, dd)                  # kvarn's output order
     out_perm = tuple(order.index(c) for c in out)
-    return w, v, [names[c] for c in vs], None if out_perm == (0, 1, 2, 3) else out_perm
+    weight_roles = tuple({b: "b", h: "h", tq: "t", key: "k"}[c] for c in ws)
+    return w, v, [names[c] for c in vs], None if out_perm == (0, 1, 2, 3) else out_perm, weight_roles
 
 
 def _swaps_last_two(n: fx.Node) -> bool:
@@ -186,7 +218,7 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
     pv = _pv_product(n)
     if pv is None:
         return None
-    w, v, v_labels, out_perm = pv
+    w, v, v_labels, out_perm, weight_roles = pv
     chain = [n]
     while isinstance(w, fx.Node) and not is_op(w, "softmax"):
         if is_op(w, "dropout"):
@@ -233,7 +265,7 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
             chain.append(s)
             s = other
             continue
-        if mask is None and is_op(s, "add") and isinstance(s.args[1], fx.Node) \
+        if mask is None and is_op(s, "add", "iadd") and isinstance(s.args[1], fx.Node) \
                 and isinstance(s.args[0], fx.Node):
             a, b = s.args[:2]
             scores, m = (a, b) if _leads_to_qk(a) else (b, a)
@@ -270,7 +302,11 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
     qk = _qk_product(s)
     if qk is None:
         return None
-    q, k, k_labels, q_perm = qk
+    q, k, k_labels, q_perm, score_roles = qk
+    if score_roles != weight_roles or score_roles[3] != "k":
+        return None         # the softmax is not over the keys, or ·v reads another layout
+    if mask is not None and score_roles != _ROLES:
+        mask.perm = tuple(score_roles.index(r) for r in _ROLES)
     chain.append(s)
     if k_labels == ["b", "q", "d", "s"] and isinstance(k, fx.Node) and single_user(k) \
             and _swaps_last_two(k):

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from kvarn_compile.passes.stacked_caches import is_layer_view
 from kvarn_compile.passes.fx_utils import (
     _expand_index, _noop_cast, _shape, arg, describe, example, is_op, same_size, single_user,
 )
@@ -50,7 +51,8 @@ def _write_root(target: Any) -> tuple[fx.Node | None, list[Any]]:
     while isinstance(cur, fx.Node):
         if _noop_cast(cur):
             cur = cur.args[0]
-        elif is_op(cur, "getitem") and isinstance(example(cur.args[0]), torch.Tensor):
+        elif is_op(cur, "getitem") and isinstance(example(cur.args[0]), torch.Tensor) \
+                and not is_layer_view(cur):     # a layer of a stacked cache is the root
             chain.append(cur)
             cur = cur.args[0]
         else:
@@ -121,6 +123,8 @@ def _index_put(n: fx.Node) -> CacheWrite | None:
 
 def _setitem(n: fx.Node) -> CacheWrite | None:
     # gpt-fast KVCache:         k_out[:, :, input_pos] = k_val         (index_put_ in aten)
+    # torchtune KVCache:        k_out[:, :, self.cache_pos[:T]] = k_val (then cache_pos.add_(T))
+    # a stacked cache:          cache_k[layer, :bsz, a:b] = xk         (stacked_caches.py)
     # nanoGPT-style caches:     k_cache[:, :, start:start + T] = k
     # llama reference code:     self.cache_k[:bsz, start_pos:start_pos + seqlen] = xk
     # [B, S, H, D] caches:      k_cache[:, input_pos] = k,  k_cache[..., pos, :, :] = k

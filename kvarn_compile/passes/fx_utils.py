@@ -27,6 +27,7 @@ _ALIASES: dict[str, tuple[Any, ...]] = {
     "mul": (operator.mul, torch.mul),
     "truediv": (operator.truediv, torch.div),
     "add": (operator.add, torch.add),
+    "iadd": (operator.iadd,),
     "cat": (torch.cat,),
     "reshape": (torch.reshape,),
     "expand": (),

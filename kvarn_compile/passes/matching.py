@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from kvarn_compile.passes.attention_forms import AttentionSite
@@ -23,6 +24,7 @@ from kvarn_compile.passes.fx_utils import (
     Unsupported, _noop_cast, describe, example, is_op, is_size_query, same_size,
 )
 from kvarn_compile.passes.reads import ChainBroken, KVRead, trace_kv
+from kvarn_compile.passes.stacked_caches import LAYER_VIEW, is_layer_view
 from kvarn_compile.passes.window_caches import refuse_sliding_window
 
 
@@ -41,6 +43,9 @@ class _Match:
     read_kind: str = "full"
     lk: Any = None              # the key length the model's attention sees (int, SymInt or node)
     causal: bool = True         # kvarn::attention's causal flag (see _pair)
+    #: a window read (cache[:, :, lo:end]): its first position (an int or the node computing
+    #: it); kvarn::attention then reads [0, lk) with positions before ``lo`` masked out
+    lo: Any = None
 
 
 def _inplace_writes(node: fx.Node) -> list[fx.Node]:
@@ -55,9 +60,15 @@ def _inplace_writes(node: fx.Node) -> list[fx.Node]:
             if u.args and u.args[0] is x and (
                     is_op(u, "setitem", "index_put_") or (u.op == "call_method" and str(u.target).endswith("_"))):
                 out.append(u)
-            elif u.args and u.args[0] is x and (is_op(u, "getitem", "narrow") or _noop_cast(u)):
+            elif u.args and u.args[0] is x and (is_op(u, "getitem", "narrow") or _noop_cast(u)
+                                                or (u.op == "call_method" and u.target in _VIEWS)):
                 frontier.append(u)
     return out
+
+
+#: view methods a write may go through (mistral-inference: cache.view(-1, H, D).index_copy_)
+_VIEWS = ("view", "view_as", "reshape", "flatten", "unflatten", "transpose", "permute", "select",
+          "squeeze", "unsqueeze", "swapaxes", "movedim", "as_strided", "expand", "unfold")
 
 
 def _cache_upstream(node: fx.Node, writes: dict[fx.Node, list[CacheWrite]]) -> fx.Node | None:
@@ -135,10 +146,18 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
             raise Unsupported(reason)
     if wk.cache is None and axes["b"] != 0:
         raise Unsupported("a torch.cat cache whose batch axis is not the first")
+    for w in (wk, wv):
+        if is_layer_view(w.cache) and "stacked" not in w.spelling:
+            w.spelling += f" (layer {w.cache.meta[LAYER_VIEW][1]} of a cache stacked over layers)"
     if wk.start_kind != wv.start_kind or (
-            wk.start_kind == "positions" and wk.start is not wv.start) or (
             wk.start_kind == "int" and not same_size(wk.start, wv.start)):
         raise Unsupported("keys and values are written at positions the pass cannot prove equal")
+    if wk.start_kind == "positions" and wk.start is not wv.start:
+        # two reads of one positions tensor (torchtune: k_cache[:, :, self.cache_pos[:T]] = k
+        # and v_cache[:, :, self.cache_pos[:T]] = v, then self.cache_pos.add_(T))
+        why = _different_values(wk.start, wv.start)
+        if why is not None:
+            raise Unsupported(f"keys and values are written at positions the pass cannot prove equal{why}")
     qv, kraw, vraw = example(site.q), example(wk.new), example(wv.new)
     if qv is None or kraw is None or vraw is None or kraw.dim() != 4 or qv.dim() != 4 \
             or tuple(kraw.shape) != tuple(vraw.shape):
@@ -178,9 +197,10 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
     m = _Match(site, wk, wv, rk, rv, perm, batch)
     _read_kind(m, tq, kn[2])
     if site.mask is not None:
-        mv = example(site.mask.node)
-        if mv is None or not 2 <= mv.dim() <= 4 or not same_size(mv.shape[-1], m.lk) \
-                or not (same_size(mv.shape[-2], tq) or same_size(mv.shape[-2], 1)):
+        ms = site.mask.shape()
+        cols = m.lk if m.lo is None else example(m.lk) - example(m.lo)
+        if ms is None or not 2 <= len(ms) <= 4 or not same_size(ms[-1], cols) \
+                or not (same_size(ms[-2], tq) or same_size(ms[-2], 1)):
             raise Unsupported("the attention mask is not [batch|1, heads|1, queries, cache length]")
     return m
 
@@ -202,8 +222,12 @@ def _read_kind(m: _Match, tq: Any, t: Any) -> None:
     stop = r.stop
     if not same_size(stop, m.rv.stop) and not (stop is None and m.rv.stop is None):
         raise Unsupported("the keys and values are read up to different positions")
+    if (r.start is None) != (m.rv.start is None) or (
+            r.start is not None and not same_size(r.start, m.rv.start)
+            and _different_values(r.start, m.rv.start) is not None):
+        raise Unsupported("the keys and values are read from different positions")
     if w.cache is None:
-        if stop is not None:
+        if stop is not None or r.start is not None:
             raise Unsupported("the attention reads part of a torch.cat cache")
         m.read_kind, m.causal, m.lk = "exact", site.is_causal, _key_len(site)
         return
@@ -223,6 +247,12 @@ def _read_kind(m: _Match, tq: Any, t: Any) -> None:
         m.read_kind, m.lk = "full", stop
     else:
         m.read_kind, m.lk = "prefix", stop
+    m.lo = r.start
+    if m.lo is not None and site.mask is None and site.is_causal:
+        # sdpa's is_causal aligns its mask to the top-left corner of the window read
+        raise Unsupported(f"the attention reads a window [{getattr(m.lo, 'name', m.lo)}, ...) of "
+                          "the cache with is_causal=True and no mask (causal from the window's "
+                          "first position); the pass needs an explicit mask for a window read")
     if m.read_kind == "exact":
         m.causal = site.is_causal
         return
@@ -311,3 +341,49 @@ def _known_different(a: Any, b: Any) -> bool:
         return bool(statically_known_true(a != b))
     except Exception:  # noqa: BLE001 - unknown: not provably different
         return False
+
+
+#: ops whose result is a function of their arguments only (no randomness, no state)
+_RANDOM = ("rand", "normal", "bernoulli", "multinomial", "dropout", "uniform", "poisson", "exponential")
+
+
+def _different_values(a: Any, b: Any, depth: int = 8) -> str | None:
+    """None when ``a`` and ``b`` provably hold one value: one node, or the same pure op on
+    arguments that hold one value, with no in-place write to a tensor they read between the
+    two; else a reason suffix ("" when nothing more specific can be said)."""
+    leaves: set[fx.Node] = set()
+    if not _same_expr(a, b, depth, leaves):
+        return ""
+    order = {n: i for i, n in enumerate(a.graph.nodes)}
+    lo, hi = sorted((order[a], order[b]))
+    for leaf in leaves:
+        for w in _inplace_writes(leaf):
+            if lo < order.get(w, -1) < hi:
+                return (f" (the positions tensor is changed in place by {describe(w)} between "
+                        "the two writes)")
+    return None
+
+
+def _same_expr(a: Any, b: Any, depth: int, leaves: set) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_expr(x, y, depth, leaves) for x, y in zip(a, b))
+    if isinstance(a, slice) and isinstance(b, slice):
+        return all(_same_expr(x, y, depth, leaves) for x, y in
+                   ((a.start, b.start), (a.stop, b.stop), (a.step, b.step)))
+    if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+        if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+            return False
+        return type(a) is type(b) and a == b
+    if a is b:
+        if a.op in ("placeholder", "get_attr") or isinstance(example(a), torch.Tensor):
+            leaves.add(a)
+        return True
+    if depth == 0 or a.op != b.op or a.target != b.target or a.op not in ("call_function", "call_method"):
+        return False
+    name = str(getattr(a.target, "__name__", a.target))
+    if name.endswith("_") or name == "setitem" or any(r in name for r in _RANDOM):
+        return False
+    if sorted(a.kwargs) != sorted(b.kwargs):
+        return False
+    return _same_expr(a.args, b.args, depth - 1, leaves) and all(
+        _same_expr(a.kwargs[k], b.kwargs[k], depth - 1, leaves) for k in a.kwargs)

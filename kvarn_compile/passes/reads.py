@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from kvarn_compile.passes.cache_writes import _fmt_slice
+from kvarn_compile.passes.stacked_caches import is_layer_view
 from kvarn_compile.passes.fx_utils import (
     Unsupported, _expand_index, _full, _noop_cast, _shape, arg, example, is_op, same_size, sizes_equal,
 )
@@ -43,6 +44,7 @@ class KVRead:
     batch: Any = None           # rows of the batch axis read (None: the whole axis)
     stop: Any = None            # positions [0, stop) read (None: the whole axis)
     repeat: int = 1             # query heads per KV head the read expands to (head-major)
+    start: Any = None           # a window [start, stop) read (None: from position 0)
 
 
 @dataclasses.dataclass
@@ -50,6 +52,7 @@ class _Trace:
     batch: Any = None
     stop: Any = None
     repeat: int = 1
+    start: Any = None
     parts: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -120,14 +123,23 @@ def _getitem(n: fx.Node, labels: list, tr: _Trace):
         label = labels[x_axis]
         size = src_shape[axis]
         if not _full(e, size):
-            if e.step not in (None, 1) or e.start not in (None, 0):
-                what = "the newest positions" if isinstance(e.start, int) and e.start < 0 else "a slice"
+            newest = isinstance(e.start, int) and e.start < 0
+            # a window of the positions: k_cache[:, :, max(0, end - W):end] (per-layer
+            # windows; the lower end an int or an expression of the graph's inputs)
+            window = label == "s" and not newest and e.start not in (None, 0) \
+                and isinstance(example(e.start), (int, torch.SymInt))
+            if e.step not in (None, 1):
+                raise ChainBroken(n, f"reads the entries {_fmt_slice(e)}:{e.step} of an axis (a step "
+                                     f"of {e.step}), not a run of positions")
+            if e.start not in (None, 0) and not window:
+                what = "the newest positions" if newest else "a slice"
                 raise ChainBroken(n, f"reads {what} ({_fmt_slice(e)}) of an axis, not a prefix")
             if label == "b" and tr.batch is None:
                 tr.batch = e.stop
-            elif label == "s" and tr.stop is None:
-                tr.stop = e.stop
-                tr.parts.append(f"positions [:{e.stop if isinstance(e.stop, int) else 'n'}]")
+            elif label == "s" and tr.stop is None and tr.start is None:
+                tr.stop, tr.start = e.stop, None if e.start in (None, 0) else e.start
+                lo = "" if tr.start is None else (str(e.start) if isinstance(e.start, int) else "lo")
+                tr.parts.append(f"positions [{lo}:{e.stop if isinstance(e.stop, int) else 'n'}]")
             else:
                 raise ChainBroken(n, "reads part of the heads or head dim, or slices an axis twice")
         src_labels.append(label)
@@ -247,7 +259,8 @@ def trace_kv(node: Any, labels: list[str]) -> KVRead:
     tr = _Trace()
     nodes: list[fx.Node] = []
     cur, lab = node, list(labels)
-    while isinstance(cur, fx.Node) and cur.op in ("call_function", "call_method"):
+    while isinstance(cur, fx.Node) and cur.op in ("call_function", "call_method") \
+            and not is_layer_view(cur):         # one layer of a stacked cache: the cache
         for _, step in KV_STEPS:
             res = step(cur, lab, tr)
             if res is not None:
@@ -265,4 +278,4 @@ def trace_kv(node: Any, labels: list[str]) -> KVRead:
         raise ChainBroken(cur, f"ends in a tensor whose axes the pass cannot map ({lab})")
     spelling = " + ".join(reversed(list(dict.fromkeys(tr.parts))))     # in the model's order
     return KVRead(spelling, cur, nodes, {x: i for i, x in enumerate(lab)}, tr.batch, tr.stop,
-                  tr.repeat)
+                  tr.repeat, tr.start)

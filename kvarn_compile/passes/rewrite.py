@@ -36,6 +36,7 @@ Scope and invariants of the whole pass:
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from kvarn_compile.passes.cache_writes import CacheWrite
 from kvarn_compile.passes.fx_utils import _noop_cast, dce, example, is_op, is_size_query
 from kvarn_compile.passes.matching import _key_len, _Match, _view_path
 from kvarn_compile.passes.sites import SiteReport, find_sites, site_name
+from kvarn_compile.passes.stacked_caches import is_layer_view, split_layer_views
 from kvarn_compile.state import LayerState
 
 #: ``SiteReport`` lives in :mod:`kvarn_compile.passes.sites`; callers outside the pass import it from here
@@ -187,6 +189,11 @@ def _build_mask(graph: fx.Graph, spec: Any) -> fx.Node | None:
     if spec is None:
         return None
     node = spec.node
+    if spec.perm is not None:           # scores in another order (einsum "->bsht")
+        dim = example(node).dim()
+        if dim < 4:
+            node = graph.call_function(operator.getitem, (node, (None,) * (4 - dim) + (Ellipsis,)))
+        node = _permuted(graph, node, spec.perm)
     if spec.kind in ("tensor", "bool"):
         return node
     if spec.kind == "add":
@@ -196,6 +203,27 @@ def _build_mask(graph: fx.Graph, spec: Any) -> fx.Node | None:
     zeros = graph.call_function(torch.zeros_like, (node,), {"dtype": torch.float32})
     where = node if spec.kind == "fill" else graph.call_function(operator.invert, (node,))
     return graph.call_method("masked_fill", (zeros, where, spec.value))
+
+
+def _mask_is_bool(spec: Any) -> bool:
+    if spec.kind in ("bool", "not"):
+        return True
+    if spec.kind == "tensor":
+        return example(spec.node).dtype == torch.bool
+    return False
+
+
+def _window_mask(graph: fx.Graph, m: _Match, mask: fx.Node | None, device: torch.device) -> fx.Node:
+    """A window read ``cache[..., lo:end]``: kvarn::attention reads positions [0, end), so
+    the model's mask (over the ``end - lo`` positions read) gets ``lo`` hidden columns in
+    front; without a mask (one query, or non-causal), the positions before ``lo`` are hidden."""
+    lo = m.lo
+    if mask is None:
+        cols = graph.call_function(torch.arange, (m.lk,), {"device": device})
+        keep = graph.call_function(operator.ge, (cols, lo))
+        return graph.call_function(operator.getitem, (keep, (None, None, None)))
+    hidden = False if _mask_is_bool(m.site.mask) else -math.inf
+    return graph.call_function(torch.nn.functional.pad, (mask, (lo, 0)), {"value": hidden})
 
 
 def _permuted(graph: fx.Graph, node: fx.Node, perm: tuple[int, ...] | None) -> fx.Node:
@@ -261,7 +289,10 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     """
     graph = gm.graph
     side_effects = [n for n in graph.nodes if not n.users and n.op not in ("placeholder", "output")]
+    undo = split_layer_views(graph)     # caches stacked over layers: one 4-D view per layer
     matches, reports = find_sites(graph)
+    if undo is not None and not any(is_layer_view(m.wk.cache) for m in matches):
+        undo()                          # no site over a stacked cache: leave Dynamo's graph
     for r in reports:
         r.graph = graph_id
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -330,6 +361,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         with graph.inserting_before(m.site.out):
             q = _permuted(graph, m.site.q, m.site.q_perm)
             mask = _build_mask(graph, m.site.mask)
+            if m.lo is not None:
+                mask = _window_mask(graph, m, mask, raw.device)
             if m.site.is_causal and not _same_size(_key_len(m.site), example(q).shape[2]):
                 mask = _top_left_causal(graph, m, q, heads * dim, raw.device)
             if keyed:

@@ -172,24 +172,124 @@ def _unrecognized_attention(node: fx.Node, seen: set[fx.Node], covered: set[fx.N
                 if user.op in ("call_function", "call_method") and _op_name(user) in _WEIGHT_OPS:
                     nxt.append(user)
         frontier, steps = nxt, steps + 1
-    path, cur = [], node.args[0] if node.args else None
+    path, nodes, cur = [], [], node.args[0] if node.args else None
     for _ in range(12):
         if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
             return None
         name = _op_name(cur)
         if name in _PRODUCTS:
             chain = " -> ".join([name, *reversed(path), "softmax"])
-            return (f"not recognized: softmax over a q·kᵀ product ({chain}); the pass rewrites "
+            blocker = _blocker(node, cur, list(reversed(nodes)))
+            return (f"not recognized: softmax over a q·kᵀ product ({chain}){': ' + blocker if blocker else ''}"
+                    "; the pass rewrites "
                     "q·kᵀ (matmul or einsum) [* or / scale] [+ mask | masked_fill | where] -> "
                     "softmax [fp32 and back] -> ·v and scaled_dot_product_attention only, so this "
                     "attention keeps its full-precision cache")
         if name not in _SCORE_OPS:
             return None
         path.append(name)
+        nodes.append(cur)
         tensors = [a for a in cur.args if isinstance(a, fx.Node)]
         # follow the operand that leads to a product (the scores, not a mask or a bias)
         cur = next((a for a in tensors if _leads_to_product(a)), tensors[0] if tensors else None)
     return None
+
+
+_FOLLOWED = {"mul", "truediv", "div", "add", "iadd", "masked_fill", "where", "to", "float", "type",
+             "type_as", "half", "bfloat16", "contiguous"}
+_CASTS = {"to", "float", "type", "type_as", "half", "bfloat16"}
+_ROLE_NAMES = {"b": "batch", "h": "heads", "t": "queries", "k": "keys"}
+
+
+def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
+    """What keeps the eager form from matching a softmax over a q·kᵀ ``product`` reached
+    through ``steps`` (product side first): the first step or check that fails, named;
+    "" when none of the checks below finds it."""
+    import torch
+
+    from kvarn_compile.passes.attention_forms import _einsum, _pv_product, _qk_product, _softmax_dim_ok
+    from kvarn_compile.passes.fx_utils import arg, example, describe
+
+    other = [n for n in steps if _op_name(n) not in _FOLLOWED]
+    if other:
+        n = other[0]
+        return (f"{describe(n)} between the product and the softmax is not one of the steps "
+                "the pass follows")
+    qk = _qk_product(product)
+    if qk is None:
+        spec = _einsum(product)
+        eq = f"einsum '{spec[0]}'" if spec else _op_name(product)
+        return (f"its q·kᵀ product ({eq}) is not 4-D queries x keys over one contracted head "
+                "dim with batch and heads shared")
+    roles = qk[4]
+    if roles[3] != "k":
+        return (f"the softmax runs over the {_ROLE_NAMES[roles[3]]} axis of the scores "
+                f"({_describe_product(product)}), not over the keys")
+    if not _softmax_dim_ok(softmax):
+        return f"the softmax is not over the last (keys) axis (dim={arg(softmax, 1, 'dim')})"
+    for n in [product, *steps]:
+        if len(n.users) != 1:
+            return f"the scores ({describe(n)}) are also used elsewhere"
+    adds, fills = 0, 0
+    for n in steps:
+        name = _op_name(n)
+        if name in ("mul", "truediv", "div"):
+            a, b = n.args[:2]
+            if isinstance(a, fx.Node) and isinstance(b, fx.Node):
+                return f"the scores are scaled by a tensor ({describe(n)}), not by a constant"
+        elif name in ("add", "iadd"):
+            adds += 1
+            mv = example(n.args[1] if n.args[0] in [product, *steps] else n.args[0])
+            if not isinstance(mv, torch.Tensor) or not mv.is_floating_point():
+                return f"the term added to the scores ({describe(n)}) is not a float mask"
+        elif name in ("masked_fill", "where"):
+            fills += 1
+            value = arg(n, 2, "value")
+            if isinstance(value, fx.Node) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                return f"the {name} value ({describe(n)}) is computed at run time, not a constant"
+        elif name in _CASTS:
+            sv, src = example(n), example(n.args[0])
+            if sv is not None and src is not None and sv.dtype != src.dtype \
+                    and sv.dtype not in (torch.float32, torch.float64):
+                return f"the scores are cast down to {sv.dtype} ({describe(n)}) before the softmax"
+    if adds + fills > 1:
+        return "more than one mask or bias is applied to the scores"
+    consumer, cur = None, softmax
+    for _ in range(6):
+        users = list(cur.users)
+        if len(users) != 1:
+            return "the attention weights (softmax output) are also used elsewhere"
+        cur = users[0]
+        if _op_name(cur) in _PRODUCTS:
+            consumer = cur
+            break
+        if _op_name(cur) not in _WEIGHT_OPS:
+            break
+    if consumer is None:
+        return f"the attention weights reach {describe(cur)}, not a ·v product (matmul or einsum)"
+    pv = _pv_product(consumer)
+    if pv is None or pv[0] is not softmax and pv[0] not in _ancestors(consumer, softmax):
+        return (f"its ·v product ({_describe_product(consumer)}) is not weights x values over "
+                "the keys with batch and heads shared")
+    if pv[4] != roles:
+        return (f"its ·v product ({_describe_product(consumer)}) reads the weights in another "
+                f"axis order than the scores ({_describe_product(product)}) give them")
+    return ""
+
+
+def _ancestors(node: fx.Node, stop: fx.Node) -> list[fx.Node]:
+    out, cur = [], node.args[0] if node.args else None
+    while isinstance(cur, fx.Node) and cur is not stop and len(out) < 8:
+        out.append(cur)
+        cur = cur.args[0] if cur.args else None
+    return out
+
+
+def _describe_product(n: fx.Node) -> str:
+    from kvarn_compile.passes.attention_forms import _einsum
+
+    spec = _einsum(n)
+    return f"einsum '{spec[0]}'" if spec else _op_name(n)
 
 
 def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:

@@ -41,11 +41,13 @@ def _dynamo(fresh_dynamo):
         yield
 
 
-@pytest.mark.parametrize("window,graph_break,copies", [(None, False, True), (96, False, False),
-                                                        (None, True, True)],
-                         ids=["prefix", "window-later", "graph-break"])
-def test_attention_helper_flows(window, graph_break, copies):
-    subject = HelperSubject(_backend(), window=window, graph_break=graph_break, copies=copies)
+@pytest.mark.parametrize("window,graph_break,copies,newest",
+                         [(None, False, True, False), (96, False, False, False),
+                          (96, False, False, True), (None, True, True, False)],
+                         ids=["prefix", "window-later", "newest-window", "graph-break"])
+def test_attention_helper_flows(window, graph_break, copies, newest):
+    subject = HelperSubject(_backend(), window=window, graph_break=graph_break, copies=copies,
+                            newest=newest)
     findings = run_flows(subject, _flows(40), seed=SEED)
     assert not findings, "\n".join(map(str, findings))
 
@@ -58,8 +60,10 @@ def test_transformers_flows():
 
 def test_the_fuzzer_finds_a_full_precision_graph_reading_a_packed_cache(monkeypatch):
     """Without the guard (before the cache book), a graph the pass leaves unchanged — the
-    window read once the sequence outgrows the window — reads the model's buffers, which the
-    packed state replaced: the fuzzer must say so."""
+    window read as the newest positions (``[..., -window:]``, which the pass refuses) once the
+    sequence outgrows the window — reads the model's buffers, which the packed state
+    replaced: the fuzzer must say so."""
     monkeypatch.setattr(CacheBook, "guard", lambda self, args, *rest: args)
-    findings = run_flows(HelperSubject(_backend(), window=96, copies=False), 40, seed=SEED)
+    findings = run_flows(HelperSubject(_backend(), window=96, copies=False, newest=True), 40,
+                         seed=SEED)
     assert findings and all("silently wrong" in f.what for f in findings), findings

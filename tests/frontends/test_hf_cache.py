@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 
 from kvarn_compile import hf
 from kvarn_compile.hf import KVarNCache, KVarNLayer, use_kvarn_attention
+from kvarn_compile.ops.append import materialize
 from kvarn_compile.state import BUF
 from kvarn_compile.testing import oracle_attention
 
@@ -327,7 +328,7 @@ def test_left_padded_batch_rows_match_single_prompts(path):
 
 
 # ------------------------------------------------------------------------------ crop
-def test_crop_in_the_tail_rolls_back_and_crop_into_tiles_raises():
+def test_crop_rolls_back_the_tail_and_revises_tiles():
     model = fused_copy(build())
     cache = new_cache(model, max_len=128, spec_tokens=8)
     ref_cache = new_cache(model, max_len=128, spec_tokens=8)
@@ -358,12 +359,28 @@ def test_crop_in_the_tail_rolls_back_and_crop_into_tiles_raises():
     assert cache.layers[0].state.n_tiles.tolist() == [1]
     cache.crop(-6)                                         # 64: still in the tail
     assert cache.get_seq_length() == 64
-    before = [t.clone() for t in cache.layers[0].state.buffers]
-    with pytest.raises(ValueError, match="already quantized into tiles"):
-        cache.crop(-1)
-    assert all(torch.equal(a, b) for a, b in zip(cache.layers[0].state.buffers, before))
-    cache.crop(64)                                         # legacy "keep n" form
+    assert cache.is_croppable
+    with pytest.raises(ValueError, match="expected a negative number of tokens"):
+        cache.crop(64)                                     # transformers' layers refuse it too
     assert cache.get_seq_length() == 64
+    # into the packed tile: it goes back to the tail, dequantized, and continues like a cache
+    # that was filled with those dequantized tokens
+    k_hat, _ = materialize(cache.layers[0].state.buffers, dtype=torch.float32)
+    cache.crop(-10)
+    assert cache.get_seq_length() == 54
+    assert cache.layers[0].state.n_tiles.tolist() == [0]
+    k_cut, _ = materialize(cache.layers[0].state.buffers, dtype=torch.float32)
+    torch.testing.assert_close(k_cut[:, :, :54], k_hat[:, :, :54], rtol=2e-3, atol=2e-3)
+    more = prompt(12, seed=6)
+    full = torch.cat([prompt(70)[:, :54], more], 1)
+    with torch.no_grad():
+        got = model(more, cache=cache).logits
+        want = build()(full).logits[:, 54:]
+        once = model(full, cache=new_cache(model, max_len=128)).logits[:, 54:]  # never cropped
+    assert cache.layers[0].state.n_tiles.tolist() == [1]   # the tile froze again at 64
+    err = float((got - want).abs().max() / want.abs().max())
+    err_once = float((once - want).abs().max() / want.abs().max())
+    assert err < 1.5 * err_once + 0.01, (err, err_once)
 
 
 def test_prompt_lookup_assisted_decoding_with_spec_tokens(monkeypatch):
@@ -386,6 +403,36 @@ def test_prompt_lookup_assisted_decoding_with_spec_tokens(monkeypatch):
     # held draft tokens stay exact until accepted, so tiles freeze at other moments than in
     # plain decoding; before the first tile (position 64) both runs see the same cache
     assert torch.equal(assisted[:, :64], greedy[:, :64])
+
+
+def test_assisted_decoding_with_default_settings_revises_tiles():
+    """An assistant that disagrees with the model: rejected drafts are cropped out of frozen
+    tiles too (no spec_tokens needed), and every step stays as close to the uncompressed
+    model as plain decoding over the same cache kind."""
+    fp = build()
+    model = fused_copy(fp)
+    assistant = build(initializer_range=0.1)              # other weights: drafts get rejected
+    ids = prompt(60)
+    cache = new_cache(model)
+    crops = []
+    original = KVarNLayer.crop
+
+    def spy(self, n):
+        crops.append(n)
+        original(self, n)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVarNLayer, "crop", spy)
+        got = generate(model, ids, cache, 12, assistant_model=assistant)
+    assert cache.is_croppable and any(n < 0 for n in crops)
+    assert cache.get_seq_length() == got.sequences.shape[1] - 1
+    plain = generate(model, ids, new_cache(model), 12)
+    with torch.no_grad():
+        want = fp(got.sequences).logits[:, 59:-1]
+        want_plain = fp(plain.sequences).logits[:, 59:-1]
+    err = float((torch.stack(got.logits, 1) - want).abs().max() / want.abs().max())
+    err_plain = float((torch.stack(plain.logits, 1) - want_plain).abs().max() / want_plain.abs().max())
+    assert err < 2 * err_plain + 0.01, (err, err_plain)
 
 
 # ------------------------------------------------------------------------------ limits

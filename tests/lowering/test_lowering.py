@@ -51,6 +51,8 @@ CASES = {
     "not_causal": dict(causal=False, tq=4, new=4),
     "key_frames": dict(frames=True),
     "key_frames_prefill_mask": dict(frames=True, tq=40, new=40, mask="bool"),
+    # a cache allocated for fewer than sink + one tile positions: no tile slot at all
+    "no_tile_slots": dict(max_len=48, prompt=20, new=20, tq=20, mask="bool"),
 }
 
 
@@ -122,6 +124,21 @@ def test_each_lowering_path_is_selected_and_matches_the_reference(path):
     else:                   # rotation/sink/tail/merges generated, the tile region an op call
         assert calls_tile_op and not calls_reference and generated_cpp >= 2
         assert [d.winner for d in decisions if d.op == "kvarn_tile_partials"] == ["torch"]
+
+
+@pytest.mark.parametrize("path", ["dense", "split"])
+def test_a_state_without_tile_slots_lowers(path):
+    """A model-owned cache of fewer than sink + one tile positions (48 < 32 + 32) packs into a
+    state with zero tile slots; attended by 20 queries it must lower (no reduction over the
+    zero tile columns) and match the reference."""
+    st = packed_cache(device="cpu", max_len=48, prompt=20, new=20)
+    assert st.buffers[2].shape[2] == 0          # k_codes: no tile slot
+    q = torch.randn(2, 4, 20, 16)
+    mask = torch.ones(2, 1, 20, st.max_len, dtype=torch.bool).tril()
+    with lowering.use_path(path):
+        out, _ = _compile_and_run(_attend_masked, q, mask, *st.buffers)
+    expected = attention_ref.attention(q, st.buffers, mask, 0.3, True, 40) + 1.0
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
 def _attend_twice(q, *buffers):

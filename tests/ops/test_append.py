@@ -101,7 +101,7 @@ def test_rollback_never_freezes_rejected_tokens():
     assert_attention_matches(torch.randn(2, 6, 8, D), seq.buffers)
 
 
-def test_commit_freezes_and_crop_below_frozen_raises():
+def test_commit_freezes_and_crop_into_tiles_revises_them():
     cfg = PRESETS["k4v2"]
     seq = PackedSequence(cfg, spec_tokens=40)
     seq.write(60)
@@ -118,18 +118,45 @@ def test_commit_freezes_and_crop_below_frozen_raises():
     for row in range(2):
         assert_tiles_equal_reference(seq.buffers, row, seq.k[row], seq.v[row], cfg)
     before = snapshot(seq.buffers)
-    with pytest.raises(ValueError, match=r"batch row 0 would go back to 63 tokens, but tokens < 64"):
-        append_ref.crop_(seq.buffers, torch.tensor([63, 61]))
     with pytest.raises(ValueError, match="batch row 1 would go back to -1"):
         append_ref.crop_(seq.buffers, torch.tensor([70, -1]))
     assert_unchanged(seq.buffers, before)
-    append_ref.crop_(seq.buffers, torch.tensor([64, 10]))       # down to the frozen edge is fine
-    assert seq.state.lengths.tolist() == [64, 10]
-    # committed tokens cannot be rewritten; a fresh write continues at the end
-    before = snapshot(seq.buffers)
-    with pytest.raises(ValueError, match="tokens < 64 are committed"):
-        seq.write(1, start=[63, 10])
-    assert_unchanged(seq.buffers, before)
+    # into the packed tile: its surviving tokens return to the tail as the values attention read
+    k_hat, v_hat = append_ref.materialize(seq.buffers, dtype=torch.float32)
+    append_ref.crop_(seq.buffers, torch.tensor([50, 10]))
+    assert seq.state.lengths.tolist() == [50, 10]
+    assert seq.state.committed.tolist() == [50, 10]
+    assert seq.state.n_tiles.tolist() == [0, 0]
+    k_cut, v_cut = append_ref.materialize(seq.buffers, dtype=torch.float32)
+    for got, want in ((k_cut, k_hat), (v_cut, v_hat)):
+        torch.testing.assert_close(got[0, :, :50], want[0, :, :50].half().float(), rtol=0, atol=0)
+        assert (got[0, :, 50:] == 0).all() and (got[1, :, 10:] == 0).all()
+    # writing on: the revised tile fills with new tokens and freezes again; attention reads
+    # exactly the dequantized prefix and the new tokens
+    seq.k = [seq.k[0][:, :50], seq.k[1][:, :10]]
+    seq.v = [seq.v[0][:, :50], seq.v[1][:, :10]]
+    new_k, _ = seq.write(30, start=[50, 10])
+    assert seq.state.n_tiles.tolist() == [1, 0]
+    assert_attention_matches(torch.randn(2, 6, 3, D), seq.buffers)
+
+
+def test_a_write_before_the_end_rolls_back_committed_tiles_first():
+    """A static cache cropped and written again: the write at p discards tokens >= p, tiles
+    included; what is kept reads as before."""
+    cfg = PRESETS["k4v2"]
+    seq = PackedSequence(cfg)
+    seq.write(130)                                     # sink 32 + 3 tiles + 2
+    assert seq.state.n_tiles.tolist() == [3, 3]
+    k_hat, _ = append_ref.materialize(seq.buffers, dtype=torch.float32)
+    new_k, _ = seq.write(4, start=[70, 130])           # row 0 goes back into tile [64, 96)
+    assert seq.state.lengths.tolist() == [74, 134]
+    assert seq.state.n_tiles.tolist() == [1, 3]
+    k_now, _ = append_ref.materialize(seq.buffers, dtype=torch.float32)
+    assert torch.equal(k_now[0, :, :64], k_hat[0, :, :64])            # sink and tile 0 kept
+    assert torch.equal(k_now[0, :, 64:70], k_hat[0, :, 64:70].half().float())   # in the tail
+    assert torch.equal(k_now[0, :, 70:74], new_k[0].half().float())
+    assert (k_now[0, :, 74:] == 0).all()
+    assert torch.equal(k_now[1, :, :130], k_hat[1, :, :130])
 
 
 def test_commit_rejects_bad_shapes():
@@ -190,8 +217,6 @@ def _bad_calls(st):
          f"would hold {CAP + 1} tokens, but the cache was allocated for {CAP}"),
         ("gap", app(start=torch.tensor([80, 81])), "row 1 writes at position 81, but it holds 80"),
         ("negative position", app(start=torch.tensor([-1, 80])), "position -1"),
-        ("committed twice", app(start=torch.tensor([80, 74])), "tokens < 75 are committed"),
-        ("committed twice via op", app(start=torch.tensor([74, 80]), op=True), "tokens < 75 are committed"),
         ("tail overflow", app(k=torch.randn(2, H, 60, D), v=torch.randn(2, H, 60, D), hold=60),
          "would keep 76 tokens in the 64-slot high-precision tail"),
     ]

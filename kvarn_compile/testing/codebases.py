@@ -1,0 +1,545 @@
+"""Tiny models written in the spelling of public PyTorch codebases that keep their own KV cache.
+
+Each class is written here from scratch (no code of those projects): a tiny config, random
+weights, and the attention and cache update spelled the way the named codebase spells them;
+each has its own greedy generation loop (prefill, then one token per step), as that codebase
+drives its model. Spellings (item letters of the "real model code" issue):
+
+    name         codebase                            spelling
+    torchtune    pytorch/torchtune KVCache           (a) positions in a ``cache_pos`` buffer the
+                                                     module advances itself:
+                                                     ``k_cache[:, :, self.cache_pos[:T]] = k`` (or
+                                                     ``index_copy_(2, self.cache_pos[:T], k)``), then
+                                                     ``self.cache_pos.add_(T)``; GQA by
+                                                     unsqueeze/expand/flatten; sdpa, bool mask
+    stacked      mistral-inference BufferCache,      (b) one cache ``[L, B, S, H, D]`` for all layers:
+                 karpathy/nanochat KVCache           ``cache_k[layer, :bsz, a:b] = xk``, read
+                                                     ``cache_k[layer, :bsz, :b]``; repeat_kv, matmul chain
+    gemma        google/gemma_pytorch                caches passed in as a list, ``index_copy_(1,
+                                                     kv_write_indices, xk)`` on ``[B, S, H, D]``, the
+                                                     whole cache read, repeat_interleave(dim=2),
+                                                     ``q.mul_(scaling)``, + mask (a local sliding mask on
+                                                     every other layer), softmax(fp32)
+    deepseek     deepseek-ai/DeepSeek-V3 (naive)     (d) ``einsum("bshd,bthd->bsht")`` scores,
+                                                     ``scores += mask.unsqueeze(1)``,
+                                                     ``softmax(-1, dtype=float32)``,
+                                                     ``einsum("bsht,bthd->bshd")``
+    window       per-layer windows (gpt-oss,         (c) ``k_cache[:, :, max(0, end - W):end]`` with W per
+                 Gemma 3 style local layers)         layer (None: a full layer)
+
+``reference(config)`` makes every model here read its K/V as a whole-sequence cache of that
+preset holds them (``kvarn_compile.quant.cache.quantize_cache``): the quantization error the
+preset itself makes, the yardstick of the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["CodebaseConfig", "CODEBASES", "build", "reference", "run_generate"]
+
+_REFERENCE = None   # a KVarNConfig while ``reference`` is active
+
+
+@contextlib.contextmanager
+def reference(config):
+    """Inside: every model of this module reads K/V quantized by ``config`` (eager only)."""
+    global _REFERENCE
+    old, _REFERENCE = _REFERENCE, config
+    try:
+        yield
+    finally:
+        _REFERENCE = old
+
+
+def _ref_kv(k: torch.Tensor, v: torch.Tensor, end, seq_axis: int):
+    """K/V with positions [0, end) along ``seq_axis`` as a whole-sequence cache of the
+    reference preset holds them (the identity outside ``reference``)."""
+    if _REFERENCE is None:
+        return k, v
+    from kvarn_compile.quant.cache import quantize_cache
+
+    def tokens_last(x):          # [..., S, D]
+        return x.movedim(seq_axis, -2) if x.dim() == 4 else x
+
+    kq, vq = quantize_cache(tokens_last(k).narrow(-2, 0, end), tokens_last(v).narrow(-2, 0, end),
+                            _REFERENCE).dequantize()
+    out = []
+    for x, xq in ((k, kq), (v, vq)):
+        y = tokens_last(x).clone()
+        y[..., :end, :] = xq.to(x.dtype)
+        out.append(y.movedim(-2, seq_axis))
+    return out[0], out[1]
+
+
+@dataclasses.dataclass
+class CodebaseConfig:
+    vocab: int = 128
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    max_batch: int = 1
+    max_len: int = 96
+    windows: tuple = (None, 48)      # "window": per layer (None: full attention)
+    write: str = "setitem"           # "torchtune": "setitem" | "index_copy" | "late_v" (twin:
+    #                                  V written one position later, after cache_pos moved on)
+    twin: bool = False               # the must-not-match spelling of a codebase
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# ------------------------------------------------------------------------------ shared parts
+def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [B, T, H, D] at positions pos [T]."""
+    d = x.shape[-1]
+    freqs = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos.float()[:, None] * freqs[None]
+    cos, sin = ang.cos().repeat(1, 2)[None, :, None], ang.sin().repeat(1, 2)[None, :, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: CodebaseConfig, attn: nn.Module):
+        super().__init__()
+        self.attn = attn
+        self.n1, self.n2 = _Norm(cfg.dim), _Norm(cfg.dim)
+        self.up = nn.Linear(cfg.dim, 2 * cfg.dim, bias=False)
+        self.down = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x, *args):
+        x = x + self.attn(self.n1(x), *args)
+        return x + self.down(F.silu(self.up(self.n2(x))))
+
+
+class _LM(nn.Module):
+    """Embedding, blocks, head; ``forward(tokens, *per-codebase arguments)``."""
+
+    def __init__(self, cfg: CodebaseConfig, attn_cls):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(_Block(cfg, attn_cls(cfg, i)) for i in range(cfg.n_layers))
+        self.norm = _Norm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def _run(self, tokens, *args):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, *args)
+        return self.head(self.norm(h))
+
+
+# ------------------------------------------------------------------------------ (a) torchtune
+class _TuneKVCache(nn.Module):
+    """torchtune-style KVCache: [B, H, S, D] buffers and a ``cache_pos`` buffer of positions
+    that ``update`` advances itself."""
+
+    def __init__(self, cfg: CodebaseConfig):
+        super().__init__()
+        shape = (cfg.max_batch, cfg.n_kv_heads, cfg.max_len, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("cache_pos", torch.arange(cfg.max_len), persistent=False)
+        self.write = cfg.write
+
+    def reset(self):
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+        self.cache_pos -= self.cache_pos[0].item()
+
+    def update(self, k_val, v_val):
+        seq_len = k_val.shape[2]
+        k_out, v_out = self.k_cache, self.v_cache
+        if self.write == "index_copy":
+            k_out.index_copy_(2, self.cache_pos[:seq_len], k_val)
+            v_out.index_copy_(2, self.cache_pos[:seq_len], v_val)
+        elif self.write == "late_v":          # twin: V written after the positions moved on
+            k_out[:, :, self.cache_pos[:seq_len]] = k_val
+            self.cache_pos.add_(seq_len)
+            v_out[:, :, self.cache_pos[:seq_len] - (seq_len - 1)] = v_val     # one position later
+            return k_out, v_out
+        else:
+            k_out[:, :, self.cache_pos[:seq_len]] = k_val
+            v_out[:, :, self.cache_pos[:seq_len]] = v_val
+        self.cache_pos.add_(seq_len)
+        return k_out, v_out
+
+
+class _TuneAttention(nn.Module):
+    def __init__(self, cfg: CodebaseConfig, idx: int):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.output_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.kv_cache = _TuneKVCache(cfg)
+
+    def forward(self, x, mask, input_pos):
+        b, s, _ = x.shape
+        c = self.cfg
+        q = _rope(self.q_proj(x).view(b, s, c.n_heads, c.head_dim), input_pos).transpose(1, 2)
+        k = _rope(self.k_proj(x).view(b, s, c.n_kv_heads, c.head_dim), input_pos).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        k, v = self.kv_cache.update(k, v)
+        k, v = _ref_kv(k, v, int(input_pos[-1]) + 1 if _REFERENCE is not None else 0, 2)
+        q_per_kv = c.n_heads // c.n_kv_heads
+        expand = (b, c.n_kv_heads, q_per_kv, -1, c.head_dim)
+        k = k.unsqueeze(2).expand(expand).flatten(1, 2)
+        v = v.unsqueeze(2).expand(expand).flatten(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :, :])
+        return self.output_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class TorchtuneModel(_LM):
+    def __init__(self, cfg: CodebaseConfig):
+        super().__init__(cfg, _TuneAttention)
+        self.register_buffer("causal_mask", torch.ones(cfg.max_len, cfg.max_len, dtype=torch.bool).tril(),
+                             persistent=False)
+
+    def forward(self, tokens, mask, input_pos):
+        return self._run(tokens, mask, input_pos)
+
+    def reset(self):
+        for layer in self.layers:
+            layer.attn.kv_cache.reset()
+
+    def generate(self, prompt, new, step=None, forced=None):
+        # torchtune's generation: masks = causal_mask[None, :T]; decode masks[:, pos, None, :]
+        step = self if step is None else step
+        t = prompt.shape[1]
+        pos = torch.arange(t)
+        logits = [step(prompt, self.causal_mask[None, :t], pos)[:, -1]]
+        tokens = [_next(logits, forced, 0)]
+        for i in range(new - 1):
+            pos = torch.tensor([t + i])
+            logits.append(step(tokens[-1], self.causal_mask[None, t + i, None, :], pos)[:, -1])
+            tokens.append(_next(logits, forced, i + 1))
+        return torch.cat(tokens, 1), logits
+
+
+def _next(logits, forced, i):
+    return logits[-1].argmax(-1, keepdim=True) if forced is None else forced[:, i:i + 1]
+
+
+# ------------------------------------------------------------------------------ (b) stacked
+class _StackedAttention(nn.Module):
+    """llama-reference attention over a cache stacked over layers ([L, B, S, H, D], one tensor
+    for the whole model, mistral-inference / nanochat style), indexed by ``layer_idx``."""
+
+    def __init__(self, cfg: CodebaseConfig, idx: int):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, idx
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x, cache_k, cache_v, start_pos: int, pos, mask):
+        bsz, seqlen, _ = x.shape
+        c = self.cfg
+        xq = _rope(self.wq(x).view(bsz, seqlen, c.n_heads, c.head_dim), pos)
+        xk = _rope(self.wk(x).view(bsz, seqlen, c.n_kv_heads, c.head_dim), pos)
+        xv = self.wv(x).view(bsz, seqlen, c.n_kv_heads, c.head_dim)
+        end = start_pos + seqlen
+        if c.twin:
+            # mistral-inference's own update: index_copy_ into the layer's cache flattened
+            # over batch and positions (flat positions b * S + p)
+            flat = pos + torch.arange(bsz).repeat_interleave(seqlen) * c.max_len
+            cache_k[self.layer_idx].view(-1, c.n_kv_heads, c.head_dim).index_copy_(0, flat, xk.flatten(0, 1))
+            cache_v[self.layer_idx].view(-1, c.n_kv_heads, c.head_dim).index_copy_(0, flat, xv.flatten(0, 1))
+        else:
+            cache_k[self.layer_idx, :bsz, start_pos:end] = xk
+            cache_v[self.layer_idx, :bsz, start_pos:end] = xv
+        keys = cache_k[self.layer_idx, :bsz, :end]
+        values = cache_v[self.layer_idx, :bsz, :end]
+        keys, values = _ref_kv(keys, values, end, 1)
+        rep = c.n_heads // c.n_kv_heads
+        keys = keys[:, :, :, None, :].expand(bsz, end, c.n_kv_heads, rep, c.head_dim).reshape(
+            bsz, end, c.n_heads, c.head_dim)
+        values = values[:, :, :, None, :].expand(bsz, end, c.n_kv_heads, rep, c.head_dim).reshape(
+            bsz, end, c.n_heads, c.head_dim)
+        xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(c.head_dim)
+        if mask is not None:
+            scores = scores + mask
+        scores = F.softmax(scores.float(), dim=-1).type_as(xq)
+        out = torch.matmul(scores, values)
+        return self.wo(out.transpose(1, 2).contiguous().view(bsz, seqlen, -1))
+
+
+class StackedModel(_LM):
+    def __init__(self, cfg: CodebaseConfig):
+        super().__init__(cfg, _StackedAttention)
+        shape = (cfg.n_layers, cfg.max_batch, cfg.max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.register_buffer("cache_k", torch.zeros(shape), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(shape), persistent=False)
+
+    def forward(self, tokens, start_pos: int):
+        seqlen = tokens.shape[1]
+        pos = torch.arange(start_pos, start_pos + seqlen)
+        mask = None
+        if seqlen > 1:
+            mask = torch.full((seqlen, seqlen), float("-inf")).triu(1)
+            mask = torch.hstack([torch.zeros(seqlen, start_pos), mask])
+        return self._run(tokens, self.cache_k, self.cache_v, start_pos, pos, mask)
+
+    def reset(self):
+        self.cache_k.zero_()
+        self.cache_v.zero_()
+
+    def generate(self, prompt, new, step=None, forced=None):
+        step = self if step is None else step
+        t = prompt.shape[1]
+        logits = [step(prompt, 0)[:, -1]]
+        tokens = [_next(logits, forced, 0)]
+        for i in range(new - 1):
+            logits.append(step(tokens[-1], t + i)[:, -1])
+            tokens.append(_next(logits, forced, i + 1))
+        return torch.cat(tokens, 1), logits
+
+
+# ------------------------------------------------------------------------------ gemma
+class _GemmaAttention(nn.Module):
+    def __init__(self, cfg: CodebaseConfig, idx: int):
+        super().__init__()
+        self.cfg, self.local = cfg, idx % 2 == 1          # every other layer: local sliding
+        hd = cfg.head_dim
+        self.q_size, self.kv_size = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        self.qkv_proj = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.dim, bias=False)
+        self.scaling = hd ** -0.5
+        self.idx = idx
+
+    def forward(self, x, pos, kv_write_indices, kv_caches, mask, local_mask):
+        b, t, _ = x.shape
+        c = self.cfg
+        xq, xk, xv = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        xq = _rope(xq.view(b, -1, c.n_heads, c.head_dim), pos)
+        xk = _rope(xk.view(b, -1, c.n_kv_heads, c.head_dim), pos)
+        xv = xv.view(b, -1, c.n_kv_heads, c.head_dim)
+        k_cache, v_cache = kv_caches[self.idx]
+        k_cache.index_copy_(1, kv_write_indices, xk)
+        v_cache.index_copy_(1, kv_write_indices, xv)
+        key, value = _ref_kv(k_cache, v_cache, int(kv_write_indices[-1]) + 1 if _REFERENCE is not None else 0, 1)
+        rep = c.n_heads // c.n_kv_heads
+        key = torch.repeat_interleave(key, rep, dim=2)
+        value = torch.repeat_interleave(value, rep, dim=2)
+        q = xq.transpose(1, 2)
+        k, v = key.transpose(1, 2), value.transpose(1, 2)
+        q.mul_(self.scaling)
+        scores = torch.matmul(q, k.transpose(2, 3))
+        if c.twin:                                          # Gemma 2 attention soft-capping
+            scores = torch.tanh(scores / 50.0) * 50.0
+        scores = scores + (local_mask if self.local else mask)
+        scores = F.softmax(scores.float(), dim=-1).type_as(q)
+        out = torch.matmul(scores, v)
+        return self.o_proj(out.transpose(1, 2).contiguous().view(b, t, -1))
+
+
+class GemmaModel(_LM):
+    def __init__(self, cfg: CodebaseConfig):
+        super().__init__(cfg, _GemmaAttention)
+        full = torch.full((cfg.max_len, cfg.max_len), -2.3819763e38).triu(1)
+        self.register_buffer("mask_tensor", full, persistent=False)
+        window = 48
+        far = torch.ones(cfg.max_len, cfg.max_len, dtype=torch.bool).tril(-window)
+        self.register_buffer("local_tensor", full.masked_fill(far, -2.3819763e38), persistent=False)
+        self.new_caches()
+
+    def new_caches(self):
+        c = self.cfg
+        shape = (c.max_batch, c.max_len, c.n_kv_heads, c.head_dim)
+        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.n_layers)]
+
+    reset = new_caches
+
+    def forward(self, tokens, pos, kv_write_indices, kv_caches, mask, local_mask):
+        return self._run(tokens, pos, kv_write_indices, kv_caches, mask, local_mask)
+
+    def generate(self, prompt, new, step=None, forced=None):
+        # gemma_pytorch's generate: the mask rows of the input positions over the whole cache
+        step = self if step is None else step
+        t = prompt.shape[1]
+        pos = torch.arange(t)
+
+        def masks(p):
+            return self.mask_tensor[None, None, p], self.local_tensor[None, None, p]
+
+        logits = [step(prompt, pos, pos, self.kv_caches, *masks(pos))[:, -1]]
+        tokens = [_next(logits, forced, 0)]
+        for i in range(new - 1):
+            p = torch.tensor([t + i])
+            logits.append(step(tokens[-1], p, p, self.kv_caches, *masks(p))[:, -1])
+            tokens.append(_next(logits, forced, i + 1))
+        return torch.cat(tokens, 1), logits
+
+
+# ------------------------------------------------------------------------------ (d) deepseek
+class _DeepSeekAttention(nn.Module):
+    """DeepSeek-V3 inference's naive attention (MHA over [B, S, H, D] buffers, einsum in
+    [B, S, H, T] layout)."""
+
+    def __init__(self, cfg: CodebaseConfig, idx: int):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.softmax_scale = hd ** -0.5
+        shape = (cfg.max_batch, cfg.max_len, cfg.n_heads, hd)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x, start_pos: int, pos, mask):
+        bsz, seqlen, _ = x.shape
+        c = self.cfg
+        end_pos = start_pos + seqlen
+        q = _rope(self.wq(x).view(bsz, seqlen, c.n_heads, c.head_dim), pos)
+        k, v = self.wkv(x).view(bsz, seqlen, c.n_heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
+        k = _rope(k, pos)
+        self.k_cache[:bsz, start_pos:end_pos] = k
+        self.v_cache[:bsz, start_pos:end_pos] = v
+        keys, values = _ref_kv(self.k_cache[:bsz, :end_pos], self.v_cache[:bsz, :end_pos], end_pos, 1)
+        if c.twin:      # weights over the heads axis: not an attention over the cache
+            scores = torch.einsum("bshd,bthd->bsth", q, keys) * self.softmax_scale
+            scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
+            out = torch.einsum("bsth,bthd->bshd", scores, values)
+            return self.wo(out.flatten(2))
+        scores = torch.einsum("bshd,bthd->bsht", q, keys) * self.softmax_scale
+        if mask is not None:
+            scores += mask.unsqueeze(1)
+        scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
+        out = torch.einsum("bsht,bthd->bshd", scores, values)
+        return self.wo(out.flatten(2))
+
+
+class DeepSeekModel(_LM):
+    def __init__(self, cfg: CodebaseConfig):
+        cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_heads)
+        super().__init__(cfg, _DeepSeekAttention)
+
+    def forward(self, tokens, start_pos: int = 0):
+        seqlen = tokens.shape[1]
+        pos = torch.arange(start_pos, start_pos + seqlen)
+        mask = None
+        if seqlen > 1:
+            mask = torch.full((seqlen, seqlen), float("-inf")).triu_(1)
+            mask = torch.hstack([torch.zeros(seqlen, start_pos), mask])
+        return self._run(tokens, start_pos, pos, mask)
+
+    def reset(self):
+        for layer in self.layers:
+            layer.attn.k_cache.zero_()
+            layer.attn.v_cache.zero_()
+
+    generate = StackedModel.generate
+
+
+# ------------------------------------------------------------------------------ (c) windows
+class _WindowAttention(nn.Module):
+    """Per-layer windows over a [B, H, S, D] cache: a layer with window W reads only the
+    newest W positions, ``k_cache[:, :, max(0, end - W):end]`` (the whole prefix while the
+    sequence is shorter); a full layer reads ``[:end]``."""
+
+    def __init__(self, cfg: CodebaseConfig, idx: int):
+        super().__init__()
+        self.cfg, self.window = cfg, cfg.windows[idx % len(cfg.windows)]
+        hd = cfg.head_dim
+        self.q = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.k = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.v = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.o = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        shape = (cfg.max_batch, cfg.n_kv_heads, cfg.max_len, hd)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x, start: int, pos):
+        b, t, _ = x.shape
+        c = self.cfg
+        q = _rope(self.q(x).view(b, t, c.n_heads, c.head_dim), pos).transpose(1, 2)
+        k = _rope(self.k(x).view(b, t, c.n_kv_heads, c.head_dim), pos).transpose(1, 2)
+        v = self.v(x).view(b, t, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        end = start + t
+        self.k_cache[:, :, start:end] = k
+        self.v_cache[:, :, start:end] = v
+        lo = 0 if self.window is None else max(0, end - self.window)
+        kc, vc = _ref_kv(self.k_cache, self.v_cache, end, 2)
+        keys, values = kc[:, :, lo:end], vc[:, :, lo:end]
+        if c.twin and self.window is not None:
+            # twin: the newest W of the written positions, as a negative slice
+            keys, values = kc[:, :, :end][:, :, -self.window:], vc[:, :, :end][:, :, -self.window:]
+        mask = None
+        if t > 1:
+            # query start + i sees keys lo .. start + i, and (window) none older than W
+            kpos = torch.arange(lo, end)[None, :]
+            qpos = torch.arange(start, end)[:, None]
+            mask = kpos <= qpos
+            if self.window is not None:
+                mask = mask & (kpos > qpos - self.window)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class WindowModel(_LM):
+    def __init__(self, cfg: CodebaseConfig):
+        super().__init__(cfg, _WindowAttention)
+
+    def forward(self, tokens, start: int = 0):
+        t = tokens.shape[1]
+        return self._run(tokens, start, torch.arange(start, start + t))
+
+    def reset(self):
+        for layer in self.layers:
+            layer.attn.k_cache.zero_()
+            layer.attn.v_cache.zero_()
+
+    generate = StackedModel.generate
+
+
+# ------------------------------------------------------------------------------ registry
+CODEBASES = {
+    "torchtune": TorchtuneModel,
+    "stacked": StackedModel,
+    "gemma": GemmaModel,
+    "deepseek": DeepSeekModel,
+    "window": WindowModel,
+}
+
+
+def build(name: str, seed: int = 0, **cfg) -> nn.Module:
+    """The tiny model of codebase ``name`` (random weights from ``seed``), in eval mode."""
+    torch.manual_seed(seed)
+    model = CODEBASES[name](CodebaseConfig(**cfg)).eval()
+    for p in model.parameters():          # sharper logits than the default init
+        if p.dim() == 2:
+            p.data.mul_(2.0)
+    return model
+
+
+def run_generate(model: nn.Module, prompt: torch.Tensor, new: int, step=None, forced=None):
+    """The model's own greedy loop under no_grad: (tokens [B, new], per-step logits)."""
+    with torch.no_grad():
+        return model.generate(prompt, new, step=step, forced=forced)

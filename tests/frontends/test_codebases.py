@@ -1,0 +1,178 @@
+"""Public model code that keeps its own KV cache, each with its own generation loop, under
+``kvarn_backend``: rewritten with logits within the preset's quantization error of the
+uncompressed model, or left unchanged with the true reason (the must-not-match twins).
+
+The models are ``kvarn_compile.testing.codebases``: tiny random-weight models written in the
+spelling of each codebase (none of their code). Each runs its own greedy loop (a 66-token
+prefill that freezes a packed tile, then decode steps) compiled with ``kvarn_backend(preset,
+group_size=32, compiler="eager")``; the uncompressed model and the same model reading its K/V
+through a whole-sequence cache of the preset (``codebases.reference``: the preset's own
+error) are fed the same tokens. A step passes when its logits are within ``MARGIN`` times that
+error (+ ``RTOL`` of the largest logit) of the uncompressed ones.
+
+    codebase (spelling)                         k4v4 / k4v2        twin (left unchanged because)
+    torchtune (cache_pos buffer, setitem)       rewritten          V written one position later:
+    torchtune (cache_pos buffer, index_copy_)   rewritten            "positions the pass cannot
+                                                                     prove equal"
+    stacked [L, B, S, H, D] (mistral-inference, rewritten          mistral-inference's own flat
+      nanochat; llama-style slices)                                  view(-1, H, D).index_copy_(0, ...)
+    gemma_pytorch (index_copy_(1, ...), list    rewritten          Gemma 2 soft-capping (tanh)
+      of caches, q.mul_, local mask)
+    DeepSeek-V3 naive (einsum bshd,bthd->bsht)  rewritten          softmax over the heads axis
+    per-layer windows k[:, :, max(0, e-W):e]    rewritten          newest W by a negative slice
+      (also a sequence shorter than the window
+      that grows past it while decoding)
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from kvarn_compile import kvarn_backend
+from kvarn_compile.testing.codebases import build, reference, run_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
+
+PROMPT, NEW = 66, 4          # sink 0..31, tile 32..63 frozen by the prefill, tail 64..
+MARGIN, RTOL = 3.0, 0.005
+PRESETS = ["k4v4", "k4v2"]
+
+#: name -> (build keywords, prompt, new tokens, every site's cache spelling / read spelling)
+CASES = {
+    "torchtune-setitem": (dict(name="torchtune"), PROMPT, NEW,
+                          r"scaled_dot_product_attention over setitem\[positions\] via repeat_kv"),
+    "torchtune-index_copy": (dict(name="torchtune", write="index_copy"), PROMPT, NEW,
+                             r"scaled_dot_product_attention over index_copy_ via repeat_kv"),
+    "stacked": (dict(name="stacked"), PROMPT, NEW,
+                r"matmul-softmax-matmul over setitem\[a:b\] \(layer \d of a cache stacked over "
+                r"layers\) via positions \[:(66|n)\] \+ repeat_kv \+ transpose\(1, 2\)"),
+    "gemma": (dict(name="gemma"), PROMPT, NEW,
+              r"matmul-softmax-matmul over index_copy_ via repeat_interleave\(2, dim=2\) \+ transpose\(1, 2\)"),
+    "deepseek": (dict(name="deepseek"), PROMPT, NEW,
+                 r"einsum-softmax-einsum over setitem\[a:b\] via positions \[:(66|n)\]"),
+    "window": (dict(name="window"), PROMPT, NEW,
+               r"scaled_dot_product_attention over setitem\[a:b\] via positions \[(18|lo)?:(66|n)\]"),
+    "window-short": (dict(name="window"), 44, 24,
+                     r"scaled_dot_product_attention over setitem\[a:b\] via positions \[(lo)?:(44|n)\]"),
+}
+
+#: name -> (build keywords, {layer: the reason regex} (others rewritten))
+TWINS = {
+    "torchtune": (dict(name="torchtune", write="late_v"),
+                  {0: r"^keys and values are written at positions the pass cannot prove equal$",
+                   1: r"^keys and values are written at positions the pass cannot prove equal$"}),
+    "stacked": (dict(name="stacked", twin=True),
+                {i: r"^its key cache is written by \.index_copy_\(\) \(codebases\.py:\d+\), which the "
+                    r"pass does not recognize as a KV-cache update$" for i in (0, 1)}),
+    "gemma": (dict(name="gemma", twin=True),
+              {i: r"^not recognized: softmax over a q·kᵀ product \(matmul -> truediv -> tanh -> mul "
+                  r"-> add -> float -> softmax\): tanh \(codebases\.py:\d+\) between the product "
+                  r"and the softmax is not one of the steps the pass follows; " for i in (0, 1)}),
+    "deepseek": (dict(name="deepseek", twin=True),
+                 {i: r"^not recognized: softmax over a q·kᵀ product \(einsum -> mul -> softmax\): "
+                     r"the softmax runs over the heads axis of the scores \(einsum "
+                     r"'bshd,bthd->bsth'\), not over the keys; " for i in (0, 1)}),
+    "window": (dict(name="window", twin=True),
+               {1: r"^its keys come from the KV cache written by x\[\.\.\.\] = \.\.\. \(codebases\.py:"
+                   r"\d+\), but reach the attention through x\[\.\.\.\] \(codebases\.py:\d+\), which "
+                   r"reads the newest positions \(-48:\) of an axis, not a prefix; the pass does "
+                   r"not follow that step$"}),
+}
+
+RESULTS: dict[tuple[str, str], tuple[float, float]] = {}
+
+
+def _prompt(n: int) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+def _run(preset: str, name: str, prompt: int, new: int, **cfg):
+    """(backend, per-step logits: compiled, uncompressed, through a whole-sequence cache of
+    the preset), all with the compiled run's tokens."""
+    torch._dynamo.reset()
+    model = build(name, **cfg)
+    ids = _prompt(prompt)
+    backend = kvarn_backend(preset, group_size=32, compiler="eager")
+    m = copy.deepcopy(model)
+    tokens, got = run_generate(m, ids, new, step=torch.compile(m, backend=backend))
+    _, fp = run_generate(copy.deepcopy(model), ids, new, forced=tokens)
+    with reference(backend.config):
+        _, quantized = run_generate(copy.deepcopy(model), ids, new, forced=tokens)
+    assert len(set(tokens[0].tolist())) > 1 or new == 1, "degenerate model"
+    return backend, got, fp, quantized
+
+
+def _errors(got, fp, quantized) -> tuple[float, float]:
+    """Largest relative logit error of the compiled run and of the preset itself; asserts
+    every step within MARGIN x the preset's error + RTOL."""
+    worst = own = 0.0
+    for step, (g, f, q) in enumerate(zip(got, fp, quantized)):
+        scale = f.abs().max().item()
+        err, ref = (g - f).abs().max().item(), (q - f).abs().max().item()
+        assert err <= MARGIN * ref + RTOL * scale, \
+            f"step {step}: logit error {err:.3g} > {MARGIN} x the preset's {ref:.3g} + {RTOL} x {scale:.3g}"
+        worst, own = max(worst, err / scale), max(own, ref / scale)
+    return worst, own
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_codebase_is_rewritten_within_the_quantization_error(case, preset):
+    kw, prompt, new, spelling = CASES[case]
+    backend, got, fp, quantized = _run(preset, prompt=prompt, new=new, **kw)
+    report = backend.report
+    assert report.sites and not report.unchanged, str(report)
+    assert {s.name for s in report.sites} == {"layers.0.attn", "layers.1.attn"}, str(report)
+    for site in report.sites:
+        assert re.fullmatch(spelling, f"{site.attention} over {site.cache} via {site.read}"), site.line()
+    err, own = _errors(got, fp, quantized)
+    assert own > 1e-4, "the preset changed nothing: the comparison would be vacuous"
+    RESULTS[(case, preset)] = (err, own)
+
+
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_twin_is_left_unchanged_with_the_true_reason(twin):
+    kw, reasons = TWINS[twin]
+    backend, got, fp, quantized = _run("k4v2", prompt=PROMPT, new=NEW, **kw)
+    report = backend.report
+    assert report.sites, str(report)
+    for site in report.sites:
+        layer = int(site.name.split(".")[1])
+        if layer in reasons:
+            assert not site.rewritten and re.search(reasons[layer], site.reason), site.line()
+        else:
+            assert site.rewritten, site.line()
+    if len(reasons) == 2:       # nothing rewritten: exactly the uncompressed model
+        for g, f in zip(got, fp):
+            torch.testing.assert_close(g, f, rtol=1e-5, atol=1e-5)
+    else:
+        _errors(got, fp, quantized)
+
+
+def test_einsum_bsht_mask_is_permuted_for_the_queries():
+    """DeepSeek's mask [S, T] reaches the [B, S, H, T] scores as mask.unsqueeze(1): the
+    rewritten attention takes it as [1, 1, S, T] (a prefill of a second request, T > S)."""
+    torch._dynamo.reset()
+    model = build("deepseek")
+    backend = kvarn_backend("k4v2", group_size=32, key_bits=8, value_bits=8, compiler="eager")
+    m = copy.deepcopy(model)
+    step = torch.compile(m, backend=backend)
+    fp = copy.deepcopy(model)
+    with torch.no_grad():
+        for start, n in ((0, 40), (40, 30)):           # a chunked prefill: T = 70 > S = 30
+            ids = _prompt(70)[:, start:start + n]
+            got, want = step(ids, start), fp(ids, start)
+    assert backend.report.sites and not backend.report.unchanged, str(backend.report)
+    # 8-bit codes: a mask applied along the wrong axis would move the logits far more
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+def teardown_module():
+    if RESULTS:
+        print("\ncodebase             preset  max rel. logit err  preset's own")
+        for (case, preset), (err, own) in sorted(RESULTS.items()):
+            print(f"{case:20s} {preset:6s}  {err:18.3g}  {own:12.3g}")
