@@ -452,7 +452,10 @@ def _matcher_case(data, target):
                 torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3)
             step = "rewritten"
         else:
-            torch.testing.assert_close(got[0], want_plain[0], rtol=1e-5, atol=1e-5, equal_nan=True,
+            # an unchanged graph over a cache an earlier graph packed reads it dequantized (the
+            # guard says so in the report): the tokens carry the packed state's rounding
+            tol = 2e-3 if any("reads the packed KV cache" in n for n in backend.report.notes) else 1e-5
+            torch.testing.assert_close(got[0], want_plain[0], rtol=tol, atol=tol, equal_nan=True,
                                        msg=lambda m: f"miscompiled (unchanged) {spec}: {m}")
             step = "unchanged"
         if outcome not in (None, step):
