@@ -336,6 +336,10 @@ def _trace(fn: Callable[..., Any], args: list[torch.Tensor]) -> Any:
         return make_fx(fn, decomposition_table=select_decomp_table())(*args)
 
 
+#: the per-compile class state of Inductor's Triton bundler (``_winners`` since torch 2.12)
+_BUNDLER_STATE = ("_entries", "_static_autotuners", "_winners")
+
+
 def compile_function(fn: Callable[..., Any], args: list[torch.Tensor]) -> Callable[..., Any]:
     """``fn`` traced with make_fx (Inductor's decompositions) on ``args`` and compiled by
     Inductor as a graph of its own (static shapes); returns ``compiled(*args) -> output``.
@@ -364,15 +368,15 @@ def compile_function(fn: Callable[..., Any], args: list[torch.Tensor]) -> Callab
                 # (Inductor's Triton bundler is process-global state of the compile that
                 # waits for this one: set aside while this graph compiles and is cached)
                 context = torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
-                bundler = (TritonBundler._entries, TritonBundler._static_autotuners,
-                           TritonBundler._winners)
+                bundler = {name: getattr(TritonBundler, name) for name in _BUNDLER_STATE
+                           if hasattr(TritonBundler, name)}
                 TritonBundler.end_compile()
                 try:
                     with torch._guards.tracing(context):
                         result["fn"] = compile_fx(gm, list(args))
                 finally:
-                    (TritonBundler._entries, TritonBundler._static_autotuners,
-                     TritonBundler._winners) = bundler
+                    for name, value in bundler.items():
+                        setattr(TritonBundler, name, value)
         except BaseException as e:          # re-raised in the caller's thread
             result["error"] = e
 
@@ -390,14 +394,118 @@ def compile_function(fn: Callable[..., Any], args: list[torch.Tensor]) -> Callab
 
 
 # ------------------------------------------------------------------------------ inductor
+class _UserLowerings(dict):
+    """``user_lowerings`` for torch < 2.12, which checks only its built-in ``lowerings``:
+    setting an op installs a wrapper there that calls the lowering and, when it returns
+    None, Inductor's plain fallback kernel (what 2.12+ does); popping it restores the
+    previous entry."""
+
+    def __init__(self, lowerings: dict) -> None:
+        super().__init__()
+        self._table, self._saved = lowerings, {}
+
+    def __setitem__(self, op, fn) -> None:
+        from torch._inductor.lowering import fallback_handler
+
+        if op not in self._saved:
+            self._saved[op] = self._table.get(op)
+
+        def lower(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if out is None:
+                out = fallback_handler(op, add_to_fallback_set=False)(*args, **kwargs)
+            return out
+
+        super().__setitem__(op, fn)
+        self._table[op] = lower
+
+    def pop(self, op, *default):
+        if op in self._saved:
+            previous = self._saved.pop(op)
+            if previous is None:
+                self._table.pop(op, None)
+            else:
+                self._table[op] = previous
+        return super().pop(op, *default)
+
+
+_EXTERN_CHOICES: dict[str, Any] = {}
+
+
+def _extern_choice(fn: Callable, name: str, **kwargs: Any) -> Any:
+    """The ``ExternKernelChoice`` named ``name`` (a process-wide name): the one made earlier,
+    else a new one over ``fn``."""
+    from torch._inductor.select_algorithm import ExternKernelChoice
+
+    found = (ExternKernelChoice.lookup(name) if hasattr(ExternKernelChoice, "lookup")
+             else _EXTERN_CHOICES.get(name))   # torch < 2.12 has no registry
+    if found is None:
+        found = _EXTERN_CHOICES[name] = ExternKernelChoice(fn, name=name, **kwargs)
+    return found
+
+
+def _triton_template(name: str, grid: Any, source: str) -> Any:
+    """A ``TritonTemplate`` whose inputs' layouts are frozen when it reads them (it has no aten
+    fallback should a layout change later). torch < 2.12 lacks ``always_freeze_layout``: there
+    the lowering freezes them itself (:func:`_freeze_template_inputs`)."""
+    import inspect
+
+    from torch._inductor.select_algorithm import TritonTemplate
+
+    kwargs = {}
+    if "always_freeze_layout" in inspect.signature(TritonTemplate.__init__).parameters:
+        kwargs["always_freeze_layout"] = True
+    return TritonTemplate(name=name, grid=grid, source=source, **kwargs)
+
+
+def _freeze_template_inputs(nodes: Any) -> None:
+    """Freeze the flexible layouts of a template's realized inputs, where ``TritonTemplate``
+    cannot be told to (torch < 2.12); a no-op elsewhere."""
+    import inspect
+
+    from torch._inductor import ir
+    from torch._inductor.select_algorithm import TritonTemplate
+
+    if "always_freeze_layout" in inspect.signature(TritonTemplate.__init__).parameters:
+        return
+    for node in nodes:
+        data = getattr(node, "data", None)
+        if isinstance(getattr(data, "layout", None), ir.FlexibleLayout):
+            data.freeze_layout()
+
+
+_BEST: dict[tuple, Any] = {}
+
+
+def _remember_best(timings, name, input_nodes, choices, profiled_time_fn, precompile_times=None):
+    finite = {c: t for c, t in timings.items() if t == t and t != float("inf")}
+    if finite and name.startswith("kvarn_"):
+        _BEST[(name, tuple(n.get_name() for n in input_nodes))] = min(finite, key=finite.get)
+
+
+def _select_algorithm(name: str, choices: list, inputs: list, layout: Any, **kwargs: Any) -> tuple:
+    """``autotune_select_algorithm`` as ``(node, winning choice)``. torch < 2.12 returns the node
+    alone: the winner is then the fastest choice Inductor benchmarked (None if it did not)."""
+    from torch._inductor.select_algorithm import autotune_select_algorithm
+
+    out = autotune_select_algorithm(name, choices, inputs, layout, **kwargs)
+    best = _BEST.pop((name, tuple(n.get_name() for n in inputs)), None)
+    if isinstance(out, tuple):
+        return out
+    return out, best if best is not None else choices[0] if len(choices) == 1 else None
+
+
 @functools.lru_cache(maxsize=1)
 def inductor() -> types.SimpleNamespace:
     """The private Inductor pieces the lowerings use, imported once behind the version gate.
 
-    Attributes: ``user_lowerings`` (op -> lowering, checked before the built-in table; a
+    Attributes: ``extern_choice(fn, name, **kw)`` (the process-wide ``ExternKernelChoice`` of
+    that name, made once), ``triton_template(name, grid, source)`` and
+    ``freeze_template_inputs(nodes)`` (a template over frozen input layouts), ``user_lowerings`` (op -> lowering, checked before the built-in table; a
     lowering may return None to fall back), ``lowerings`` (the built-in table),
     ``ExternKernelChoice``, ``TritonTemplate``, ``SymbolicGridFn``,
-    ``autotune_select_algorithm``, ``add_feedback_saver``, ``AlgorithmSelectorCache``,
+    ``autotune_select_algorithm``, ``select_algorithm`` (its ``(node, winner)`` on every torch),
+    ``add_feedback_saver``, ``AlgorithmSelectorCache``,
     ``SubgraphTemplate``, ``inline_subgraph_to_ir_nodes``, ``realize_inputs``, ``ir``
     (``torch._inductor.ir``: FixedLayout, FallbackKernel, TensorBox, ...), ``V``,
     ``config`` (``torch._inductor.config``), ``make_fx``, ``select_decomp_table``, ``ops``
@@ -410,7 +518,11 @@ def inductor() -> types.SimpleNamespace:
     import torch._inductor.ir as ir
     from torch._inductor.codegen.subgraph import SubgraphTemplate, inline_subgraph_to_ir_nodes
     from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.lowering import lowerings, user_lowerings
+    from torch._inductor.lowering import lowerings
+    try:
+        from torch._inductor.lowering import user_lowerings
+    except ImportError:   # torch < 2.12: emulated on the built-in table
+        user_lowerings = _UserLowerings(lowerings)
     from torch._inductor.select_algorithm import (
         AlgorithmSelectorCache, ExternKernelChoice, SymbolicGridFn, TritonTemplate,
         add_feedback_saver, autotune_select_algorithm, realize_inputs,
@@ -418,8 +530,10 @@ def inductor() -> types.SimpleNamespace:
     from torch._inductor.virtualized import V, ops
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    add_feedback_saver(_remember_best)
     return types.SimpleNamespace(
-        user_lowerings=user_lowerings, lowerings=lowerings, ExternKernelChoice=ExternKernelChoice,
+        select_algorithm=_select_algorithm, extern_choice=_extern_choice, triton_template=_triton_template,
+        freeze_template_inputs=_freeze_template_inputs, user_lowerings=user_lowerings, lowerings=lowerings, ExternKernelChoice=ExternKernelChoice,
         TritonTemplate=TritonTemplate, SymbolicGridFn=SymbolicGridFn,
         autotune_select_algorithm=autotune_select_algorithm, add_feedback_saver=add_feedback_saver,
         AlgorithmSelectorCache=AlgorithmSelectorCache, SubgraphTemplate=SubgraphTemplate,

@@ -244,6 +244,16 @@ class KVarNCache(Cache):
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
 
+    # transformers < 5.18 declares a read-only (deprecated) ``Cache.max_cache_len`` property
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens per sequence the cache is allocated for."""
+        return self._max_cache_len
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int) -> None:
+        self._max_cache_len = value
+
     @property
     def nbytes(self) -> int:
         """Bytes held by every layer's packed state (live tensors)."""

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check in one call, ending within 8 minutes: on a CUDA machine with PyTorch and Triton
+# The GPU check in one call, ending within 8 minutes (KVARN_GPU_CHECK_SECONDS, default 480): on a CUDA machine with PyTorch and Triton
 # (as it is: no network, possibly an older torch/triton than the project pins), run the
 # GPU-marked tests, the Triton kernel tests on the GPU, a CUDA-graph capture of the decode
 # step, the static sm_90 report and the decode benchmark; write everything under $OUT.
 #
 #   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh
+#   KVARN_GPU_STEPS="bench_decode_attention e2e_decode" ... runs only those steps
 #
 # Missing pure-Python packages (expecttest, gguf on the lent H200 image) come from wheels in
 # .whl/ when that folder exists (fetch them beforehand with `pip download --no-deps`); test
@@ -15,14 +16,16 @@
 # never under $OUT (only a few files come back from there). summary.json is rewritten, valid,
 # after every step, so a run cut short still reports the finished steps.
 #
-# Outputs: env.json, summary.json, gpu-tests.log, triton-tests.log, cuda-graph.json,
-# static-sm90.jsonl, bench_decode_attention_gpu.json.
+# Outputs (at most 8 files come back from the lent machine): env.json, summary.json, steps.log
+# (each step's stderr), tests.log (every pytest run), cuda-graph.json,
+# bench_decode_attention_gpu.json, e2e_decode_gpu.json. The static sm_90 report
+# (benchmarks/gpu/static_report.py) needs no GPU and runs where the code is written.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-BUDGET="${KVARN_GPU_CHECK_SECONDS:-470}"     # whole run, start to end
+BUDGET="${KVARN_GPU_CHECK_SECONDS:-480}"     # whole run, start to end
 export KVARN_ALLOW_UNTESTED_TORCH=1 PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     export TRITON_INTERPRET=0
@@ -58,13 +61,18 @@ write_summary() {
 step() {   # step NAME LIMIT_S COMMAND...: run within the limit and what is left of the budget
     local name="$1" limit="$2"; shift 2
     local left=$((BUDGET - SECONDS))
+    if [ -n "${KVARN_GPU_STEPS:-}" ] && [[ " $KVARN_GPU_STEPS " != *" $name "* ]]; then
+        STEPS_JSON="$STEPS_JSON, \"$name\": {\"rc\": null, \"skipped\": \"not in KVARN_GPU_STEPS\"}"
+        write_summary; return
+    fi
     if [ "$left" -lt 15 ]; then
         STEPS_JSON="$STEPS_JSON, \"$name\": {\"rc\": null, \"skipped\": \"time budget spent\"}"
         write_summary; return
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     local t0=$SECONDS
-    timeout -k 5 "$limit" "$@"
+    echo "===== $name" >> "$OUT/steps.log"
+    timeout -k 5 "$limit" "$@" 2>> "$OUT/steps.log"
     local rc=$?
     STEPS_JSON="$STEPS_JSON, \"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"limit\": $limit}"
     write_summary
@@ -94,15 +102,20 @@ print(json.dumps(env, indent=1))
 EOF
 cat "$OUT/env.json" >&2
 
-step gpu_tests 110 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider "${IGNORE[@]}" \
-    --continue-on-collection-errors > "$OUT/gpu-tests.log" 2>&1
-tail -3 "$OUT/gpu-tests.log" >&2
-step cuda_graph 60 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
-step bench_decode_attention 120 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
+# Most telling first: the kernels on the device, a captured decode step, the kernel benchmark,
+# the model end to end, then the Inductor template tests. Every pytest log goes to tests.log.
+run_tests() {   # run_tests LABEL PYTEST-ARGS...: appended to tests.log under a header
+    local label="$1"; shift
+    echo "===== $label" >> "$OUT/tests.log"
+    "$PY" -m pytest -q -p no:cacheprovider -W ignore "$@" >> "$OUT/tests.log" 2>&1
+}
+export -f run_tests; export OUT PY
+step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_triton.py
+step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
+step bench_decode_attention 100 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
     --out "$OUT/bench_decode_attention_gpu.json" > /dev/null
-step triton_tests 100 "$PY" -m pytest -q tests/kernels/test_triton.py -p no:cacheprovider -x \
-    > "$OUT/triton-tests.log" 2>&1
-tail -3 "$OUT/triton-tests.log" >&2
-step static_sm90 60 env -u TRITON_INTERPRET "$PY" benchmarks/gpu/static_report.py --quick \
-    > "$OUT/static-sm90.jsonl" 2>/dev/null
+step e2e_decode 150 "$PY" benchmarks/gpu/e2e_decode.py --lengths 4096 32768 \
+    --out "$OUT/e2e_decode_gpu.json" > /dev/null
+step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu tests "${IGNORE[@]}" --continue-on-collection-errors
+tail -5 "$OUT/tests.log" >&2 2>/dev/null
 cat "$summary" >&2

@@ -93,8 +93,7 @@ def externs() -> dict[str, object]:
         ind = inductor()
         for label, fn in (("reference", _reference_flat), ("shared", _shared_flat)):
             name = f"kvarn_attention_{label}"
-            _EXTERNS[label] = ind.ExternKernelChoice.lookup(name) or ind.ExternKernelChoice(
-                fn, name=name, has_out_variant=False)
+            _EXTERNS[label] = ind.extern_choice(fn, name, has_out_variant=False)
     return _EXTERNS
 
 
@@ -301,7 +300,7 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     if len(choices) == 1:          # forced or replayed: no benchmark, no extra subgraph compile
         choice, node = choices[0], None
     else:
-        node, choice = ind.autotune_select_algorithm(ATTENTION_OP_NAME, choices, inputs, layout,
+        node, choice = ind.select_algorithm(ATTENTION_OP_NAME, choices, inputs, layout,
                                                      input_gen_fns=gen_fns)
     finish_decision(decision, choice)
     if getattr(choice, "gm", None) is not None:   # a decomposition won: inline its IR

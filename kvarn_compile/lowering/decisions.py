@@ -119,7 +119,9 @@ def record_decision(op: str, key, choices: list, inputs: list, replayed: bool) -
 
 def finish_decision(decision: LoweringDecision, choice: Any) -> None:
     """Set the winner (the choice the lowering actually emits) and drop the pending entry."""
-    decision.winner = spec_label(getattr(choice, "kvarn_spec", {"choice": getattr(choice, "name", "?")}))
+    if choice is not None:       # None: Inductor did not say (the feedback set the winner)
+        decision.winner = spec_label(getattr(choice, "kvarn_spec",
+                                             {"choice": getattr(choice, "name", "?")}))
     with _lock:
         for k in [k for k, v in _PENDING.items() if v is decision]:
             del _PENDING[k]

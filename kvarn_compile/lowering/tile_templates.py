@@ -65,9 +65,8 @@ def decode_template():
     from kvarn_compile._torch_compat import inductor
 
     ind = inductor()
-    return ind.TritonTemplate(name="kvarn_decode", grid=ind.SymbolicGridFn(kvarn_decode_grid),
-                              source=template_source("kvarn_decode.py.jinja"),
-                              always_freeze_layout=True)
+    return ind.triton_template("kvarn_decode", ind.SymbolicGridFn(kvarn_decode_grid),
+                               template_source("kvarn_decode.py.jinja"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,9 +74,8 @@ def prefill_template():
     from kvarn_compile._torch_compat import inductor
 
     ind = inductor()
-    return ind.TritonTemplate(name="kvarn_prefill", grid=ind.SymbolicGridFn(kvarn_prefill_grid),
-                              source=template_source("kvarn_prefill.py.jinja"),
-                              always_freeze_layout=True)
+    return ind.triton_template("kvarn_prefill", ind.SymbolicGridFn(kvarn_prefill_grid),
+                               template_source("kvarn_prefill.py.jinja"))
 
 
 # ------------------------------------------------------------------------------ standalone

@@ -97,8 +97,8 @@ def externs() -> dict[str, object]:
                 ("kvarn_tile_partials_torch", _tile_partials_torch_flat, _creator("tile_partials_")),
                 ("kvarn_tile_partials_triton", _tile_partials_triton_flat,
                  _creator("tile_partials_triton_"))):
-            _EXTERNS[name] = ind.ExternKernelChoice.lookup(name) or ind.ExternKernelChoice(
-                fn, name=name, has_out_variant=False, kernel_creator=creator)
+            _EXTERNS[name] = ind.extern_choice(fn, name, has_out_variant=False,
+                                               kernel_creator=creator)
     return _EXTERNS
 
 
@@ -178,6 +178,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                                  kv_lo, kv_hi, bias)))
     names = _present(has_frames, has_bias)
     inputs = ind.realize_inputs(*(given[n] for n in names), lse_part)
+    ind.freeze_template_inputs(inputs)
     names = names + ["lse_part"]
     node_of = dict(zip(names, inputs))
     device = q_rot.get_device()
@@ -259,7 +260,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
     gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), names) \
         if len(choices) > 1 else None
     decision = record_decision(TILE_OP_NAME, key, choices, inputs, replayed=replay is not None)
-    node, choice = ind.autotune_select_algorithm(TILE_OP_NAME, choices, inputs, layout,
+    node, choice = ind.select_algorithm(TILE_OP_NAME, choices, inputs, layout,
                                                  input_gen_fns=gen_fns)
     finish_decision(decision, choice)
     return node

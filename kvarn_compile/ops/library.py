@@ -388,7 +388,8 @@ _CACHE_OPS = ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_ap
               "cp_append_from_")
 _NO_VERSION_BUMP = torch.library.Library("kvarn", "IMPL")
 for _name in _CACHE_OPS + ("tile_partials_", "tile_partials_triton_", "tune_observe_"):
-    _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "ADInplaceOrView")
+    _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "ADInplaceOrView",
+                          allow_override=True)   # the default since torch 2.12
 
 
 def register_plain_kernel(name: str, fn, dispatch_key: str) -> None:
@@ -397,4 +398,4 @@ def register_plain_kernel(name: str, fn, dispatch_key: str) -> None:
     check has nothing to check; the hot per-token ops)."""
     if name not in _CACHE_OPS:
         raise ValueError(f"Expected one of the cache ops {_CACHE_OPS}, but got {name!r}.")
-    _NO_VERSION_BUMP.impl(name, fn, dispatch_key)
+    _NO_VERSION_BUMP.impl(name, fn, dispatch_key, allow_override=True)

@@ -26,6 +26,22 @@ def test_the_cpu_kernels_build_under_the_kvarn_cache_folder(monkeypatch, tmp_pat
     assert build.is_built("attention") and not build.is_built("quantize")
 
 
+def test_a_build_is_never_loaded_into_another_torch_or_python(monkeypatch):
+    """A C++ extension built against one torch segfaults when loaded into another (seen after
+    a torch downgrade over a shared kvarn cache): the torch version and Python version are
+    part of the build's name, so another torch builds its own."""
+    import sys
+
+    import torch
+
+    name = build.extension_name("quantize")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    other_torch = build.extension_name("quantize")
+    monkeypatch.setattr(sys, "version_info", (3, 12, 3, "final", 0))
+    other_python = build.extension_name("quantize")
+    assert len({name, other_torch, other_python}) == 3
+
+
 def test_the_main_job_builds_the_kernels_as_a_phase_only_when_needed(monkeypatch, tmp_path):
     from kvarn_compile.kernels.cpu import attention, quantize
 

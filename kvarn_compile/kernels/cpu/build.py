@@ -16,9 +16,11 @@ main job makes the build a phase of its own):
   result is the reference's bit for bit); launchers in ``kernels/cpu/quantize.py``.
 
 Both include ``kvarn_common.h`` and build with ``-O3 -march=native -fopenmp``. The
-extension's name carries a hash of the sources (every ``csrc/*.h`` too) and flags, and a
-hash of the CPU model: an edited source is never served from an old build, and
-``-march=native`` builds never mix when the cache is shared between machines.
+extension's name carries a hash of the sources (every ``csrc/*.h`` too), flags, torch's
+version and C++ ABI and the Python version, and a hash of the CPU model: an edited source
+is never served from an old build, a build is never loaded into another torch (that
+crashes the process), and ``-march=native`` builds never mix when the cache is shared
+between machines.
 
 ``KVARN_CPU_KERNEL`` switches both kernels: ``0`` turns them off, ``require`` makes a
 failed build an error (:class:`KernelBuildError`; the test suite sets it, so CI fails when
@@ -87,11 +89,23 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()[:8]
 
 
+def _abi() -> bytes:
+    """What a build links against: torch's version and C++ ABI, the Python version. A build
+    loaded into another torch crashes the process (a segmentation fault), never an error."""
+    import sys
+
+    import torch
+
+    return f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}|{sys.version_info[:2]}".encode()
+
+
 def extension_name(kind: str) -> str:
-    """The extension's module name: ``kvarn_cpu_<kind>_<hash of sources and flags>_<hash of the CPU>``."""
+    """The extension's module name: ``kvarn_cpu_<kind>_<hash of sources, flags, torch and
+    Python>_<hash of the CPU>``."""
     files, cflags = _EXTENSIONS[kind]
     inputs = [CSRC / f for f in files] + sorted(CSRC.glob("*.h"))
-    src = _digest(*(p.name.encode() + b"\0" + p.read_bytes() for p in inputs), " ".join(cflags).encode())
+    src = _digest(*(p.name.encode() + b"\0" + p.read_bytes() for p in inputs), " ".join(cflags).encode(),
+                  _abi())
     return f"kvarn_cpu_{kind}_{src}_{_digest(cpu_model().encode())}"
 
 
