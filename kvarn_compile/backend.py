@@ -32,6 +32,7 @@ from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
 from kvarn_compile.cache_book import CacheBook, _Site
 from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
 from kvarn_compile.ops.buffers import claim, releasable, release_storage
+from kvarn_compile.ops.dispatch import deferred_checks
 from kvarn_compile.report import Report, rewrite_context, run_rewrite
 from kvarn_compile.state import (
     MIN_GROWN_SLOTS, LayerState, allocate_layer, grow_axis_indices,
@@ -297,7 +298,13 @@ class KVarNBackend:
                 self.states[key] = state
             for i, tokens, fresh in growth:
                 states[i].reserve(tokens(args), fresh=fresh)
-            out = compiled(*args, *flat.buffers(states))
+            if states and states[0].buffers[0].is_cuda:
+                # every layer's decode append and attention without host syncs; their device
+                # error flags read once, after the step
+                with deferred_checks(f"graph {graph_id}"):
+                    out = compiled(*args, *flat.buffers(states))
+            else:
+                out = compiled(*args, *flat.buffers(states))
             for i, _, _ in growth:          # the tail slots this call's frozen tiles freed
                 states[i].trim()
             self.book.after(list(zip(book_sites, states)), out)

@@ -31,6 +31,9 @@ Everything else runs the reference
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from kvarn_compile.ops import context_parallel
@@ -39,7 +42,7 @@ from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu",
-           "cuda_checks_on", "raise_device_errors"]
+           "cuda_checks_on", "deferred_checks", "raise_device_errors"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
@@ -159,9 +162,14 @@ def _attention_cuda(q, buffers, mask, scale, causal, window):
         attention_ref.check_queries(q, f)
         # a masked query block longer than a decode step keeps the checked path (it builds no
         # [B, Hq, Tq, N*G] bias) unless host checks are off
+        if q.shape[2] == 1 and not _single_token_checks_on(q.device):
+            checked = False
+        else:
+            checked = cuda_checks_on()
         if not f.layout.fp8_factors and (mask is None or q.shape[2] <= CPU_KERNEL_MAX_QUERIES
-                                         or not cuda_checks_on()):
-            return _cuda_step_attention(q, f, mask, scale, causal, window).to(q.dtype).contiguous()
+                                         or not checked):
+            return _cuda_step_attention(q, f, mask, scale, causal, window,
+                                        checked).to(q.dtype).contiguous()
         return attention(q, buffers, mask, scale, causal, window, kernel="triton").contiguous()
     return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 
@@ -180,6 +188,52 @@ def cuda_checks_on() -> bool:
     if os.environ.get(CUDA_CHECKS_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class _Deferred(threading.local):
+    depth = 0
+    devices: set | None = None
+
+
+_DEFERRED = _Deferred()
+
+
+def _single_token_checks_on(device: torch.device) -> bool:
+    """Whether a single-token CUDA step (a decode append, a one-query attention) checks on the
+    host: not inside :func:`deferred_checks`, whose end reads its device flags instead."""
+    if not cuda_checks_on():
+        return False
+    if _DEFERRED.depth:
+        _DEFERRED.devices.add(torch.device(device))
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def deferred_checks(name: str = ""):
+    """Run the single-token CUDA steps of a block (a compiled decode step: every layer's append
+    and attention) without host synchronization, then read their device error flags once
+    (one sync per block instead of several per layer) and raise what the checked mode would
+    have. Steps over several tokens keep their host checks. Nested blocks read at the outermost
+    end; a block that raises clears the flags it may have set (its own error propagates)."""
+    outer = _DEFERRED.depth == 0
+    if outer:
+        _DEFERRED.devices = set()
+    _DEFERRED.depth += 1
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        _DEFERRED.depth -= 1
+        if outer:
+            devices, _DEFERRED.devices = _DEFERRED.devices, None
+            for device in devices:
+                if ok:
+                    raise_device_errors(device, name)
+                else:
+                    from kvarn_compile.kernels.triton import append as triton_append
+                    triton_append.error_flags(device).zero_()
 
 
 def raise_device_errors(device: torch.device | str, name: str = "") -> None:
@@ -202,10 +256,11 @@ def raise_device_errors(device: torch.device | str, name: str = "") -> None:
         f"KVarN append/attention{where}: a step without host checks found {', '.join(what)} "
         "errors (a row writing at a position other than its length, beyond the cache's capacity "
         "or the tail's slots, |x| beyond float16, or a mask shorter than the cache); those rows "
-        f"were left unchanged. Run the step with {CUDA_CHECKS_ENV}=1 for the full message.")
+        f"were left unchanged. The step run eagerly with {CUDA_CHECKS_ENV}=1 (host checks) "
+        "gives the full message.")
 
 
-def _cuda_step_attention(q, f, mask, scale, causal, window):
+def _cuda_step_attention(q, f, mask, scale, causal, window, checked: bool):
     """The CUDA attention of any step without a host sync: the exact region in torch, the
     tiles through the Triton kernel with the causal bound (``kv_end``, multi-token queries)
     and the mask (an additive bias) applied inside, merged by log-sum-exp. Equal to the
@@ -217,7 +272,7 @@ def _cuda_step_attention(q, f, mask, scale, causal, window):
     geo = Geometry.of(f)
     bsz, tq, d = q.shape[0], q.shape[2], q.shape[-1]
     if mask is not None:
-        if cuda_checks_on():
+        if checked:
             attention_ref.check_mask(f, mask)
         else:
             short = (f.lengths.max() > mask.shape[-1]).int() * triton_append.ERR_MASK
@@ -292,7 +347,9 @@ def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_fi
     with the Triton tile quantizer."""
     from kvarn_compile.kernels import triton_available
 
-    if not cuda_checks_on() and triton_available():
+    single = k.dim() == 4 and k.shape[2] == 1
+    if not (_single_token_checks_on(k.device) if single else cuda_checks_on()) \
+            and triton_available():
         from kvarn_compile.kernels.triton import append as triton_append
 
         append_ref.check_method(method)

@@ -215,3 +215,55 @@ def test_unchecked_errors_leave_rows_unchanged_and_raise_after_the_step(monkeypa
     monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")
     with pytest.raises(ValueError, match="allocated for 64"):
         dispatch._append_cuda(st.buffers, k, v, torch.tensor([64, 11]), "kvarn", 8, 0, 0, False, "")
+
+
+def test_deferred_checks_run_decode_steps_without_syncs_and_raise_once_after(monkeypatch):
+    """``dispatch.deferred_checks`` (what kvarn_backend wraps a compiled CUDA call in): with
+    host checks on, its single-token appends and attentions do not sync and compute what the
+    reference computes; the error flags are read at its end, where a row past its capacity
+    raises the checked mode's error. Multi-token steps inside keep their host checks."""
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")
+    st = _prompted([2 * G + 20, 2 * G - 6])
+    ref = [t.clone() for t in st.buffers]
+    with dispatch.deferred_checks("graph 1"):
+        for step in range(G // 2 + 1):
+            k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 1, D)
+            q = torch.randn(2, 2 * H, 1, D)
+            with HostSyncDetector():
+                out = _step(st.buffers, k, v, q)
+            append_ref.append_(ref, k, v, unpack(ref).lengths.clone())
+            _assert_states_match(st.buffers, ref, step)
+            want = attention_ref.attention(q, ref, None, D ** -0.5, True, 0)
+            torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+        # a prompt chunk inside the block: checked on the host, as outside it
+        with pytest.raises(HostSyncError), HostSyncDetector():
+            _step(st.buffers, torch.randn(2, H, 3, D), torch.randn(2, H, 3, D),
+                  torch.randn(2, 2 * H, 3, D))
+
+    full = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,
+                          max_len=64, dtype=torch.float32)
+    append_ref.append_(full.buffers, torch.randn(1, H, 64, D), torch.randn(1, H, 64, D),
+                       torch.tensor([0]))
+    before = [t.clone() for t in full.buffers]
+    with pytest.raises(ValueError, match="graph 2.*capacity"):
+        with dispatch.deferred_checks("graph 2"):
+            with HostSyncDetector():
+                _step(full.buffers, torch.randn(1, H, 1, D), torch.randn(1, H, 1, D),
+                      torch.randn(1, 2 * H, 1, D))
+    assert all(torch.equal(a, b) for a, b in zip(full.buffers, before)), "the row is unchanged"
+    dispatch.raise_device_errors("cpu")                     # read and cleared at the block's end
+
+
+def test_deferred_checks_clear_their_flags_when_the_block_raises(monkeypatch):
+    """A block that fails for its own reason raises that error, not a stale flag later."""
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")
+    full = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,
+                          max_len=64, dtype=torch.float32)
+    append_ref.append_(full.buffers, torch.randn(1, H, 64, D), torch.randn(1, H, 64, D),
+                       torch.tensor([0]))
+    with pytest.raises(KeyError, match="own"):
+        with dispatch.deferred_checks():
+            _step(full.buffers, torch.randn(1, H, 1, D), torch.randn(1, H, 1, D),
+                  torch.randn(1, 2 * H, 1, D))
+            raise KeyError("own")
+    dispatch.raise_device_errors("cpu")                     # nothing left behind
