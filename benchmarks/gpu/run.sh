@@ -102,20 +102,26 @@ print(json.dumps(env, indent=1))
 EOF
 cat "$OUT/env.json" >&2
 
-# Most telling first: the kernels on the device, a captured decode step, the kernel benchmark,
-# the model end to end, then the Inductor template tests. Every pytest log goes to tests.log.
+# Most telling first: a captured decode step, the kernel benchmark, the model end to end, the
+# Inductor template tests, then the Triton kernel tests (each variant compiles: the longest
+# step). Every pytest log goes to tests.log.
 run_tests() {   # run_tests LABEL PYTEST-ARGS...: appended to tests.log under a header
     local label="$1"; shift
     echo "===== $label" >> "$OUT/tests.log"
-    "$PY" -m pytest -q -p no:cacheprovider -W ignore "$@" >> "$OUT/tests.log" 2>&1
+    # -v: each test's outcome is logged as it ends (a step cut at its limit still says which
+    # failed); short tracebacks, and one per-test limit where pytest-timeout is installed
+    local limit=()
+    "$PY" -c "import pytest_timeout" 2>/dev/null && limit=(--timeout 60)
+    "$PY" -m pytest -v --tb=short -p no:cacheprovider -W ignore "${limit[@]}" "$@" \
+        >> "$OUT/tests.log" 2>&1
 }
 export -f run_tests; export OUT PY
-step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_triton.py
 step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
 step bench_decode_attention 100 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
     --out "$OUT/bench_decode_attention_gpu.json" > /dev/null
 step e2e_decode 150 "$PY" benchmarks/gpu/e2e_decode.py --lengths 4096 32768 \
     --out "$OUT/e2e_decode_gpu.json" > /dev/null
 step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu tests "${IGNORE[@]}" --continue-on-collection-errors
+step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_triton.py
 tail -5 "$OUT/tests.log" >&2 2>/dev/null
 cat "$summary" >&2
