@@ -178,14 +178,24 @@ def _attention_cuda(q, buffers, mask, scale, causal, window):
 #: ``KVARN_CUDA_CHECKS=0``: the CUDA steps never read tensors on the host; what the checked
 #: mode raises before writing is recorded in device error flags instead (read them with
 #: :func:`raise_device_errors`). Inside a CUDA graph capture this mode is always on.
+#: ``KVARN_CUDA_CHECKS=1``: host checks everywhere, also in compiled calls (which otherwise
+#: defer their single-token steps' checks, :func:`deferred_checks`): a single-token write
+#: before a row's committed tokens (a rollback into packed tiles) needs them.
 CUDA_CHECKS_ENV = "KVARN_CUDA_CHECKS"
+
+
+def _checks_setting() -> str:
+    import os
+
+    value = os.environ.get(CUDA_CHECKS_ENV, "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    return "host" if value in ("1", "on", "true", "yes", "host") else "auto"
 
 
 def cuda_checks_on() -> bool:
     """True when the CUDA steps check on the host (the default outside a graph capture)."""
-    import os
-
-    if os.environ.get(CUDA_CHECKS_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if _checks_setting() == "off":
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -201,12 +211,11 @@ _DEFERRED = _Deferred()
 def _single_token_checks_on(device: torch.device) -> bool:
     """Whether a single-token CUDA step (a decode append, a one-query attention) checks on the
     host: not inside :func:`deferred_checks`, whose end reads its device flags instead."""
+    if _DEFERRED.depth:
+        _DEFERRED.devices.add(torch.device(device))      # read after the block in any case
     if not cuda_checks_on():
         return False
-    if _DEFERRED.depth:
-        _DEFERRED.devices.add(torch.device(device))
-        return False
-    return True
+    return not (_DEFERRED.depth and _checks_setting() == "auto")
 
 
 @contextlib.contextmanager
@@ -256,8 +265,9 @@ def raise_device_errors(device: torch.device | str, name: str = "") -> None:
         f"KVarN append/attention{where}: a step without host checks found {', '.join(what)} "
         "errors (a row writing at a position other than its length, beyond the cache's capacity "
         "or the tail's slots, |x| beyond float16, or a mask shorter than the cache); those rows "
-        f"were left unchanged. The step run eagerly with {CUDA_CHECKS_ENV}=1 (host checks) "
-        "gives the full message.")
+        f"were left unchanged. {CUDA_CHECKS_ENV}=1 runs every step with host checks, which give "
+        "the full message (and which a one-token write into already packed tiles, a rollback "
+        "after assisted decoding, needs).")
 
 
 def _cuda_step_attention(q, f, mask, scale, causal, window, checked: bool):

@@ -221,8 +221,9 @@ def test_deferred_checks_run_decode_steps_without_syncs_and_raise_once_after(mon
     """``dispatch.deferred_checks`` (what kvarn_backend wraps a compiled CUDA call in): with
     host checks on, its single-token appends and attentions do not sync and compute what the
     reference computes; the error flags are read at its end, where a row past its capacity
-    raises the checked mode's error. Multi-token steps inside keep their host checks."""
-    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")
+    raises the checked mode's error. Multi-token steps inside keep their host checks, and
+    ``KVARN_CUDA_CHECKS=1`` keeps them for every step."""
+    monkeypatch.delenv(dispatch.CUDA_CHECKS_ENV, raising=False)
     st = _prompted([2 * G + 20, 2 * G - 6])
     ref = [t.clone() for t in st.buffers]
     with dispatch.deferred_checks("graph 1"):
@@ -253,10 +254,15 @@ def test_deferred_checks_run_decode_steps_without_syncs_and_raise_once_after(mon
     assert all(torch.equal(a, b) for a, b in zip(full.buffers, before)), "the row is unchanged"
     dispatch.raise_device_errors("cpu")                     # read and cleared at the block's end
 
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")      # host checks forced: the reference's
+    with pytest.raises(HostSyncError), HostSyncDetector(), dispatch.deferred_checks():
+        _step(st.buffers, torch.randn(2, H, 1, D), torch.randn(2, H, 1, D),
+              torch.randn(2, 2 * H, 1, D))
+
 
 def test_deferred_checks_clear_their_flags_when_the_block_raises(monkeypatch):
     """A block that fails for its own reason raises that error, not a stale flag later."""
-    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "1")
+    monkeypatch.delenv(dispatch.CUDA_CHECKS_ENV, raising=False)
     full = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,
                           max_len=64, dtype=torch.float32)
     append_ref.append_(full.buffers, torch.randn(1, H, 64, D), torch.randn(1, H, 64, D),
