@@ -61,11 +61,17 @@ def check_torch_version() -> None:
 #: ops, kernels, lowerings), the Triton templates (``lowering/templates/*.py.jinja``) and
 #: the C++ kernel sources (``kernels/csrc``).
 SOURCE_SUFFIXES = (".py", ".jinja", ".cpp", ".h")
+#: parts of the package that compile nothing (the evaluation harness, test helpers, the CLI):
+#: editing them keeps Inductor's caches
+NOT_COMPILED = ("eval", "testing", "cli.py")
 
 
 def _hash_sources(root: pathlib.Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if rel.parts and rel.parts[0] in NOT_COMPILED:
+            continue
         if path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts and path.is_file():
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
@@ -74,8 +80,9 @@ def _hash_sources(root: pathlib.Path) -> str:
 
 @functools.lru_cache(maxsize=1)
 def kvarn_sources_hash() -> str:
-    """sha256 over every source file of the package (passes, ops, kernels, lowerings and
-    the ``templates/*.py.jinja`` Triton templates). Cached for the process; tests that edit
+    """sha256 over every source file of the package that shapes compiled code (passes, ops,
+    kernels, lowerings and the ``templates/*.py.jinja`` Triton templates; not
+    :data:`NOT_COMPILED`). Cached for the process; tests that edit
     a source call ``kvarn_sources_hash.cache_clear()``."""
     return _hash_sources(pathlib.Path(__file__).parent)
 

@@ -267,6 +267,9 @@ def test_the_inductor_cache_key_covers_the_templates(tmp_path):
     assert before == _torch_compat.kvarn_sources_hash()   # content, not the folder's path
     (copy / "notes.txt").write_text("not a source")
     assert _torch_compat._hash_sources(copy) == before
+    for harness in (copy / "eval" / "report.py", copy / "testing" / "flows.py", copy / "cli.py"):
+        harness.write_text(harness.read_text() + "\n# compiles nothing\n")
+    assert _torch_compat._hash_sources(copy) == before
     template = copy / "lowering" / "templates" / "kvarn_decode.py.jinja"
     template.write_text(template.read_text().replace("BLOCK_N", "BLOCK_N ", 1))
     assert _torch_compat._hash_sources(copy) != before
