@@ -187,7 +187,7 @@ PRESETS: dict[str, KVarNConfig] = {
     "k4v4": KVarNConfig(key_bits=4, value_bits=4, group_size=128),
     "k2v2": KVarNConfig(key_bits=2, value_bits=2, group_size=128),
     # k2v2 with 2-bit keys' RTN range chosen by rounding error: same format and bits,
-    # pseudo-decode KL 55-66% lower than k2v2 on the default model (README "Quality")
+    # pseudo-decode KL 55-66% lower than k2v2 on the default model (docs/quality.md)
     "k2v2_clip": KVarNConfig(key_bits=2, value_bits=2, group_size=128, clip="mse"),
     "k4v2_g64": KVarNConfig(key_bits=4, value_bits=2, group_size=64),
     "k4v4_g64": KVarNConfig(key_bits=4, value_bits=4, group_size=64),
