@@ -344,10 +344,11 @@ class HelperSubject:
 
 
 def run_flows(subject: Any, flows: int, *, seed: int = 0, steps: int = 3,
-              rtol: float = 0.005) -> list[Finding]:
-    """Run ``flows`` random flows of up to ``steps`` steps on ``subject``; the findings."""
+              rtol: float = 0.005, first: int = 0) -> list[Finding]:
+    """Run random flows ``first .. first + flows - 1`` of up to ``steps`` steps on
+    ``subject``; the findings."""
     findings = []
-    for f in range(flows):
+    for f in range(first, first + flows):
         flow_seed = seed * 100_003 + f
         rng = random.Random(flow_seed)
         log: list[str] = []
