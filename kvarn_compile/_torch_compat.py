@@ -451,29 +451,31 @@ def _extern_choice(fn: Callable, name: str, **kwargs: Any) -> Any:
     return found
 
 
-def _triton_template(name: str, grid: Any, source: str) -> Any:
-    """A ``TritonTemplate`` whose inputs' layouts are frozen when it reads them (it has no aten
-    fallback should a layout change later). torch < 2.12 lacks ``always_freeze_layout``: there
-    the lowering freezes them itself (:func:`_freeze_template_inputs`)."""
+def _template_freezes_inputs() -> bool:
+    """Whether this torch's ``TritonTemplate`` takes ``always_freeze_layout`` (2.12+)."""
     import inspect
 
     from torch._inductor.select_algorithm import TritonTemplate
 
-    kwargs = {}
-    if "always_freeze_layout" in inspect.signature(TritonTemplate.__init__).parameters:
-        kwargs["always_freeze_layout"] = True
+    return "always_freeze_layout" in inspect.signature(TritonTemplate.__init__).parameters
+
+
+def _triton_template(name: str, grid: Any, source: str) -> Any:
+    """A ``TritonTemplate`` whose inputs' layouts are frozen when it reads them (it has no aten
+    fallback should a layout change later). torch < 2.12 lacks ``always_freeze_layout``: there
+    the lowering freezes them itself (:func:`_freeze_template_inputs`)."""
+    from torch._inductor.select_algorithm import TritonTemplate
+
+    kwargs = {"always_freeze_layout": True} if _template_freezes_inputs() else {}
     return TritonTemplate(name=name, grid=grid, source=source, **kwargs)
 
 
 def _freeze_template_inputs(nodes: Any) -> None:
     """Freeze the flexible layouts of a template's realized inputs, where ``TritonTemplate``
     cannot be told to (torch < 2.12); a no-op elsewhere."""
-    import inspect
-
     from torch._inductor import ir
-    from torch._inductor.select_algorithm import TritonTemplate
 
-    if "always_freeze_layout" in inspect.signature(TritonTemplate.__init__).parameters:
+    if _template_freezes_inputs():
         return
     for node in nodes:
         data = getattr(node, "data", None)
