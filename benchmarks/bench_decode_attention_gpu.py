@@ -14,7 +14,9 @@ bandwidth (bytes of the cache read / time) of:
   the torch implementation; the chosen config is reported) over a packed cache of the
   same length (random valid codes and positive scales: speed, not quality);
 
-plus, per case, the time to quantize one tile per (batch row, kv head) with
+plus, per case, the ``kvarn_decode`` template rendered standalone in every ``SWEEP`` config
+(precision, PREFETCH, BLOCK_N, warps, splits; ``template_sweep``, fastest first), the time to
+quantize one tile per (batch row, kv head) with
 ``kernels.quantize_tiles_into`` (what a decode step that completes a tile adds) against G
 decode steps, and the ``kvarn_decode`` template body with its dual column scales against a
 single-scale proxy (every tile reads tile 0's column scales, so those loads stay in cache:
@@ -39,6 +41,8 @@ GQA_Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 #: ``do_bench_cudagraph`` (one graph replay per timing: no launch overhead, what a CUDA-graph
 #: decode loop sees) unless ``--no-cudagraph``; ``do_bench`` where a function cannot be captured.
 USE_CUDAGRAPH = True
+#: Context lengths at which the template configs are swept (None: every length).
+SWEEP_LENGTHS = None
 
 
 def _bench_ms(fn) -> dict:
@@ -100,10 +104,19 @@ def _kvarn_compiled(st, scale: float):
     return torch.compile(attend, fullgraph=True, dynamic=False)
 
 
-def _single_vs_dual(st, n_tiles: int, scale: float) -> dict:
-    """The decode template rendered standalone: dual column scales vs the single-scale proxy."""
+#: The template configs timed standalone per case (``template_sweep``): code-matmul precision,
+#: PREFETCH, BLOCK_N, num_warps, and the split count as a multiple of the lowering's.
+SWEEP = [dict(INPUT_PRECISION=p, PREFETCH=pf, BLOCK_N=bn, num_warps=w, split_x=sx)
+         for p in ("tf32", "fp16") for pf in (1, 0) for bn, w in ((64, 4), (128, 4), (128, 8), (32, 4))
+         for sx in (1, 2)]
+
+
+def _template_standalone(st, scale: float):
+    """The decode template rendered standalone over ``st``: (time(config, cols) -> row, default config)."""
+    from kvarn_compile.lowering.heuristics import split_max
     from kvarn_compile.lowering.tile_templates import launch_standalone, render_standalone
     from kvarn_compile.ops.attention import tile_inputs
+    from kvarn_compile.ops.regions import combine_splits
     from kvarn_compile.quant.rotation import rotation_matrix
 
     b = st.batch
@@ -111,31 +124,64 @@ def _single_vs_dual(st, n_tiles: int, scale: float) -> dict:
     ins = tile_inputs(q, st.buffers, None, True, 0, rotation_matrix(HEAD_DIM, q.device))
     q_rot, _, kc, krs, krz, kcs, vc, vrs, vrz, vcs, _, nt, lo, hi, _ = ins
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    split = max(1, min(-(-2 * sms // (b * KV_HEADS)), max(n_tiles, 1), 64))
+    base_split = split_max(b * KV_HEADS, kc.shape[2], sms)
     g = kcs.shape[-1]
-    ce = dict(GROUP_Q=GQA_Q_HEADS // KV_HEADS, D=HEAD_DIM, BLOCK_D=HEAD_DIM, G=g,
-              BLOCK_N=min(64, g), K_BITS=8 * kc.shape[-1] // g, V_BITS=8 * vc.shape[-1] // HEAD_DIM,
-              SPLIT=split, SPLIT_MAX=split, BLOCK_M=16, HAS_BIAS=False, HAS_K_PLAIN=False,
-              INPUT_PRECISION="tf32",
-              SM_SCALE=scale, KVARN_SRC=0)
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        kernel = render_standalone("kvarn_decode.py.jinja", {
-            "Q": q_rot, "KC": kc, "KRS": krs, "KRZ": krz, "KCS": kcs, "VC": vc, "VRS": vrs,
-            "VRZ": vrz, "VCS": vcs, "NT": nt, "KVLO": lo, "KVHI": hi,
-            "LSE": torch.empty(b, GQA_Q_HEADS, 1, split, device=q.device)}, ce, tmp)
+    tmp = tempfile.mkdtemp(prefix="kvarn_bench_")
+    kernels = {}
+    outputs = {}
+
+    def time_config(cfg: dict, cols=None) -> dict:
+        split = max(1, min(base_split * cfg.get("split_x", 1), kc.shape[2]))
+        ce = dict(GROUP_Q=GQA_Q_HEADS // KV_HEADS, D=HEAD_DIM, BLOCK_D=HEAD_DIM, G=g,
+                  BLOCK_N=min(cfg["BLOCK_N"], g), K_BITS=8 * kc.shape[-1] // g,
+                  V_BITS=8 * vc.shape[-1] // HEAD_DIM, SPLIT=split, SPLIT_MAX=split, BLOCK_M=16,
+                  PREFETCH=cfg["PREFETCH"], HAS_BIAS=False, HAS_K_PLAIN=False,
+                  INPUT_PRECISION=cfg["INPUT_PRECISION"], SM_SCALE=scale, KVARN_SRC=0)
+        kcs_, vcs_ = cols if cols is not None else (kcs, vcs)
+        tensors = {"Q": q_rot, "KC": kc, "KRS": krs, "KRZ": krz, "KCS": kcs_, "VC": vc,
+                   "VRS": vrs, "VRZ": vrz, "VCS": vcs_, "NT": nt, "KVLO": lo, "KVHI": hi,
+                   "LSE": torch.full((b, GQA_Q_HEADS, 1, split), float("-inf"), device=q.device)}
+        key = "kvarn_decode.py.jinja"
+        if key not in kernels:
+            kernels[key] = render_standalone(key, tensors, ce, tmp)
+        o = torch.empty(b, GQA_Q_HEADS, 1, split, HEAD_DIM, device=q.device)
         grid = (b * KV_HEADS, split, 1)
-        for label, cols in (("dual_scale", (kcs, vcs)),
-                            ("single_scale_proxy", (kcs[:, :, :1].expand_as(kcs),
-                                                    vcs[:, :, :1].expand_as(vcs)))):
-            tensors = {"Q": q_rot, "KC": kc, "KRS": krs, "KRZ": krz, "KCS": cols[0], "VC": vc,
-                       "VRS": vrs, "VRZ": vrz, "VCS": cols[1], "NT": nt, "KVLO": lo, "KVHI": hi,
-                       "LSE": torch.full((b, GQA_Q_HEADS, 1, split), float("-inf"), device=q.device)}
-            o = torch.empty(b, GQA_Q_HEADS, 1, split, HEAD_DIM, device=q.device)
-            out[label] = _bench_ms(lambda: launch_standalone(kernel, tensors, o, grid, ce))
+        w = cfg["num_warps"]
+        row = _bench_ms(lambda: launch_standalone(kernels[key], tensors, o, grid,
+                                                  dict(ce, num_warps=w)))
+        row.update({k: v for k, v in cfg.items()}, SPLIT=split)
+        # the merged output, against the first config timed (the same math in every config)
+        merged, _ = combine_splits(o, tensors["LSE"])
+        if cols is None:
+            first = outputs.setdefault("first", merged)
+            row["max_rel_diff_vs_first"] = float((merged - first).abs().max()
+                                                 / first.abs().max().clamp_min(1e-30))
+        return row
+
+    return time_config, (kcs, vcs)
+
+
+def _single_vs_dual(time_config, cols) -> dict:
+    """The decode template's dual column scales vs a single-scale proxy (one tile's column
+    scales for every tile: those loads stay in cache), in the lowering's default config."""
+    kcs, vcs = cols
+    cfg = dict(SWEEP[0])
+    out = {"dual_scale": time_config(cfg),
+           "single_scale_proxy": time_config(cfg, (kcs[:, :, :1].expand_as(kcs),
+                                                   vcs[:, :, :1].expand_as(vcs)))}
     out["dual_over_single"] = out["dual_scale"]["ms_median"] / out["single_scale_proxy"]["ms_median"]
-    out["config"] = {k: ce[k] for k in ("BLOCK_N", "BLOCK_M", "SPLIT")}
     return out
+
+
+def template_sweep(time_config, nbytes: int) -> list[dict]:
+    """Every SWEEP config of the decode template, fastest first (GB/s of packed bytes)."""
+    rows = []
+    for cfg in SWEEP:
+        try:
+            rows.append(_with_gbps(time_config(cfg), nbytes))
+        except Exception as err:  # noqa: BLE001 - a config that fails to compile is a result
+            rows.append(dict(cfg, error=f"{type(err).__name__}: {err}"[:300]))
+    return sorted(rows, key=lambda r: r.get("ms_median", float("inf")))
 
 
 def _tile_quantize(cfg, batch: int, device: str) -> dict:
@@ -193,7 +239,10 @@ def run_case(cfg, batch: int, tokens: int, device: str = "cuda") -> dict:
             row["kvarn"]["speedup_vs_sdpa_fp16"] = row["sdpa_fp16"]["ms_median"] / row["kvarn"]["ms_median"]
         if "flex_decoding" in row:
             row["kvarn"]["speedup_vs_flex"] = row["flex_decoding"]["ms_median"] / row["kvarn"]["ms_median"]
-        row["scales"] = _single_vs_dual(st, n_tiles, scale)
+        time_config, cols = _template_standalone(st, scale)
+        row["scales"] = _single_vs_dual(time_config, cols)
+        if SWEEP_LENGTHS is None or tokens in SWEEP_LENGTHS:
+            row["template_sweep"] = template_sweep(time_config, packed_bytes)
         quant = _tile_quantize(cfg, batch, device)
         row["tile_quantize"] = quant
         row["tile_quantize_share_of_G_decode_steps"] = quant["ms_median"] / (
@@ -213,9 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="only 4k, 32k and 128k at batch 1")
     p.add_argument("--out", default=None, help="also write the JSON here after every case")
     p.add_argument("--no-cudagraph", action="store_true", help="time with do_bench, not graphs")
+    p.add_argument("--sweep-lengths", type=int, nargs="*", default=None,
+                   help="lengths at which to time every SWEEP config of the decode template "
+                        "(default: all; --quick: 32768 and 131072)")
     args = p.parse_args(argv)
-    global USE_CUDAGRAPH
+    global USE_CUDAGRAPH, SWEEP_LENGTHS
     USE_CUDAGRAPH = not args.no_cudagraph
+    SWEEP_LENGTHS = args.sweep_lengths
+    if args.quick and SWEEP_LENGTHS is None:
+        SWEEP_LENGTHS = [32768, 131072]
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0

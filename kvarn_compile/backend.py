@@ -31,8 +31,8 @@ from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
 from kvarn_compile.cache_book import CacheBook, _Site
 from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
-from kvarn_compile.ops.buffers import claim, releasable, release_storage
-from kvarn_compile.ops.dispatch import deferred_checks
+from kvarn_compile.ops.buffers import claim, mark_seen, releasable, release_storage
+from kvarn_compile.ops.dispatch import cuda_checks_deferred, deferred_checks
 from kvarn_compile.report import Report, rewrite_context, run_rewrite
 from kvarn_compile.state import (
     MIN_GROWN_SLOTS, LayerState, allocate_layer, grow_axis_indices,
@@ -260,6 +260,15 @@ class KVarNBackend:
         growth = [(i, sizer(kw["tokens"], gm), kw["fresh"]) for i, (_, kw) in enumerate(sites)
                   if site_states[i].growable]
         n_args = len(example_inputs)
+        # a decode graph on CUDA (every site appends one token per call to a state that never
+        # grows, single-device) runs without a host sync (dispatch.deferred_checks): its
+        # states are static inputs, so CUDA graphs capture it; their device flags are read
+        # after each call, replayed or not
+        capturable = (any(isinstance(t, torch.Tensor) and t.is_cuda for t in extra)
+                      and all(loc.new_tokens == 1 for loc in ctx.locations)
+                      and not any(st.growable for st in site_states)
+                      and self.context_parallel is None and cuda_checks_deferred())
+        _mark_added_inputs(new_gm, len(extra), capturable)
 
         def compile_with(g: fx.GraphModule, inputs: list[Any]):
             # inputs[n_args:] are the states' current buffers (the knob tuner recompiles later)
@@ -301,7 +310,8 @@ class KVarNBackend:
             if states and states[0].buffers[0].is_cuda:
                 # every layer's decode append and attention without host syncs; their device
                 # error flags read once, after the step
-                with deferred_checks(f"graph {graph_id}"):
+                with deferred_checks(f"graph {graph_id}",
+                                     states[0].buffers[0].device if capturable else None):
                     out = compiled(*args, *flat.buffers(states))
             else:
                 out = compiled(*args, *flat.buffers(states))
@@ -317,6 +327,7 @@ class KVarNBackend:
                 if releasable(args[i]):
                     site.released_bytes += release_storage(args[i])
                 else:
+                    mark_seen(args[i])      # adopt_ reads it again only once it is written
                     self._note_kept(args[i])
             return out
 
@@ -496,11 +507,39 @@ def sizer(tokens: Any, gm: fx.GraphModule) -> Callable[[tuple[Any, ...]], int]:
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (Dynamo keeps using the original); its
-    Python code is generated when first needed (the compiler hashes it once anyway)."""
+    Python code is generated when first needed (the compiler hashes it once anyway).
+
+    Dynamo's metadata comes along (the graph's ``meta``, ``_param_name_to_source``, each
+    placeholder's ``_dynamo_source``): AOTAutograd reads it to tell static inputs
+    (parameters, buffers, tensors marked static such as a StaticCache's) from the others,
+    and CUDA graphs copy every input that is not static into the graph on every replay, and
+    skip a graph that mutates one (the packed states): without it no kvarn graph ran under
+    ``mode="reduce-overhead"``. Placeholders the pass adds get their own (see
+    :func:`_mark_added_inputs`)."""
     graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    copies: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, copies)
     graph.output(out)
-    return lazy_graph_module(gm, graph)
+    new = lazy_graph_module(gm, graph)
+    new.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if hasattr(node, "_dynamo_source"):
+            copies[node]._dynamo_source = node._dynamo_source
+    return new
+
+
+def _mark_added_inputs(gm: fx.GraphModule, added: int, static: bool) -> None:
+    """Dynamo's metadata for the ``added`` placeholders the pass appended (the packed states'
+    buffers): no user source; ``static``: their addresses never change between calls (a
+    state that does not grow), which CUDA graphs may then read and mutate in place."""
+    if not hasattr(gm, "_param_name_to_source") or added <= 0:
+        return
+    for node in gm.graph.find_nodes(op="placeholder")[-added:]:
+        node._dynamo_source = None
+        if static:
+            node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
 
 
 def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int | None = None,

@@ -15,7 +15,8 @@ Both get the same prompt (prefilled in chunks of ``--chunk`` tokens), then ``--s
 teacher-forced single-token decode steps with the same tokens. Reported per side: prefill
 seconds including compile, the first two steps (compile, graph capture), then the median,
 p20 and p80 of the remaining steps (CUDA-synchronized wall time), and ``plain_over_kvarn``
-(> 1: kvarn is faster). ``logits_rel_diff`` is the largest difference between the two sides'
+(> 1: kvarn is faster), and ``cudagraph_skips``: graphs CUDA graphs did not capture (run
+with ``TORCH_LOGS=perf_hints`` for the reasons). ``logits_rel_diff`` is the largest difference between the two sides'
 decode logits over the largest plain logit: with random weights it checks that the packed path
 computes the same model, not quality (``kvarn-compile eval`` measures quality).
 
@@ -130,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                     backend = kvarn_backend(args.preset, max_cache_len=length + args.steps,
                                             mode=args.mode)
                     model.compile(backend=backend)
+                skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
                 row[side] = _run(model, length, args.steps, args.chunk, dtype, args.device)
+                # graphs CUDA graphs skipped (the reasons: TORCH_LOGS=perf_hints)
+                row[side]["cudagraph_skips"] = \
+                    torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips
                 if side == "kvarn":
                     row[side]["sites_rewritten"] = len(backend.report.rewritten)
                     row[side]["state_bytes"] = backend.nbytes

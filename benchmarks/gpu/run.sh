@@ -102,9 +102,9 @@ print(json.dumps(env, indent=1))
 EOF
 cat "$OUT/env.json" >&2
 
-# Most telling first: a captured decode step, the kernel benchmark, the model end to end, the
-# Inductor template tests, then the Triton kernel tests (each variant compiles: the longest
-# step). Every pytest log goes to tests.log.
+# Most telling first: the kernel benchmark (with its sweep of the decode template's configs),
+# the model end to end, the Triton kernel tests, a captured decode step, the Inductor
+# template tests. Every pytest log goes to tests.log.
 run_tests() {   # run_tests LABEL PYTEST-ARGS...: appended to tests.log under a header
     local label="$1"; shift
     echo "===== $label" >> "$OUT/tests.log"
@@ -116,12 +116,14 @@ run_tests() {   # run_tests LABEL PYTEST-ARGS...: appended to tests.log under a 
         >> "$OUT/tests.log" 2>&1
 }
 export -f run_tests; export OUT PY
-step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
-step bench_decode_attention 100 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
+# the files that hold GPU-marked tests (collecting the whole tree takes longer than the step)
+GPU_FILES=$(grep -rl "pytest.mark.gpu" tests --include="test_*.py" | sort)
+step bench_decode_attention 200 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
     --out "$OUT/bench_decode_attention_gpu.json" > /dev/null
-step e2e_decode 150 "$PY" benchmarks/gpu/e2e_decode.py --lengths 4096 32768 \
+step e2e_decode 170 env TORCH_LOGS=perf_hints "$PY" benchmarks/gpu/e2e_decode.py --lengths 4096 32768 \
     --out "$OUT/e2e_decode_gpu.json" > /dev/null
-step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu tests "${IGNORE[@]}" --continue-on-collection-errors
 step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_triton.py
+step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
+step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu $GPU_FILES "${IGNORE[@]}" --continue-on-collection-errors
 tail -5 "$OUT/tests.log" >&2 2>/dev/null
 cat "$summary" >&2

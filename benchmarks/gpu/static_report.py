@@ -22,8 +22,9 @@ Per kernel and config:
   registers, allocated per warp in units of 256), shared memory (228 KiB, 1 KiB reserved per
   CTA), 64 warps and 32 CTAs;
 * ``loop_instructions``: SASS instructions executed per thread for one packed tile: the body of
-  the outermost loop (a backward branch in the SASS), with a nested inner loop counted as
-  often as it runs per tile (G // BLOCK_N for the templates); ``loop_global_loads``: the
+  the outermost loop (a backward branch in the SASS) times the runs of that loop per tile
+  (G // BLOCK_N for the decode loop, which walks BLOCK_N tokens a step), with a nested inner
+  loop counted as often as it runs per tile (the prefill template); ``loop_global_loads``: the
   global loads in that body by width; ``widest_global_load`` (bytes, 16 = LDG.E.128);
 * ``tile_bytes``: bytes of codes and scales read per packed tile (K and V; the per-tile cost of
   the memory wall);
@@ -174,8 +175,10 @@ def _load_width(op: str) -> int | None:
     return width
 
 
-def loop_stats(text: str, inner_trips: int = 1) -> dict:
-    """Per-tile instruction count and global loads from SASS (see the module doc)."""
+def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
+    """Per-tile instruction count and global loads from SASS (see the module doc):
+    ``outer_trips`` times the outermost loop's body, a nested loop counted ``inner_trips``
+    times."""
     insns = _instructions(text)
     loops = []
     for addr, body in insns:
@@ -195,6 +198,7 @@ def loop_stats(text: str, inner_trips: int = 1) -> dict:
     total = count(*outer)
     for lo, hi in inner:
         total += (inner_trips - 1) * count(lo, hi)
+    total *= outer_trips
     loads: dict[str, int] = {}
     widest = None
     for a, body in insns:
@@ -202,7 +206,7 @@ def loop_stats(text: str, inner_trips: int = 1) -> dict:
             op = re.sub(r"^@!?U?P\w+\s+", "", body)
             w = _load_width(op)
             if w is not None:
-                trips = inner_trips if any(lo <= a <= hi for lo, hi in inner) else 1
+                trips = outer_trips * (inner_trips if any(lo <= a <= hi for lo, hi in inner) else 1)
                 key = f"{w}B" + ("_async" if op.startswith("LDGSTS") else "")
                 loads[key] = loads.get(key, 0) + trips
                 widest = w if widest is None else max(widest, w)
@@ -242,10 +246,12 @@ class Case:
     compile: object               # () -> compiled kernel
     warps: int
     nbytes: int | None = None     # codes + scales per tile (decode)
-    inner_trips: int = 1
+    inner_trips: int = 1          # runs of a nested loop per run of the outer loop
+    outer_trips: int = 1          # runs of the outer loop per tile (decode: G // BLOCK_N chunks)
 
 
-def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=False, block_m=16):
+def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=False, block_m=16,
+                        block_n=64):
     from kvarn_compile.kernels.triton import attention as A
 
     def build():
@@ -265,15 +271,15 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
         return A._kvarn_decode_attn_kernel.warmup(
             q, *q.stride()[:3], kc, krs, krs, kcs, vc, vrs, vrs, vcs, nt, nt, nt, q, 0, 0, 0,
             q, kp, o, lse, 1.0, h, n, 1, GROUP_Q=hq // h, D=d, BLOCK_D=d, G=g, K_BITS=kb,
-            V_BITS=vb, SPLIT=split, BLOCK_M=block_m, HAS_KV_START=False, HAS_KV_END=False,
+            V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=True, HAS_KV_START=False, HAS_KV_END=False,
             HAS_BIAS=False, HAS_K_PLAIN=plain,
             INPUT_PRECISION=precision, grid=(1,), num_warps=4, num_stages=1)
 
     cfg = dict(kernel="_kvarn_decode_attn_kernel", k_bits=kb, v_bits=vb, D=d, G=g,
-               group_q=hq // h, BLOCK_M=block_m, input_precision=precision, k_plain=plain,
-               num_warps=4)
+               group_q=hq // h, BLOCK_M=block_m, BLOCK_N=block_n, input_precision=precision,
+               k_plain=plain, num_warps=4)
     return Case(f"decode_kernel_k{kb}v{vb}_d{d}g{g}_{precision}" + ("_plain" if plain else ""), "decode",
-                cfg, build, 4, tile_bytes(d, g, kb, vb))
+                cfg, build, 4, tile_bytes(d, g, kb, vb), outer_trips=g // block_n)
 
 
 def _combine_case(split=16, d=128):
@@ -315,7 +321,8 @@ def _quantize_case(kind, bits, *, d=128, g=128, iters_on=True):
 
 
 def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=128, g=128,
-                   hq=32, h=8, tq=1, split=4, num_warps=4, num_stages=1, bias=False, plain=False):
+                   hq=32, h=8, tq=1, split=4, num_warps=4, num_stages=1, bias=False, plain=False,
+                   prefetch=True):
     from kvarn_compile.lowering.tile_templates import render_standalone
 
     family = "decode" if template.startswith("kvarn_decode") else "prefill"
@@ -341,6 +348,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
         out = torch.zeros(b, hq, tq, split_max, d)
         ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=d, G=g, BLOCK_N=block_n, K_BITS=kb, V_BITS=vb,
                   SPLIT=split if family == "decode" else 1, SPLIT_MAX=split_max, BLOCK_M=block_m,
+                  PREFETCH=int(prefetch),
                   HAS_BIAS=bias, HAS_K_PLAIN=plain, INPUT_PRECISION=precision, SM_SCALE=0.088,
                   KVARN_SRC=0)
         kernel = render_standalone(template, tensors, ce, _RENDER_DIR)
@@ -352,12 +360,15 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
     cfg = dict(kernel=template.split(".")[0] + "_template", k_bits=kb, v_bits=vb, D=d, G=g,
                group_q=hq // h, TQ=tq, BLOCK_N=block_n, BLOCK_M=block_m,
                input_precision=precision, bias=bias, k_plain=plain, num_warps=num_warps,
-               num_stages=num_stages)
+               num_stages=num_stages, prefetch=prefetch)
     name = f"{template.split('.')[0]}_k{kb}v{vb}_n{block_n}_m{block_m}" + ("_bias" if bias else "") \
-        + ("_plain" if plain else "")
+        + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") \
+        + ("_noprefetch" if not prefetch and family == "decode" else "") \
+        + (f"_w{num_warps}" if num_warps != 4 else "")
     return Case(name, family, cfg, build, num_warps,
                 tile_bytes(d, g, kb, vb) if family == "decode" else None,
-                inner_trips=g // block_n)
+                inner_trips=1 if family == "decode" else g // block_n,
+                outer_trips=g // block_n if family == "decode" else 1)
 
 
 _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
@@ -369,6 +380,7 @@ def cases(quick: bool) -> list[Case]:
     widths and precisions, the autotune configs, the combine kernel and the prefill template."""
     out = [
         _decode_kernel_case(4, 2, "tf32"),     # tf32: the precision of the tile_partials_ op
+        _decode_kernel_case(4, 2, "fp16"),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16),
         _quantize_case("k", 4),
         _quantize_case("k", 4, d=64, g=64),
@@ -389,6 +401,10 @@ def cases(quick: bool) -> list[Case]:
         _combine_case(),
         _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16,
+                       precision="fp16"),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16,
+                       prefetch=False),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=32, block_m=16, num_warps=8),
         _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256),
         _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
@@ -411,7 +427,7 @@ def report(case: Case, sass_dir: pathlib.Path | None = None) -> dict:
     text = sass(kernel)
     if sass_dir is not None:
         (sass_dir / f"{case.name}.sass").write_text(text)
-    row.update(loop_stats(text, case.inner_trips))
+    row.update(loop_stats(text, case.inner_trips, case.outer_trips))
     if case.nbytes is not None:
         row["tile_bytes"] = case.nbytes
         row["est_bandwidth_fraction"] = round(

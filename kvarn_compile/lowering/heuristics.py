@@ -32,10 +32,12 @@ class DecodeConfig:
     split: int        # tile-range splits walked in parallel (<= split_max)
     num_warps: int
     num_stages: int
+    prefetch: bool = True   # the next step's loads issued before this step's math
 
     def template_kwargs(self) -> dict[str, int]:
         return {"BLOCK_N": self.block_n, "BLOCK_M": self.block_m, "SPLIT": self.split,
-                "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "PREFETCH": int(self.prefetch), "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +111,9 @@ def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[
     else:
         splits = sorted({max(1, max_split >> k) for k in range(6)})
         candidates = [default] + [
-            DecodeConfig(bn, block_m, s, w, st)
-            for bn, s, w, st in itertools.product((16, 32, 64, 128), splits, (2, 4, 8), (1, 2, 3))]
+            DecodeConfig(bn, block_m, s, w, st, pf)
+            for bn, s, w, st, pf in itertools.product((16, 32, 64, 128), splits, (2, 4, 8),
+                                                      (1, 2, 3), (True, False))]
     keep = [c for c in candidates if c.block_n <= group and group % c.block_n == 0
             and 1 <= c.split <= max_split]
     return list(dict.fromkeys(keep))

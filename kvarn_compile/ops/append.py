@@ -449,10 +449,12 @@ def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Te
     sequence; otherwise (or for a view the caller cannot free) only a state that does not
     continue at p is restarted. ``append``: the append to use (default :func:`append_`).
     """
-    from kvarn_compile.ops.buffers import managed, unwritten_since_release
+    from kvarn_compile.ops.buffers import managed, unchanged_since_seen, unwritten_since_release
 
     if unwritten_since_release(cache_k) and unwritten_since_release(cache_v):
         return                                       # released, nothing written since (fast path)
+    if unchanged_since_seen(cache_k) and unchanged_since_seen(cache_v):
+        return                                       # kept, not written since the last call took it in
     starts = start_pos.tolist()
     p = starts[0]
     if p <= 0 or any(s != p for s in starts) or p > cache_k.shape[2]:

@@ -30,6 +30,7 @@ import sys
 import torch
 
 __all__ = ["releasable", "release_storage", "released", "claim", "managed", "unwritten_since_release",
+           "mark_seen", "unchanged_since_seen",
            "freeable_bytes", "is_freed", "resident_bytes"]
 
 _PAGE = mmap.PAGESIZE
@@ -37,6 +38,7 @@ _MADV_DONTNEED = 4
 _RELEASED = "_kvarn_released"       # attributes on the UntypedStorage: bytes returned to the OS,
 _MANAGED = "_kvarn_managed"         # "freed after every call" (see claim),
 _VERSION = "_kvarn_version"         # and the tensor's version counter right after its release
+_SEEN = "_kvarn_seen"               # the version counter of a kept buffer after a call read it
 _madvise_fn = None
 
 
@@ -157,6 +159,19 @@ def released(tensor: torch.Tensor) -> bool:
     been written again since)."""
     return isinstance(tensor, torch.Tensor) and \
         getattr(tensor.untyped_storage(), _RELEASED, None) is not None
+
+
+def mark_seen(tensor: torch.Tensor) -> None:
+    """Record that a compiled call has taken in what ``tensor`` (a model-owned buffer kept in
+    full precision, e.g. on CUDA, where it cannot be freed) holds now: its version counter."""
+    setattr(tensor.untyped_storage(), _SEEN, tensor._version)
+
+
+def unchanged_since_seen(tensor: torch.Tensor) -> bool:
+    """True when no in-place op has run on ``tensor`` (or a view of its buffer) since
+    :func:`mark_seen`: a host-side test (the version counter), no read of the data, so a
+    step that asks it can be captured in a CUDA graph."""
+    return getattr(tensor.untyped_storage(), _SEEN, None) == tensor._version
 
 
 def unwritten_since_release(tensor: torch.Tensor) -> bool:

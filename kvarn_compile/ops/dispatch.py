@@ -42,7 +42,7 @@ from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu",
-           "cuda_checks_on", "deferred_checks", "raise_device_errors"]
+           "cuda_checks_on", "cuda_checks_deferred", "deferred_checks", "raise_device_errors"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
@@ -218,16 +218,25 @@ def _single_token_checks_on(device: torch.device) -> bool:
     return not (_DEFERRED.depth and _checks_setting() == "auto")
 
 
+def cuda_checks_deferred() -> bool:
+    """True when :func:`deferred_checks` blocks run their single-token steps without host
+    checks (``KVARN_CUDA_CHECKS`` is "auto" or "0"): what a CUDA graph capture of a compiled
+    decode step needs."""
+    return _checks_setting() != "host"
+
+
 @contextlib.contextmanager
-def deferred_checks(name: str = ""):
+def deferred_checks(name: str = "", device: torch.device | None = None):
     """Run the single-token CUDA steps of a block (a compiled decode step: every layer's append
     and attention) without host synchronization, then read their device error flags once
     (one sync per block instead of several per layer) and raise what the checked mode would
     have. Steps over several tokens keep their host checks. Nested blocks read at the outermost
-    end; a block that raises clears the flags it may have set (its own error propagates)."""
+    end; a block that raises clears the flags it may have set (its own error propagates).
+    ``device``: read its flags in any case (a replayed CUDA graph runs no Python of the
+    steps, so they cannot say which devices they used)."""
     outer = _DEFERRED.depth == 0
     if outer:
-        _DEFERRED.devices = set()
+        _DEFERRED.devices = {torch.device(device)} if device is not None else set()
     _DEFERRED.depth += 1
     ok = False
     try:

@@ -69,7 +69,8 @@ class CacheLocation:
     positions in the graph's output of the handles standing for the ``cat``. ``perm``: the
     cache axes holding batch, heads, positions, head dim; ``adopts``: the rewritten graph
     hands the buffers to ``kvarn::append_from_``/``adopt_``, which takes over tokens a
-    full-precision forward wrote there.
+    full-precision forward wrote there; ``new_tokens``: the tokens one call appends, when
+    the graph fixes it (1: a decode step), else None.
     """
 
     kind: str
@@ -81,6 +82,7 @@ class CacheLocation:
     perm: tuple[int, int, int, int] = (0, 1, 2, 3)
     batch: int = 1
     adopts: bool = False
+    new_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -319,6 +321,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim, max_len=max_len,
                               dtype=raw.dtype, device=raw.device, **growth)
         loc = _location(m, name, placeholders)
+        new_tokens = raw.shape[m.perm[2]]
+        loc.new_tokens = new_tokens if isinstance(new_tokens, int) else None
         ctx.locations.append(loc)
         # 1. the state's buffers become graph inputs (keyed mode: a constant key instead)
         bufs: list[fx.Node] = []

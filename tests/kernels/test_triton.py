@@ -288,6 +288,33 @@ def test_decode_attention_matches_oracle(group_q, tq, split, kb, vb):
     assert_attention_close(out, lse, *oracle_attention(q, k, v, n_tiles, d ** -0.5))
 
 
+@pytest.mark.parametrize("precision", ["ieee", "fp16"])
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_decode_attention_steps_prefetch_and_fp16_codes(block_n, prefetch, precision):
+    """Tiles walked in G // BLOCK_N steps (2 and 4 per 64-token tile), with and without the
+    next step's loads issued early, exact fp32 dots and fp16 operands (codes as 1024 + code,
+    the 1024 * rowsum taken off): the oracle, per-row tile counts incl. 0, a window bound
+    inside a tile, more splits than some rows have tiles."""
+    b, h, n, g, d, group_q = 3, 2, 3, 64, 64, 4
+    k, v = make_cache(b, h, n, g, d, 4, 2)
+    q = torch.randn(b, h * group_q, 1, d, device=DEV) * 2
+    n_tiles = torch.tensor([3, 0, 2], device=DEV)
+    kv_start = torch.tensor([[0], [0], [70]], device=DEV)
+    out, lse = kvarn_decode_attention_tiles(q, k, v, n_tiles, scale=d ** -0.5, num_splits=2,
+                                            kv_start=kv_start, block_n=block_n,
+                                            prefetch=prefetch, input_precision=precision)
+    ref_out, ref_lse = oracle_attention(q, k, v, n_tiles, d ** -0.5, kv_start)
+    if precision == "ieee":
+        assert_attention_close(out, lse, ref_out, ref_lse)
+    else:   # operands rounded to 11 significant bits, fp32 sums
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isneginf(lse.cpu()), ~fin)
+        mag = ref_out.abs().max().item()
+        torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=3e-3 * mag)
+        torch.testing.assert_close(lse.double().cpu()[fin], ref_lse[fin], rtol=0, atol=3e-3)
+
+
 @pytest.mark.parametrize("split", [1, 4])
 def test_decode_attention_window_and_empty_splits(split):
     """kv_start lower bounds (incl. a fully masked query row), more splits than tiles."""

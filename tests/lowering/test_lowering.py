@@ -13,6 +13,7 @@ Every compile runs without the FX/AOT graph caches (a cache hit would skip the l
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -280,7 +281,7 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
     out = torch.full((b, 2 * h, tq, split_max, d), float("nan"), device=device)
     block_m = 16
     ce = dict(GROUP_Q=2, D=d, BLOCK_D=16, G=kcs.shape[-1], BLOCK_N=block_n, K_BITS=4, V_BITS=2,
-              SPLIT=split, SPLIT_MAX=split_max, BLOCK_M=block_m, HAS_BIAS=bias is not None,
+              SPLIT=split, SPLIT_MAX=split_max, BLOCK_M=block_m, PREFETCH=1, HAS_BIAS=bias is not None,
               HAS_K_PLAIN=frames, INPUT_PRECISION="ieee", SM_SCALE=0.3, KVARN_SRC=1)
     kernel = render_standalone(template, tensors, ce, tmp_path)
     if template.startswith("kvarn_decode"):
@@ -306,9 +307,13 @@ def test_templates_open_with_a_glossary_and_import_the_shared_helpers():
         for constexpr in ("GROUP_Q", "BLOCK_N", "BLOCK_M", "SPLIT", "SPLIT_MAX", "G", "K_BITS",
                           "HAS_BIAS", "HAS_K_PLAIN", "INPUT_PRECISION"):
             assert f"#   {constexpr}" in glossary, (name, constexpr)
-        for helper in ("_load_k_tile_scores", "_accumulate_v_tile", "_online_softmax_step"):
+        helpers = (("_decode_range",) if name.startswith("kvarn_decode") else
+                   ("_load_k_tile_scores", "_accumulate_v_tile", "_online_softmax_step"))
+        for helper in helpers:
             assert helper in text.split("from kvarn_compile.kernels.triton.attention import")[1]
             assert hasattr(kernels, helper)
+    # the decode template's loop is the standalone kernel's: one body, not a copy
+    assert "_decode_range(" in inspect.getsource(kernels._kvarn_decode_attn_kernel.fn)
     for grid in (templates.kvarn_decode_grid, templates.kvarn_prefill_grid):
         assert grid.__doc__.startswith("How is this kernel parallelized?")
 

@@ -273,3 +273,36 @@ def test_deferred_checks_clear_their_flags_when_the_block_raises(monkeypatch):
                   torch.randn(1, 2 * H, 1, D))
             raise KeyError("own")
     dispatch.raise_device_errors("cpu")                     # nothing left behind
+
+
+def test_a_kept_cache_buffer_is_adopted_once_then_not_read_until_written(monkeypatch):
+    """A model-owned cache buffer that cannot be freed (on CUDA, every one) is taken in by the
+    decode step's ``adopt_`` once; after the call has seen it (``mark_seen``), the next steps
+    decide from its version counter alone, without reading it (a CUDA graph can capture
+    them), until something writes it again."""
+    from kvarn_compile.ops.buffers import mark_seen, unchanged_since_seen
+
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "0")
+    st = allocate_layer(get_config("k4v2", group_size=G), batch=1, kv_heads=H, head_dim=D,
+                        max_len=192, dtype=torch.float32)
+    p = G + 40
+    cache_k, cache_v = torch.zeros(1, H, 192, D), torch.zeros(1, H, 192, D)
+    cache_k[:, :, :p], cache_v[:, :, :p] = torch.randn(1, H, p, D), torch.randn(1, H, p, D)
+
+    def adopt():
+        append_ref.adopt_(st.buffers, cache_k, cache_v, torch.tensor([p]), "kvarn", 8, 0, 0,
+                          False, "layer", False)
+
+    with HostSyncDetector(strict=False) as seen:
+        adopt()                                   # an eager prefill wrote it: read, adopted
+    assert seen.calls and int(unpack(st.buffers).lengths[0]) == p
+    mark_seen(cache_k)
+    mark_seen(cache_v)
+    with HostSyncDetector():
+        adopt()                                   # nothing written since: not read
+    assert int(unpack(st.buffers).lengths[0]) == p
+    cache_k[:, :, 0] += 1.0                       # written again (a reset, an eager forward)
+    assert not unchanged_since_seen(cache_k)
+    with HostSyncDetector(strict=False) as seen:
+        adopt()
+    assert seen.calls, "a written buffer must be read again"

@@ -203,6 +203,173 @@ def _online_softmax_step(s, m_i, l_i, acc):
 
 
 # ------------------------------------------------------------------------------------------
+# The decode loop, shared by the standalone kernel and the decode template
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _unpack_bytes_f16(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
+    """uint8 bytes [R, NC * BITS / 8] -> fp16 [R, NC] holding 1024 + code, exactly.
+
+    The exponent-bias conversion: a 16-bit word 0x6400 | c is the fp16 number 1024 + c for
+    any c < 1024 (0x6400 is 1024; c fills the low significand bits), so a code becomes an
+    fp16 operand by two integer ops (mask, or) and a bitcast, without an int -> float
+    conversion instruction. The 1024 * sum(a) it adds to a dot is removed by the caller
+    (:func:`_packed_dot`)."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    x = byte.to(tl.int16)
+    if PER == 1:
+        w = x | 0x6400
+    elif PER == 2:
+        w = tl.reshape(tl.join((x & MASK) | 0x6400, (x >> 4) | 0x6400), [R, NC])
+    else:
+        w = tl.reshape(tl.join(tl.join((x & MASK) | 0x6400, ((x >> 4) & MASK) | 0x6400),
+                               tl.join(((x >> 2) & MASK) | 0x6400, (x >> 6) | 0x6400)), [R, NC])
+    return w.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _packed_dot(a, byte, zero_terms, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
+    """a [M, R] @ codes [R, NC] + rowsum(zero_terms) [M, 1], codes unpacked from uint8 byte.
+
+    "fp16": a rounded to fp16 (tf32's significand, fp16's range), codes as 1024 + code
+    (:func:`_unpack_bytes_f16`), fp32 sums; the 1024 * rowsum(fp16(a)) this adds is taken
+    off with the zero terms in the same reduction. "ieee" / "tf32": int -> fp32 codes (exact)
+    and a dot at that precision.
+    """
+    if INPUT_PRECISION == "fp16":
+        a_h = a.to(tl.float16)
+        out = tl.dot(a_h, _unpack_bytes_f16(byte, R, NC, BITS), out_dtype=tl.float32)
+        z = tl.sum(zero_terms - 1024.0 * a_h.to(tl.float32), axis=1)
+    else:
+        codes = _unpack_bytes(byte.to(tl.int32), R, NC, BITS).to(tl.float32)
+        out = tl.dot(a, codes, input_precision=INPUT_PRECISION)
+        z = tl.sum(zero_terms, axis=1)
+    return out + z[:, None]
+
+
+@triton.jit
+def _load_chunk(kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+                s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp, it, ok,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr):
+    """Issue every load of chunk ``it``: tokens (it % CH) * BLOCK_N + [0, BLOCK_N) of tile
+    it // CH (CH = G // BLOCK_N), K and V sides. ``ok`` (0/1 int) = 0 reads nothing (zeros).
+
+    Returns (K bytes [BLOCK_D, BLOCK_N * K_BITS / 8], K rs [BLOCK_D], K rz [BLOCK_D], K cs
+    [BLOCK_N], V bytes [BLOCK_N, BLOCK_D * V_BITS / 8], V rs [BLOCK_N], V rz [BLOCK_N],
+    V cs [BLOCK_D], key frame flag), as stored (uint8 codes, scales in their dtype). Each
+    row of codes is one contiguous run of bytes (16-byte vector loads)."""
+    CH: tl.constexpr = G // BLOCK_N
+    KPER: tl.constexpr = 8 // K_BITS
+    K_ROW: tl.constexpr = G * K_BITS // 8
+    V_ROW: tl.constexpr = D * V_BITS // 8
+    j = (it // CH).to(tl.int64)
+    c0 = (it % CH) * BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_kb = tl.arange(0, BLOCK_N // KPER)
+    offs_vb = tl.arange(0, BLOCK_D * V_BITS // 8)
+    d_ok = offs_d < D * ok
+    n_ok = offs_n < BLOCK_N * ok
+    kbyte = tl.load(kc + j * s_kc + offs_d[:, None] * K_ROW + (c0 // KPER + offs_kb)[None, :],
+                    mask=d_ok[:, None], other=0)
+    k_rs = tl.load(krs + j * s_krs + offs_d, mask=d_ok, other=0.0)
+    k_rz = tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0)
+    k_cs = tl.load(kcs + j * s_kcs + c0 + offs_n, mask=n_ok, other=0.0)
+    v_ptrs = vc + j * s_vc + (c0 + offs_n)[:, None] * V_ROW + offs_vb[None, :]
+    if BLOCK_D == D:
+        vbyte = tl.load(v_ptrs, mask=n_ok[:, None], other=0)
+    else:
+        vbyte = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_vb < V_ROW)[None, :], other=0)
+    v_rs = tl.load(vrs + j * s_vrs + c0 + offs_n, mask=n_ok, other=0.0)
+    v_rz = tl.load(vrz + j * s_vrz + c0 + offs_n, mask=n_ok, other=0.0)
+    v_cs = tl.load(vcs + j * s_vcs + offs_d, mask=d_ok, other=0.0)
+    if HAS_K_PLAIN:
+        plain = tl.load(kp + j * s_kp * ok).to(tl.int32) * ok
+    else:
+        plain = ok * 0
+    return kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs, plain
+
+
+@triton.jit
+def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+                  s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
+                  start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
+                  BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
+                  V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+    """Online-softmax attention of the query block q [BLOCK_M, BLOCK_D] (rotated, fp32) over
+    packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units.
+
+    The per-tile pointers (kc .. vcs, kp) address tile 0 of this (batch row, kv head); s_*
+    are their tile strides. The range is walked BLOCK_N tokens ("a chunk") at a time, and
+    with PREFETCH the loads of chunk i + 1 are issued before chunk i is computed, so they
+    are in flight during its two dots and its softmax (register double buffering; Triton
+    does not pipeline loads that feed in-register unpacking by itself). Per chunk, with the
+    dual-scale fold of the module doc::
+
+        s   = qk_scale * cs_k * ((q * rs_k) @ code_k + rowsum(q * rz_k))
+        acc = acc * alpha + cs_v * ((p * rs_v) @ code_v + rowsum(p * rz_v))
+
+    Masks: query row m sees token t (= tile * G + offset) when kv_lo[m] <= t (HAS_LO) and
+    t < kv_hi[m] (HAS_HI); HAS_BIAS adds bias_rows[m] + t * s_bias (natural-log units) to
+    the score. HAS_K_PLAIN: a tile whose kp flag is 1 is scored with q_plain.
+    """
+    CH: tl.constexpr = G // BLOCK_N
+    LOG2E: tl.constexpr = 1.4426950408889634
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    it0 = start * CH
+    it1 = end * CH
+    if PREFETCH:
+        kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs, plain = _load_chunk(
+            kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs,
+            s_vrz, s_vcs, s_kp, it0, (it0 < it1).to(tl.int32), D, BLOCK_D, G, BLOCK_N, K_BITS,
+            V_BITS, HAS_K_PLAIN)
+    for it in range(it0, it1):
+        if PREFETCH:
+            c_kbyte, c_k_rs, c_k_rz, c_k_cs = kbyte, k_rs, k_rz, k_cs
+            c_vbyte, c_v_rs, c_v_rz, c_v_cs, c_plain = vbyte, v_rs, v_rz, v_cs, plain
+            # the next chunk's loads first (the last chunk reloads itself: never out of range)
+            kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs, plain = _load_chunk(
+                kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs,
+                s_vrz, s_vcs, s_kp, tl.minimum(it + 1, it1 - 1), (it < it1).to(tl.int32), D,
+                BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_K_PLAIN)
+        else:
+            c_kbyte, c_k_rs, c_k_rz, c_k_cs, c_vbyte, c_v_rs, c_v_rz, c_v_cs, c_plain = _load_chunk(
+                kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs,
+                s_vrz, s_vcs, s_kp, tl.minimum(it, it1 - 1), (it < it1).to(tl.int32), D, BLOCK_D, G, BLOCK_N,
+                K_BITS, V_BITS, HAS_K_PLAIN)
+        q_t = q
+        if HAS_K_PLAIN:
+            q_t = tl.where(c_plain != 0, q_plain, q)
+        rs = c_k_rs.to(tl.float32)
+        rz = c_k_rz.to(tl.float32)
+        s = _packed_dot(q_t * rs[None, :], c_kbyte, q_t * rz[None, :], BLOCK_D, BLOCK_N,
+                        K_BITS, INPUT_PRECISION) * (c_k_cs.to(tl.float32) * qk_scale)[None, :]
+        tok = it * BLOCK_N + offs_n
+        if HAS_BIAS:
+            bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
+                           mask=m_valid[:, None], other=0.0)
+            s = s + bias.to(tl.float32) * LOG2E
+        if HAS_LO:
+            s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
+        if HAS_HI:
+            s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
+        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+        v_rs_f = c_v_rs.to(tl.float32)
+        acc += _packed_dot(p * v_rs_f[None, :], c_vbyte, p * c_v_rz.to(tl.float32)[None, :],
+                           BLOCK_N, BLOCK_D, V_BITS, INPUT_PRECISION) \
+            * c_v_cs.to(tl.float32)[None, :]
+    return m_i, l_i, acc
+
+
+# ------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------
 @triton.jit
@@ -242,6 +409,8 @@ def _kvarn_decode_attn_kernel(
     V_BITS: tl.constexpr,           # V code width (2, 4, 8)
     SPLIT: tl.constexpr,            # splits of the tile range (grid axis 1)
     BLOCK_M: tl.constexpr,          # query rows per program, a power of two >= 16 (tl.dot)
+    BLOCK_N: tl.constexpr,          # tokens per loop step, a divisor of G >= 16
+    PREFETCH: tl.constexpr,         # issue the next step's loads before this step's math
     HAS_KV_START: tl.constexpr,     # a constexpr so the common decode case has no mask math
     HAS_KV_END: tl.constexpr,       # causal bound inside the quantized region (multi-token queries)
     HAS_BIAS: tl.constexpr,         # an additive mask over the quantized tokens
@@ -270,7 +439,6 @@ def _kvarn_decode_attn_kernel(
     tq = offs_m % Tq                  # query position of each row
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    offs_g = tl.arange(0, G)
 
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
                 + tq[:, None] * stride_qt + offs_d[None, :],
@@ -298,37 +466,25 @@ def _kvarn_decode_attn_kernel(
     start = first + split * per_split
     end = tl.minimum(start + per_split, last)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
     K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
     V_ROW_BYTES: tl.constexpr = D * V_BITS // 8
     head = (b.to(tl.int64) * H + h) * N  # flat index of tile 0 of (b, h)
-    for j in range(start, end):
-        tile = head + j
-        q_t = q
-        if HAS_K_PLAIN:   # this tile's keys are stored un-rotated: score with the plain query
-            q_t = tl.where(tl.load(k_plain_ptr + tile) != 0, q_plain, q)
-        s = _load_k_tile_scores(q_t, k_codes_ptr + tile * (D * K_ROW_BYTES),
-                                k_row_scale_ptr + tile * D, k_row_zero_ptr + tile * D,
-                                k_col_scale_ptr + tile * G,
-                                offs_d, 0, offs_g, d_mask, qk_scale, D, G, K_BITS, INPUT_PRECISION)
-        tok = j * G + offs_g
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + b.to(tl.int64) * stride_bb + hq[:, None].to(tl.int64) * stride_bh
-                           + tq[:, None] * stride_bt + tok[None, :].to(tl.int64),
-                           mask=m_valid[:, None], other=0.0)
-            s = s + bias * 1.4426950408889634     # natural-log units -> log2 units
-        if HAS_KV_START:
-            s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
-        if HAS_KV_END:
-            s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
-        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
-        acc = _accumulate_v_tile(acc, p, v_codes_ptr + tile * (G * V_ROW_BYTES),
-                                 v_row_scale_ptr + tile * G, v_row_zero_ptr + tile * G,
-                                 v_col_scale_ptr + tile * D,
-                                 offs_g, offs_d, d_mask, D, G, V_BITS, INPUT_PRECISION)
+    if not HAS_KV_START:
+        kv_lo = tq
+    if not HAS_KV_END:
+        kv_hi = tq
+    if not HAS_K_PLAIN:
+        q_plain = q
+    bias_rows = bias_ptr + b.to(tl.int64) * stride_bb + hq.to(tl.int64) * stride_bh + tq * stride_bt
+    m_i, l_i, acc = _decode_range(
+        q, q_plain, k_codes_ptr + head * (D * K_ROW_BYTES), k_row_scale_ptr + head * D,
+        k_row_zero_ptr + head * D, k_col_scale_ptr + head * G,
+        v_codes_ptr + head * (G * V_ROW_BYTES), v_row_scale_ptr + head * G,
+        v_row_zero_ptr + head * G, v_col_scale_ptr + head * D, k_plain_ptr + head,
+        D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, D, 1,
+        start, end, m_valid, kv_lo, kv_hi, bias_rows, 1, qk_scale,
+        BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_KV_START, HAS_KV_END, HAS_BIAS,
+        HAS_K_PLAIN, INPUT_PRECISION, PREFETCH)
 
     # ---- store this split's normalized partial and its lse (natural log)
     has = l_i > 0.0
@@ -443,6 +599,8 @@ def kvarn_decode_attention(
     k_plain: torch.Tensor | None = None,
     kv_end: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    block_n: int | None = None,
+    prefetch: bool = True,
 ):
     """Attention of rotated queries over the packed quantized region of a KVarN cache.
 
@@ -474,6 +632,8 @@ def kvarn_decode_attention(
             chunk that froze its own tokens); None: all.
         bias: optional fp32 additive mask [B, Hq or 1, Tq, N * G] over the quantized tokens
             (natural-log units, -inf hides a token; token stride 1).
+        block_n: tokens per loop step, a power of two >= 16 dividing G (default min(G, 64)).
+        prefetch: issue the next step's loads before this step's math (default True).
 
     Returns:
         (out_rot fp32 [B, Hq, Tq, D] normalized over the quantized region only,
@@ -585,6 +745,10 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
     split = num_splits if num_splits is not None else _default_splits(bsz * heads, cap,
                                                                       q_rot.device)
+    block_n = min(group, 64) if block_n is None else block_n
+    if block_n < 16 or block_n & (block_n - 1) or group % block_n:
+        raise ValueError(f"Expected block_n a power of two >= 16 dividing G={group}, but got "
+                         f"{block_n}.")
     if not isinstance(split, int) or isinstance(split, bool) or split < 1:
         raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
 
@@ -606,7 +770,7 @@ def kvarn_decode_attention(
             o_part, lse_part,
             float(scale) * math.log2(math.e), heads, cap, tq,
             GROUP_Q=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), G=group,
-            K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m,
+            K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=bool(prefetch),
             HAS_KV_START=kv_start is not None, HAS_KV_END=kv_end is not None,
             HAS_BIAS=bias is not None, HAS_K_PLAIN=k_plain is not None,
             INPUT_PRECISION=input_precision,
