@@ -107,7 +107,7 @@ def _kvarn_compiled(st, scale: float):
 #: The template configs timed standalone per case (``template_sweep``): code-matmul precision,
 #: PREFETCH, BLOCK_N, num_warps, and the split count as a multiple of the lowering's.
 SWEEP = [dict(INPUT_PRECISION=p, PREFETCH=pf, BLOCK_N=bn, num_warps=w, split_x=sx)
-         for p in ("tf32", "fp16") for pf in (1, 0) for bn, w in ((64, 4), (128, 4), (128, 8), (32, 4))
+         for p in ("tf32", "fp16") for pf in (1, 0) for bn, w in ((64, 4), (128, 4), (128, 8))
          for sx in (1, 2)]
 
 
