@@ -32,7 +32,7 @@ from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
 from kvarn_compile.cache_book import CacheBook, _Site
 from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
 from kvarn_compile.ops.buffers import claim, mark_seen, releasable, release_storage
-from kvarn_compile.ops.dispatch import cuda_checks_deferred, deferred_checks
+from kvarn_compile.ops.dispatch import cuda_checks_deferred, deferred_checks, prepare_device
 from kvarn_compile.report import Report, rewrite_context, run_rewrite
 from kvarn_compile.state import (
     MIN_GROWN_SLOTS, LayerState, allocate_layer, grow_axis_indices,
@@ -269,6 +269,8 @@ class KVarNBackend:
                       and not any(st.growable for st in site_states)
                       and self.context_parallel is None and cuda_checks_deferred())
         _mark_added_inputs(new_gm, len(extra), capturable)
+        if capturable:
+            prepare_device(extra[0].device, [kw["head_dim"] for _, kw in sites])
 
         def compile_with(g: fx.GraphModule, inputs: list[Any]):
             # inputs[n_args:] are the states' current buffers (the knob tuner recompiles later)
@@ -384,6 +386,7 @@ class KVarNBackend:
         from kvarn_compile._torch_compat import compile_fx_with_pass
 
         first = len(lowering.DECISIONS)
+        _fill_sources(gm)
         compiled = compile_fx_with_pass(gm, inputs, mode, static_inputs=static,
                                         dynamic_dim2_inputs=dynamic)
         self.report.add_lowerings(lowering.DECISIONS[first:])
@@ -515,7 +518,7 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     and CUDA graphs copy every input that is not static into the graph on every replay, and
     skip a graph that mutates one (the packed states): without it no kvarn graph ran under
     ``mode="reduce-overhead"``. Placeholders the pass adds get their own (see
-    :func:`_mark_added_inputs`)."""
+    :func:`_mark_added_inputs`, :func:`_fill_sources`)."""
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, copies)
@@ -531,15 +534,23 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _mark_added_inputs(gm: fx.GraphModule, added: int, static: bool) -> None:
-    """Dynamo's metadata for the ``added`` placeholders the pass appended (the packed states'
-    buffers): no user source; ``static``: their addresses never change between calls (a
-    state that does not grow), which CUDA graphs may then read and mutate in place."""
-    if not hasattr(gm, "_param_name_to_source") or added <= 0:
+    """Mark the ``added`` placeholders the pass appended (the packed states' buffers) static
+    when ``static``: their addresses never change between calls (a state that does not
+    grow), so CUDA graphs read and mutate them in place."""
+    if not static or added <= 0:
         return
     for node in gm.graph.find_nodes(op="placeholder")[-added:]:
-        node._dynamo_source = None
-        if static:
-            node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+        node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+
+
+def _fill_sources(gm: fx.GraphModule) -> None:
+    """Placeholders the backend added (states, the knob tuner's token) have no user source:
+    Dynamo's metadata says so (None), as AOTAutograd requires of every placeholder once the
+    graph carries Dynamo's ``_param_name_to_source``."""
+    if hasattr(gm, "_param_name_to_source"):
+        for node in gm.graph.find_nodes(op="placeholder"):
+            if not hasattr(node, "_dynamo_source"):
+                node._dynamo_source = None
 
 
 def kvarn_backend(preset: str | KVarNConfig = "k4v2", *, max_cache_len: int | None = None,

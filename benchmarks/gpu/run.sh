@@ -6,6 +6,9 @@
 #
 #   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh
 #   KVARN_GPU_STEPS="bench_decode_attention e2e_decode" ... runs only those steps
+#   KVARN_GPU_BENCH_ARGS, KVARN_GPU_E2E_LENGTHS, KVARN_GPU_PYTEST_ARGS: the decode benchmark's
+#   arguments (--quick), the e2e context lengths (4096 32768), more pytest arguments for the
+#   GPU-marked tests (e.g. "-k autotune --tb=long")
 #
 # Missing pure-Python packages (expecttest, gguf on the lent H200 image) come from wheels in
 # .whl/ when that folder exists (fetch them beforehand with `pip download --no-deps`); test
@@ -118,12 +121,13 @@ run_tests() {   # run_tests LABEL PYTEST-ARGS...: appended to tests.log under a 
 export -f run_tests; export OUT PY
 # the files that hold GPU-marked tests (collecting the whole tree takes longer than the step)
 GPU_FILES=$(grep -rl "pytest.mark.gpu" tests --include="test_*.py" | sort)
-step bench_decode_attention 200 "$PY" benchmarks/bench_decode_attention_gpu.py --quick \
+step bench_decode_attention 200 "$PY" benchmarks/bench_decode_attention_gpu.py ${KVARN_GPU_BENCH_ARGS:---quick} \
     --out "$OUT/bench_decode_attention_gpu.json" > /dev/null
-step e2e_decode 170 env TORCH_LOGS=perf_hints "$PY" benchmarks/gpu/e2e_decode.py --lengths 4096 32768 \
-    --out "$OUT/e2e_decode_gpu.json" > /dev/null
+step e2e_decode 170 env TORCH_LOGS=perf_hints "$PY" benchmarks/gpu/e2e_decode.py \
+    --lengths ${KVARN_GPU_E2E_LENGTHS:-4096 32768} --out "$OUT/e2e_decode_gpu.json" > /dev/null
 step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_triton.py
 step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
-step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu $GPU_FILES "${IGNORE[@]}" --continue-on-collection-errors
+step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu $GPU_FILES "${IGNORE[@]}" --continue-on-collection-errors \
+    ${KVARN_GPU_PYTEST_ARGS:-}
 tail -5 "$OUT/tests.log" >&2 2>/dev/null
 cat "$summary" >&2

@@ -278,7 +278,7 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
     cfg = dict(kernel="_kvarn_decode_attn_kernel", k_bits=kb, v_bits=vb, D=d, G=g,
                group_q=hq // h, BLOCK_M=block_m, BLOCK_N=block_n, input_precision=precision,
                k_plain=plain, num_warps=4)
-    return Case(f"decode_kernel_k{kb}v{vb}_d{d}g{g}_{precision}" + ("_plain" if plain else ""), "decode",
+    return Case(f"decode_kernel_k{kb}v{vb}_d{d}g{g}_n{block_n}_{precision}" + ("_plain" if plain else ""), "decode",
                 cfg, build, 4, tile_bytes(d, g, kb, vb), outer_trips=g // block_n)
 
 
@@ -379,15 +379,17 @@ def cases(quick: bool) -> list[Case]:
     and the append (tile quantizer) kernel at D = G = 128 and 64. Full: also the other code
     widths and precisions, the autotune configs, the combine kernel and the prefill template."""
     out = [
-        _decode_kernel_case(4, 2, "tf32"),     # tf32: the precision of the tile_partials_ op
-        _decode_kernel_case(4, 2, "fp16"),
-        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16),
+        # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
+        _decode_kernel_case(4, 2, "fp16", block_n=128),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
+                       precision="fp16"),
         _quantize_case("k", 4),
         _quantize_case("k", 4, d=64, g=64),
     ]
     if quick:
         return out
     out += [
+        _decode_kernel_case(4, 2, "tf32"),
         _decode_kernel_case(2, 2, "tf32"),
         _decode_kernel_case(4, 2, "ieee"),     # exact fp32 FMA dots (no tensor cores)
         _decode_kernel_case(4, 2, "tf32x3"),   # ~fp32 accuracy on tensor cores
@@ -401,7 +403,8 @@ def cases(quick: bool) -> list[Case]:
         _combine_case(),
         _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),
-        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16,
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16),
+        _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=128, block_m=16,
                        precision="fp16"),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16,
                        prefetch=False),

@@ -26,7 +26,16 @@ import os
 __all__ = [
     "triton_available", "quantize_tiles_into", "quantize_tiles_triton",
     "kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits",
+    "CUDA_PRECISION",
 ]
+
+#: The code-matmul precision of the decode kernel and template on a GPU: fp16 operands (codes
+#: exact as 1024 + code, the other operand rounded to tf32's 11-bit significand, fp32 sums),
+#: 1.3-1.4x faster than tf32 on an H200 at 32k-128k tokens, outputs within 3e-4 of it
+#: (benchmarks/bench_decode_attention_gpu.py, template_sweep). Its limit is fp16's range:
+#: q * rs_k and p * rs_v beyond 65504 overflow (scores of that size saturate any softmax).
+#: Without a GPU (the interpreter) the default is exact fp32 ("ieee").
+CUDA_PRECISION = "fp16"
 
 _LAUNCHERS = {
     "quantize_tiles_into": "kvarn_compile.kernels.triton.quantize",

@@ -234,6 +234,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                           INPUT_PRECISION="'ieee'" if interpreted else "'tf32'",
                           SM_SCALE=float(scale), KVARN_SRC=int(kvarn_sources_hash()[:12], 16))
             mode = "interpret" if interpreted else heuristics.tune_mode()
+            decode_precision = "'ieee'" if interpreted else f"'{heuristics.DECODE_PRECISION}'"
             if rows <= heuristics.DECODE_ROWS_MAX:
                 for cfg in heuristics.decode_configs(mode, group=group, rows=rows,
                                                      max_split=int(split_max)):
@@ -242,7 +243,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                           templates.decode_template().maybe_append_choice(
                               choices, input_nodes=inputs, layout=layout,
                               mutated_inputs=[inputs[-1]], call_sizes=[b * heads, rows],
-                              **common, **opts))
+                              **dict(common, INPUT_PRECISION=decode_precision), **opts))
                 if tq == 1 and not has_bias and not interpreted:
                     offer({"choice": "triton_kernel"}, lambda: choices.append(
                         choices_extern["kvarn_tile_partials_triton"].bind(inputs, layout, **kwargs)))

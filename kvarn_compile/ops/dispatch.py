@@ -42,7 +42,8 @@ from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu",
-           "cuda_checks_on", "cuda_checks_deferred", "deferred_checks", "raise_device_errors"]
+           "cuda_checks_on", "cuda_checks_deferred", "deferred_checks", "prepare_device",
+           "raise_device_errors"]
 
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
@@ -252,6 +253,19 @@ def deferred_checks(name: str = "", device: torch.device | None = None):
                 else:
                     from kvarn_compile.kernels.triton import append as triton_append
                     triton_append.error_flags(device).zero_()
+
+
+def prepare_device(device: torch.device | str, head_dims) -> None:
+    """Make now the device tensors the CUDA steps keep from call to call (the error flags, the
+    rotation of each head dim), outside any CUDA-graph memory pool: made first while CUDA
+    graphs warm up or record a step, such a tensor would live in their pool, untracked by
+    them, and torch stops the step ("tensor(s) in the cudagraph pool not tracked")."""
+    from kvarn_compile.kernels.triton import append as triton_append
+
+    device = torch.device(device)
+    triton_append.error_flags(device)
+    for d in sorted(set(head_dims)):
+        triton_append.rotation(int(d), device)
 
 
 def raise_device_errors(device: torch.device | str, name: str = "") -> None:
@@ -487,7 +501,7 @@ def _tile_partials_triton_cuda(q_rot, q_plain, k_codes, k_row_scale, k_row_zero,
                                       k_col_scale, v_codes, v_row_scale, v_row_zero,
                                       v_col_scale, n_tiles, scale=scale, kv_start=kv_lo,
                                       q_plain=None if k_plain is None else q_plain.contiguous(),
-                                      k_plain=k_plain, input_precision="tf32")
+                                      k_plain=k_plain)
     b, hq, tq, d = q_rot.shape
     o_part = out.new_zeros(b, hq, tq, split_max, d)
     o_part[:, :, :, 0] = out

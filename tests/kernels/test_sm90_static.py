@@ -19,12 +19,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "static_report.py"
 
 #: The quick cases, by family: decode kernels and templates, append (tile quantizer) kernels.
-DECODE = ("decode_kernel_k4v2_d128g128_tf32", "kvarn_decode_k4v2_n64_m16")
+DECODE = ("decode_kernel_k4v2_d128g128_n128_fp16", "kvarn_decode_k4v2_n128_m16_fp16")
 APPEND = ("quantize_k4_d128_g128", "quantize_k4_d64_g64")
 #: Known spills, each a strict xfail: the test fails once the spill is gone, so the entry
 #: must then be removed. The quantizer holds a whole 128 x 128 fp32 tile, its rotated copy
 #: and the normalization's row/column vectors in registers (~0.6 KB of spills at 8 warps).
-KNOWN_SPILLS = {"quantize_k4_d128_g128"}
+#: The decode loop in its production config (128-token steps, the next step's codes held in
+#: registers while this one is computed) spills 40-70 B with triton 3.9 (200 B with 3.6): it
+#: is still the fastest config measured on an H200 (6-10% ahead of 64-token steps, which do
+#: not spill; benchmarks/bench_decode_attention_gpu.py, template_sweep).
+KNOWN_SPILLS = {"quantize_k4_d128_g128", "decode_kernel_k4v2_d128g128_n128_fp16",
+                "kvarn_decode_k4v2_n128_m16_fp16"}
 
 
 @pytest.fixture(scope="module")

@@ -43,12 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvarn_compile.kernels import CUDA_PRECISION
 from kvarn_compile.kernels.triton.quantize import KERNEL_BITS, KERNEL_SCALE_DTYPES
 from kvarn_compile.quant.quantize import QuantizedTiles
 
 __all__ = ["kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits"]
 
 _LN2 = tl.constexpr(0.6931471805599453)
+
 
 
 # ------------------------------------------------------------------------------------------
@@ -593,7 +595,7 @@ def kvarn_decode_attention(
     num_splits: int | None = None,
     kv_start: torch.Tensor | None = None,
     block_m: int | None = None,
-    input_precision: str = "ieee",
+    input_precision: str | None = None,
     return_partials: bool = False,
     q_plain: torch.Tensor | None = None,
     k_plain: torch.Tensor | None = None,
@@ -619,9 +621,9 @@ def kvarn_decode_attention(
             with index j * G + t' >= kv_start[b, t] (sliding window); None: all.
         block_m: query rows per program (power of two >= 16); default
             min(64, next_pow2(g * Tq)) with g = Hq // H.
-        input_precision: "ieee" (default, exact fp32 dots), "tf32" (GPU speed) or "fp16"
-            (fp16 operands, fp32 sums: tf32's significand with fp16's range, fewer
-            instructions; see ``_code_dot``).
+        input_precision: "ieee" (exact fp32 dots), "tf32" or "fp16" (fp16 operands, fp32
+            sums: tf32's significand with fp16's range, fewer instructions; see
+            ``_packed_dot``); default: :data:`CUDA_PRECISION` on a GPU, "ieee" otherwise.
         return_partials: also return the per-split (o [B, Hq, Tq, SPLIT, D], lse [..., SPLIT]).
         q_plain, k_plain: per-tile key frames (``key_frame="auto"`` caches): k_plain uint8
             [B, H, N], 1 where a K tile is stored un-rotated; those tiles are scored with
@@ -632,7 +634,7 @@ def kvarn_decode_attention(
             chunk that froze its own tokens); None: all.
         bias: optional fp32 additive mask [B, Hq or 1, Tq, N * G] over the quantized tokens
             (natural-log units, -inf hides a token; token stride 1).
-        block_n: tokens per loop step, a power of two >= 16 dividing G (default min(G, 64)).
+        block_n: tokens per loop step, a power of two >= 16 dividing G (default min(G, 128)).
         prefetch: issue the next step's loads before this step's math (default True).
 
     Returns:
@@ -734,6 +736,8 @@ def kvarn_decode_attention(
         if k_plain.device != q_rot.device or q_plain.device != q_rot.device:
             raise ValueError(f"Expected q_plain and k_plain on {q_rot.device}.")
         k_plain = k_plain.contiguous()
+    if input_precision is None:
+        input_precision = CUDA_PRECISION if q_rot.is_cuda else "ieee"
     if input_precision not in ("ieee", "tf32", "fp16"):
         raise ValueError(f"Expected input_precision 'ieee', 'tf32' or 'fp16', but got "
                          f"{input_precision!r}.")
@@ -745,7 +749,7 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
     split = num_splits if num_splits is not None else _default_splits(bsz * heads, cap,
                                                                       q_rot.device)
-    block_n = min(group, 64) if block_n is None else block_n
+    block_n = min(group, 128) if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1) or group % block_n:
         raise ValueError(f"Expected block_n a power of two >= 16 dividing G={group}, but got "
                          f"{block_n}.")
