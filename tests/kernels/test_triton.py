@@ -435,7 +435,10 @@ def test_kernels_package_exports(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert kernels.triton_available() == torch.cuda.is_available()
     for name in kernels.__all__:
-        assert callable(getattr(kernels, name))
+        if name.isupper():                     # a setting (CUDA_PRECISION), not a launcher
+            assert getattr(kernels, name) in ("ieee", "tf32", "fp16")
+        else:
+            assert callable(getattr(kernels, name))
     with pytest.raises(AttributeError):
         kernels.not_a_kernel  # noqa: B018
 

@@ -477,7 +477,8 @@ def _kvarn_decode_attn_kernel(
         kv_hi = tq
     if not HAS_K_PLAIN:
         q_plain = q
-    bias_rows = bias_ptr + b.to(tl.int64) * stride_bb + hq.to(tl.int64) * stride_bh + tq * stride_bt
+    bias_rows = bias_ptr + b.to(tl.int64) * stride_bb + hq.to(tl.int64) * stride_bh \
+        + tq.to(tl.int64) * stride_bt
     m_i, l_i, acc = _decode_range(
         q, q_plain, k_codes_ptr + head * (D * K_ROW_BYTES), k_row_scale_ptr + head * D,
         k_row_zero_ptr + head * D, k_col_scale_ptr + head * G,
