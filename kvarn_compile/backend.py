@@ -226,7 +226,7 @@ class KVarNBackend:
         candidates = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
                       and not isinstance(t, torch.nn.Parameter) and t.dim() >= 3]
         conflict = [loc for loc in ctx.locations if loc.kind == "buffer" and loc.k_input is not None
-                    and loc.v_input is not None and not loc.adopts]
+                    and loc.v_input is not None and not loc.adopts and loc.layer is None]
         if conflict:
             # a cache a site of this graph packs is also read in full precision in this graph:
             # the graph runs as Dynamo made it, its caches materialized before each call

@@ -34,7 +34,7 @@ from kvarn_compile.ops.append import crop_, materialize
 from kvarn_compile.passes.rewrite import CacheLocation
 from kvarn_compile.state import LayerState
 
-__all__ = ["CacheBook", "CacheToken", "TOKEN", "token_of"]
+__all__ = ["CacheBook", "CacheToken", "TOKEN", "LAYER_TOKENS", "token_of"]
 
 #: the attribute naming a packed cache's :class:`CacheToken` on its tensors and storages
 TOKEN = "_kvarn_cache"
@@ -81,18 +81,30 @@ def _no_token() -> None:
     return None
 
 
-def token_of(t: Any) -> tuple[CacheToken, str] | None:
+#: the attribute of a cache stacked over layers: layer -> ``(token, role)``
+LAYER_TOKENS = "_kvarn_layer_caches"
+
+
+def token_of(t: Any, layer: int | None = None) -> tuple[CacheToken, str] | None:
     """The ``(token, role)`` a tensor carries, on itself or (a view of a handle: ``crop``)
-    on its storage; None for any other tensor."""
+    on its storage; for a cache stacked over layers, the one of ``layer``; None for any
+    other tensor."""
     if not isinstance(t, torch.Tensor):
         return None
+    if layer is not None:
+        ref = t.__dict__.get(LAYER_TOKENS, {}).get(layer)
+        return ref if ref is not None and ref[0] is not None else None
     ref = t.__dict__.get(TOKEN)
     if ref is None and t.dim() and 0 in t.stride():
         ref = getattr(t.untyped_storage(), TOKEN, None)
     return ref if ref is not None and ref[0] is not None else None
 
 
-def _stamp(t: torch.Tensor, token: CacheToken, role: str, storage: bool) -> None:
+def _stamp(t: torch.Tensor, token: CacheToken, role: str, storage: bool,
+           layer: int | None = None) -> None:
+    if layer is not None:       # one stacked tensor holds every layer's cache
+        t.__dict__.setdefault(LAYER_TOKENS, {})[layer] = (token, role)
+        return
     t.__dict__[TOKEN] = (token, role)
     if storage:
         setattr(t.untyped_storage(), TOKEN, (token, role))
@@ -187,11 +199,11 @@ class CacheBook:
             if loc.k_input is None or loc.v_input is None:
                 return fallback()
             k, v = args[loc.k_input], args[loc.v_input]
-            ref = token_of(k)
+            ref = token_of(k, loc.layer)
             if ref is None or not _fits(ref[0].state, site.geometry):
                 token = self._new_token(site)
-                _stamp(k, token, "k", False)
-                _stamp(v, token, "v", False)
+                _stamp(k, token, "k", False, loc.layer)
+                _stamp(v, token, "v", False, loc.layer)
                 return token.state
             token = ref[0]
             if token.materialized:

@@ -49,7 +49,7 @@ from kvarn_compile.passes.cache_writes import CacheWrite
 from kvarn_compile.passes.fx_utils import _noop_cast, dce, example, is_op, is_size_query
 from kvarn_compile.passes.matching import _key_len, _Match, _view_path
 from kvarn_compile.passes.sites import SiteReport, find_sites, site_name
-from kvarn_compile.passes.stacked_caches import is_layer_view, split_layer_views
+from kvarn_compile.passes.stacked_caches import LAYER_VIEW, is_layer_view, split_layer_views
 from kvarn_compile.state import LayerState
 
 #: ``SiteReport`` lives in :mod:`kvarn_compile.passes.sites`; callers outside the pass import it from here
@@ -70,7 +70,9 @@ class CacheLocation:
     cache axes holding batch, heads, positions, head dim; ``adopts``: the rewritten graph
     hands the buffers to ``kvarn::append_from_``/``adopt_``, which takes over tokens a
     full-precision forward wrote there; ``new_tokens``: the tokens one call appends, when
-    the graph fixes it (1: a decode step), else None.
+    the graph fixes it (1: a decode step), else None; ``layer``: for a cache stacked over
+    layers (``cache[layer]`` of one ``[L, ...]`` tensor), the layer this site's cache is, and
+    ``k_input``/``v_input`` the stacked tensors.
     """
 
     kind: str
@@ -83,6 +85,7 @@ class CacheLocation:
     batch: int = 1
     adopts: bool = False
     new_tokens: int | None = None
+    layer: int | None = None
 
 
 @dataclasses.dataclass
@@ -427,6 +430,11 @@ def _location(m: _Match, name: str, placeholders: list[fx.Node]) -> CacheLocatio
     def index(node: Any) -> int | None:
         return placeholders.index(node) if isinstance(node, fx.Node) and node in placeholders else None
 
+    if is_layer_view(m.wk.cache) and is_layer_view(m.wv.cache):
+        (root_k, layer), (root_v, layer_v) = m.wk.cache.meta[LAYER_VIEW], m.wv.cache.meta[LAYER_VIEW]
+        if layer == layer_v:
+            return CacheLocation("buffer", name, index(root_k), index(root_v), perm=tuple(m.perm),
+                                 batch=m.batch, layer=layer)
     if m.wk.cache is not None:
         return CacheLocation("buffer", name, index(m.wk.cache), index(m.wv.cache),
                              perm=tuple(m.perm), batch=m.batch)

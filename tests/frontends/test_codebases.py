@@ -176,3 +176,41 @@ def teardown_module():
         print("\ncodebase             preset  max rel. logit err  preset's own")
         for (case, preset), (err, own) in sorted(RESULTS.items()):
             print(f"{case:20s} {preset:6s}  {err:18.3g}  {own:12.3g}")
+
+
+def test_a_stacked_cache_keeps_its_packed_layers_when_another_cache_runs_in_between():
+    """Two sequences on one compiled model, each in its own stacked cache ([L, B, S, H, D]
+    buffers swapped on the model, as a server keeps one cache per request): the packed
+    states follow the cache tensor and its layer, not the site name. Sequence A continues
+    after B ran (B longer than A, so a state keyed by name would take A's next step as a
+    rollback into B's tokens: other logits, no error) with A's own logits, the logits of
+    an uninterrupted run."""
+    def steps(model, step, ids, start, tokens):
+        with torch.no_grad():
+            out = [step(ids, start)[:, -1]]
+            for i, t in enumerate(tokens):
+                out.append(step(t.view(1, 1), start + ids.shape[1] + i)[:, -1])
+        return out
+
+    a = _prompt(40)
+    b = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+    forced = torch.randint(0, 128, (6,), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    alone = build("stacked")
+    want = steps(alone, torch.compile(alone, backend=kvarn_backend("k4v4", group_size=32,
+                                                                      compiler="eager")),
+                 a, 0, forced)
+    torch._dynamo.reset()
+    model = build("stacked")
+    step = torch.compile(model, backend=kvarn_backend("k4v4", group_size=32, compiler="eager"))
+    got = steps(model, step, a, 0, forced[:3])
+    cache_a = (model.cache_k, model.cache_v)
+    model.cache_k, model.cache_v = torch.zeros_like(cache_a[0]), torch.zeros_like(cache_a[1])
+    steps(model, step, b, 0, forced[:2])                       # request B, 72 tokens
+    model.cache_k, model.cache_v = cache_a
+    with torch.no_grad():
+        for i, t in enumerate(forced[3:]):
+            got.append(step(t.view(1, 1), a.shape[1] + 3 + i)[:, -1])
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item(),
+                                   msg=f"step {i}")
