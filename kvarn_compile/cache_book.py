@@ -292,6 +292,7 @@ class CacheBook:
         out = None
         dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in candidates:
+            _refuse_stacked(args[i], graph, why)
             ref = token_of(args[i])
             if ref is None:
                 continue
@@ -332,6 +333,20 @@ class CacheBook:
                 self._note(f"graph {graph} reads the packed KV cache of {token.site} in full "
                            f"precision ({why}): it is passed dequantized to such a call")
         return args if out is None else out
+
+
+def _refuse_stacked(t: Any, graph: int, why: str) -> None:
+    """A cache stacked over layers whose layers a graph keeps packed, read here in full
+    precision: its own buffer was never written by the rewritten graphs (they take no tokens
+    back from it either), so this call would read stale values; stop before it runs."""
+    layers = t.__dict__.get(LAYER_TOKENS) if isinstance(t, torch.Tensor) else None
+    for layer, (token, _) in sorted((layers or {}).items()):
+        if token is not None:
+            raise RuntimeError(
+                f"kvarn_backend: graph {graph} reads the KV cache of {token.site} (layer {layer} "
+                f"of a cache stacked over layers) in full precision ({why}), but graph "
+                f"{token.graph} keeps that cache packed; compile the model so that every "
+                "forward's attention is rewritten, or leave it uncompiled.")
 
 
 def _fits(state: LayerState, g: dict[str, Any]) -> bool:

@@ -214,3 +214,19 @@ def test_a_stacked_cache_keeps_its_packed_layers_when_another_cache_runs_in_betw
     for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item(),
                                    msg=f"step {i}")
+
+
+def test_a_stacked_cache_read_in_full_precision_by_another_graph_stops_before_it_runs():
+    """A graph the pass does not rewrite that reads a stacked cache whose layers are packed
+    (here a plain function over the model's buffer, compiled with the same backend) would
+    read stale values: it stops with a one-line error before running."""
+    torch._dynamo.reset()
+    model = build("stacked")
+    backend = kvarn_backend("k4v4", group_size=32, compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(_prompt(40), 0)
+    peek = torch.compile(lambda cache: cache[0, :, :40].float().sum(), backend=backend)
+    with pytest.raises(RuntimeError, match=r"layer \d of a cache stacked over layers\) in full precision"):
+        peek(model.cache_k)
+    other = torch.zeros_like(model.cache_k)            # a cache no graph packs: runs
+    assert float(peek(other)) == 0.0
