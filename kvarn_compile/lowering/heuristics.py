@@ -16,10 +16,7 @@ import dataclasses
 import itertools
 import os
 
-from kvarn_compile.kernels import CUDA_PRECISION
-
 __all__ = ["DecodeConfig", "PrefillConfig", "decode_configs", "prefill_configs", "tune_mode",
-           "DECODE_PRECISION",
            "length_bucket", "query_bucket", "split_max", "DECODE_ROWS_MAX"]
 
 #: Up to this many query rows (GQA heads x query tokens) a program packs them all (decode).
@@ -95,10 +92,6 @@ def split_max(batch_kv_heads: int, tiles: int, sms: int) -> int:
     """Split slots of the partial outputs: about two waves of programs, <= tiles, <= 64."""
     want = -(-2 * sms // max(batch_kv_heads, 1))
     return max(1, min(want, tiles, 64))
-
-
-#: The code-matmul precision of the decode template on a GPU: the kernel's (fp16 operands).
-DECODE_PRECISION = CUDA_PRECISION
 
 
 def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[DecodeConfig]:

@@ -169,6 +169,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
     """User lowering of ``kvarn::tile_partials_.default`` (see the module doc)."""
     from kvarn_compile import autotune
     from kvarn_compile._torch_compat import inductor, static_ints, triton_templates_available
+    from kvarn_compile.kernels import CUDA_PRECISION
     from kvarn_compile.lowering import heuristics
 
     ind = inductor()
@@ -234,7 +235,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                           INPUT_PRECISION="'ieee'" if interpreted else "'tf32'",
                           SM_SCALE=float(scale), KVARN_SRC=int(kvarn_sources_hash()[:12], 16))
             mode = "interpret" if interpreted else heuristics.tune_mode()
-            decode_precision = "'ieee'" if interpreted else f"'{heuristics.DECODE_PRECISION}'"
+            decode_precision = "'ieee'" if interpreted else f"'{CUDA_PRECISION}'"
             if rows <= heuristics.DECODE_ROWS_MAX:
                 for cfg in heuristics.decode_configs(mode, group=group, rows=rows,
                                                      max_split=int(split_max)):

@@ -52,32 +52,21 @@ __all__ = ["kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_sp
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
-
 # ------------------------------------------------------------------------------------------
 # Per-tile helpers (reusable from an Inductor Triton template)
 # ------------------------------------------------------------------------------------------
 @triton.jit
-def _unpack_codes(row_ptr, offs_r, r_mask, c0, ROW_BYTES: tl.constexpr, NC: tl.constexpr,
-                  BITS: tl.constexpr, ROW_MASKED: tl.constexpr, COL_MASKED: tl.constexpr):
-    """Unpack codes [len(offs_r), NC] of a packed tile, as int32: codes c0 .. c0 + NC - 1 of
-    each row offs_r. Masks are constexpr-gated so the common unpadded case has none: rows
-    where r_mask is False (ROW_MASKED) and bytes past ROW_BYTES (COL_MASKED) read as 0.
+def _load_code_bytes(row_ptr, offs_r, r_mask, c0, ROW_BYTES: tl.constexpr, NC: tl.constexpr,
+                     BITS: tl.constexpr, ROW_MASKED: tl.constexpr, COL_MASKED: tl.constexpr):
+    """The packed bytes of codes c0 .. c0 + NC - 1 of each row offs_r of a tile, [len(offs_r),
+    NC * BITS / 8] as int32. Masks are constexpr-gated so the common unpadded case has none:
+    rows where r_mask is False (ROW_MASKED) and bytes past ROW_BYTES (COL_MASKED) read as 0.
 
     Code c of row r sits in byte r * ROW_BYTES + c // PER at shift (c % PER) * BITS,
     PER = 8 // BITS. Each row's NC // PER bytes are one contiguous load (16-byte vector loads
-    where the row allows), then split in registers: the PER shifted copies of a byte are
-    interleaved back into code order with ``tl.join`` + ``tl.reshape`` (no per-code address
-    math, no byte loaded twice). c0 must be a multiple of PER. Codes are small exact
-    integers, so fp32 (or fp16/bf16) dot inputs are exact.
-    """
-    byte = _load_code_bytes(row_ptr, offs_r, r_mask, c0, ROW_BYTES, NC, BITS, ROW_MASKED, COL_MASKED)
-    return _unpack_bytes(byte, offs_r.shape[0], NC, BITS)
-
-
-@triton.jit
-def _load_code_bytes(row_ptr, offs_r, r_mask, c0, ROW_BYTES: tl.constexpr, NC: tl.constexpr,
-                     BITS: tl.constexpr, ROW_MASKED: tl.constexpr, COL_MASKED: tl.constexpr):
-    """The packed bytes [len(offs_r), NC * BITS / 8] of :func:`_unpack_codes`, as int32."""
+    where the row allows), split in registers afterwards (:func:`_unpack_bytes`,
+    :func:`_unpack_bytes_f16`): no per-code address math, no byte loaded twice. c0 must be a
+    multiple of PER."""
     PER: tl.constexpr = 8 // BITS
     NB: tl.constexpr = NC // PER
     offs_b = c0 // PER + tl.arange(0, NB)
@@ -95,7 +84,8 @@ def _load_code_bytes(row_ptr, offs_r, r_mask, c0, ROW_BYTES: tl.constexpr, NC: t
 
 @triton.jit
 def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
-    """int32 bytes [R, NC * BITS / 8] -> int32 codes [R, NC] in code order (see _unpack_codes)."""
+    """int32 bytes [R, NC * BITS / 8] -> int32 codes [R, NC] in code order: the PER shifted
+    copies of a byte are interleaved back with ``tl.join`` + ``tl.reshape``."""
     PER: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     if PER == 1:
@@ -106,22 +96,6 @@ def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
         codes = tl.reshape(tl.join(tl.join(byte & MASK, (byte >> 4) & MASK),
                                    tl.join((byte >> 2) & MASK, byte >> 6)), [R, NC])
     return codes
-
-
-@triton.jit
-def _code_dot(a, codes, INPUT_PRECISION: tl.constexpr):
-    """fp32 a [M, K] @ int codes [K, N] -> fp32 [M, N].
-
-    "ieee" / "tf32": codes converted to fp32 (exact), the dot at that precision. "fp16": both
-    operands in fp16 (codes exact; a rounded to an 11-bit significand, as tf32 rounds it, but
-    with fp16's range), fp32 accumulation: half the tensor-core instructions and operand bytes
-    of tf32.
-    """
-    if INPUT_PRECISION == "fp16":
-        out = tl.dot(a.to(tl.float16), codes.to(tl.float16), out_dtype=tl.float32)
-    else:
-        out = tl.dot(a, codes.to(tl.float32), input_precision=INPUT_PRECISION)
-    return out
 
 
 @triton.jit
@@ -140,11 +114,10 @@ def _load_k_tile_scores(q, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr
     rs = tl.load(row_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     rz = tl.load(row_zero_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     cs = tl.load(col_scale_ptr + offs_g).to(tl.float32)
-    codes = _unpack_codes(codes_ptr, offs_d, d_mask, g0, G * BITS // 8, offs_g.shape[0], BITS,
-                          offs_d.shape[0] != D, False)
-    qk = _code_dot(q * rs[None, :], codes, INPUT_PRECISION)             # [BLOCK_M, G]
-    qz = tl.sum(q * rz[None, :], axis=1)                                 # [BLOCK_M]
-    return (qk + qz[:, None]) * (cs * qk_scale)[None, :]
+    byte = _load_code_bytes(codes_ptr, offs_d, d_mask, g0, G * BITS // 8, offs_g.shape[0], BITS,
+                            offs_d.shape[0] != D, False)
+    return _packed_dot(q * rs[None, :], byte, q * rz[None, :], offs_d.shape[0], offs_g.shape[0],
+                       BITS, INPUT_PRECISION) * (cs * qk_scale)[None, :]
 
 
 @triton.jit
@@ -158,35 +131,13 @@ def _accumulate_v_tile(acc, p, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale
 
     The pointers address this tile: codes [G, D * BITS / 8], rs/rz [G], cs [D].
     """
-    byte, rs, rz, cs = _load_v_tile(codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr,
-                                    offs_g, offs_d, d_mask, D, BITS)
-    return _accumulate_loaded_v(acc, p, byte, rs, rz, cs, offs_g.shape[0], offs_d.shape[0], BITS,
-                                INPUT_PRECISION)
-
-
-@triton.jit
-def _load_v_tile(codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr, offs_g, offs_d, d_mask,
-                 D: tl.constexpr, BITS: tl.constexpr):
-    """Issue the loads of one packed V tile: (code bytes, rs, rz, cs). A loop may call it
-    before the K side of the same tile so that the V bytes are in flight during the scores
-    and the softmax; the decode loops do not (yet): on sm_90 the held bytes cost the
-    k2v2 kernel and the decode template a few bytes of spills (benchmarks/gpu/static_report.py)."""
     rs = tl.load(row_scale_ptr + offs_g).to(tl.float32)
     rz = tl.load(row_zero_ptr + offs_g).to(tl.float32)
     cs = tl.load(col_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     byte = _load_code_bytes(codes_ptr, offs_g, offs_g, 0, D * BITS // 8, offs_d.shape[0], BITS,
                             False, offs_d.shape[0] != D)
-    return byte, rs, rz, cs
-
-
-@triton.jit
-def _accumulate_loaded_v(acc, p, byte, rs, rz, cs, R: tl.constexpr, NC: tl.constexpr,
-                         BITS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """acc + p @ V̂ from the loads of :func:`_load_v_tile` (see :func:`_accumulate_v_tile`)."""
-    codes = _unpack_bytes(byte, R, NC, BITS)
-    pv = _code_dot(p * rs[None, :], codes, INPUT_PRECISION)             # [BLOCK_M, BLOCK_D]
-    pz = tl.sum(p * rz[None, :], axis=1)                                 # [BLOCK_M]
-    return acc + (pv + pz[:, None]) * cs[None, :]
+    return acc + _packed_dot(p * rs[None, :], byte, p * rz[None, :], offs_g.shape[0],
+                             offs_d.shape[0], BITS, INPUT_PRECISION) * cs[None, :]
 
 
 @triton.jit
