@@ -48,7 +48,7 @@ inline v16i bytes16(const uint8_t* p) {
   return __builtin_convertvector(v, v16i);
 #endif
 }
-inline v16f splat(float x) { return v16f{} + x; }
+inline v16f splat(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }   // (v16f{} + x: an add per lane group, then a broadcast)
 #if defined(__AVX512F__)
 inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
 inline float hmax(v16f v) { return _mm512_reduce_max_ps((__m512)v); }
@@ -957,15 +957,16 @@ void run(const Call& a) {
 // fp32 block once per task (a tile dequantized with its dual scales into K^T [D, G] and
 // V [G, D], in the code order of the loops above), and every row of the task goes through
 // it with two register-blocked GEMM micro-kernels (scores = Q K^T, out += P V) and one
-// online softmax. The dual-scale fold is the decode step's (and the reference's): the key
-// row scale in q, the column scale in the scores, the value row scale in the weights, the
-// column scale in the output; the blocks hold the codes as floats. Causal / window / mask visibility is applied per element only where a
+// online softmax. A tile's block holds its keys and values dequantized with both scales
+// (and the softmax scale), so no row needs the decode step's per-row fold: over ~130 rows a
+// task, folding per row costs more than dequantizing once, and its dot products are strict-order
+// reductions that do not vectorize. Causal / window / mask visibility is applied per element only where a
 // block is not wholly visible to a row, so queries inside the quantized region (a prefill
 // chunk after a packed past) are exact. No splits: a task owns its rows' whole softmax.
 typedef float v8f __attribute__((vector_size(32)));   // one ymm with AVX2
 inline v8f vld8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void vst8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-inline v8f splat8(float x) { return v8f{} + x; }
+inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }   // one vbroadcastss (v8f{} + x: an add first)
 
 constexpr int MR = 6;    // rows per micro-kernel block: 12 accumulators + 2 loads + 1 broadcast
 constexpr int XB = 64;   // exact-region tokens per block
@@ -1077,9 +1078,8 @@ void run_chunk(const Call& a, int qb_rows) {
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
 
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    std::vector<float> Qp((size_t)RM * D), Qr((size_t)RM * D), Qs((size_t)RM * D), S((size_t)RM * LS);
-    std::vector<float> Orot((size_t)RM * D), Opl((size_t)RM * D), Ot((size_t)RM * D), m(RM), l(RM);
-    std::vector<float> bias(RM), zsum(RM);
+    std::vector<float> Qp((size_t)RM * D), Qr((size_t)RM * D), S((size_t)RM * LS);
+    std::vector<float> Orot((size_t)RM * D), Opl((size_t)RM * D), m(RM), l(RM);
     std::vector<float> Kt((size_t)D * LS), V((size_t)LS * D), ctmp(std::max(G, D));
     std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(D), qtmp(D);
     std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
@@ -1207,43 +1207,30 @@ void run_chunk(const Call& a, int qb_rows) {
         to_float_perm(a.vrs, a.scale_dt, tile * G, ctmp.data(), vs.data(), G, kper);
         to_float_perm(a.vrz, a.scale_dt, tile * G, ctmp.data(), vz.data(), G, kper);
         to_float_perm(a.vcs, a.scale_dt, tile * D, ctmp.data(), vcs.data(), D, vper);
-        // K^T [D, G] and V [G, D] as float codes: tokens in the key code order (V's rows
-        // too), V's channels in the value code order
+        // K^T [D, G] and V [G, D] dequantized once per task (tokens in the key code order,
+        // V's rows too; V's channels in the value code order), the softmax scale folded in:
+        // K[c][t] = scale * cs[t] * (rs[c] * code + rz[c]), V[t][c] = cs[c] * (rs[t] * code + rz[t]);
+        // the rows then need no per-row fold (its dot products are strict-order reductions)
         const uint8_t* kcodes = a.kc + tile * D * knb_packed;
         if (!k_native) { unpack_bytes(kcodes, D, G, a.kb, k8.data()); kcodes = k8.data(); }
-        for (int c = 0; c < D; ++c) row_codes_any(kbits, kcodes + (int64_t)c * knb, knb, Kt.data() + (size_t)c * G);
+        for (int c = 0; c < D; ++c) {
+          float* kt = Kt.data() + (size_t)c * G;
+          row_codes_any(kbits, kcodes + (int64_t)c * knb, knb, kt);
+          const float rs = ks[c], rz = kz[c];
+          for (int i = 0; i < G; ++i) kt[i] = kcs[i] * (rs * kt[i] + rz);
+        }
         const uint8_t* vcodes = a.vc + tile * G * vnb_packed;
         if (!v_native) { unpack_bytes(vcodes, G, D, a.vb, v8.data()); vcodes = v8.data(); }
-        for (int i = 0; i < G; ++i) row_codes_any(vbits, vcodes + (int64_t)tok[i] * vnb, vnb, V.data() + (size_t)i * D);
-        // s[t] = scale * cs[t] * ((q * rs) . code[:, t] + q . rz)
+        for (int i = 0; i < G; ++i) {
+          float* vt = V.data() + (size_t)i * D;
+          row_codes_any(vbits, vcodes + (int64_t)tok[i] * vnb, vnb, vt);
+          const float rs = vs[i], rz = vz[i];
+          for (int c = 0; c < D; ++c) vt[c] = vcs[c] * (rs * vt[c] + rz);
+        }
         const float* qsrc = a.k_plain && a.k_plain[tile] ? Qp.data() : Qr.data();
-        for (int r = 0; r < R; ++r) {
-          const float* x = qsrc + (size_t)r * D;
-          float* o = Qs.data() + (size_t)r * D;
-          float z = 0.f;
-          for (int c = 0; c < D; ++c) { o[c] = x[c] * ks[c]; z += x[c] * kz[c]; }
-          bias[r] = z;
-        }
-        gemm_scores(Qs.data(), R, D, Kt.data(), G, S.data(), LS);
-        softmax_block(G, G, p0, p1, [&](int i) { return p0 + tok[i]; }, [&](int r, float* v) {
-          const float z = bias[r];
-          for (int i = 0; i < G; ++i) v[i] = (v[i] + z) * kcs[i];
-        });
-        // o[c] += cs[c] * ((p * rs) . code[:, c] + p . rz)
-        for (int r = 0; r < R; ++r) {
-          float* v = S.data() + (size_t)r * LS;
-          float z = 0.f;
-          for (int i = 0; i < G; ++i) { z += v[i] * vz[i]; v[i] *= vs[i]; }
-          zsum[r] = z;
-        }
-        std::fill(Ot.begin(), Ot.begin() + (size_t)R * D, 0.f);
-        gemm_values(S.data(), R, LS, V.data(), D, G, Ot.data());
-        for (int r = 0; r < R; ++r) {
-          float* o = Orot.data() + (size_t)r * D;
-          const float* t = Ot.data() + (size_t)r * D;
-          const float z = zsum[r];
-          for (int c = 0; c < D; ++c) o[c] += vcs[c] * (t[c] + z);
-        }
+        gemm_scores(qsrc, R, D, Kt.data(), G, S.data(), LS);
+        softmax_block(G, G, p0, p1, [&](int i) { return p0 + tok[i]; }, [](int, float*) {});
+        gemm_values(S.data(), R, LS, V.data(), D, G, Orot.data());
       }
       // ------------------------------------------------ normalize, rotate back, write
       for (int r = 0; r < R; ++r) {
