@@ -13,8 +13,11 @@ timed on:
 * ``chunked``: the prompt prefilled in chunks of ``--chunk`` tokens; ``chunk_after_past_s``
   is the last chunk alone (``--chunk`` queries after a packed past of length - chunk).
 
-``incl_compile_s``: the first run of a fresh compiled model (cold in-process compile; the
-on-disk Inductor caches are as the machine has them, the same for both sides). ``s_median``
+Each side runs in its own fresh process (neither inherits the other's in-memory caches or
+warmed-up process). ``incl_compile_s``: the first run of a fresh compiled model; with
+``--cold`` each side's process gets its own empty Inductor cache folder, so it is a cold
+compile for both (without it, the on-disk caches are as the machine has them, which can
+favour a side whose graphs were compiled before). ``s_median``
 / ``s_min`` / ``s_max``: ``--repeats`` further runs over a fresh cache each (compile
 excluded). ``ratio_*``: kvarn / inductor (< 1: kvarn is faster). The machine may be
 shared: read the spread. Prints JSON (one line per length on stderr as it goes).
@@ -24,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -99,6 +105,17 @@ def _side(kind: str, length: int, args) -> dict:
     return out
 
 
+def _side_in_process(kind: str, length: int, argv: list[str], cold: bool) -> dict:
+    """:func:`_side` in a fresh Python process (an empty Inductor cache folder when cold)."""
+    env_vars = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="kvarn-ttft-") as tmp:
+        if cold:
+            env_vars["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        cmd = [sys.executable, __file__, *argv, "--lengths", str(length), "--side", kind]
+        done = subprocess.run(cmd, env=env_vars, stdout=subprocess.PIPE, check=True, text=True)
+    return json.loads(done.stdout)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
@@ -106,14 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["chunked", "one_shot"], choices=["chunked", "one_shot"])
     p.add_argument("--preset", default="k4v2")
+    p.add_argument("--cold", action="store_true",
+                   help="an empty Inductor cache folder for each side (a cold compile for both)")
+    p.add_argument("--side", choices=["kvarn", "inductor"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
+    if args.side:       # one side, in this process (what the parent runs per side)
+        print(json.dumps(_side(args.side, args.lengths[0], args)))
+        return 0
 
+    passed = ["--chunk", str(args.chunk), "--repeats", str(args.repeats), "--modes", *args.modes,
+              "--preset", args.preset]
     rows = []
     for length in args.lengths:
-        row: dict = {"tokens": length, "chunk": args.chunk}
-        row["kvarn"] = _side("kvarn", length, args)
-        row["inductor"] = _side("inductor", length, args)
+        row: dict = {"tokens": length, "chunk": args.chunk, "cold_compile": args.cold}
+        for kind in ("kvarn", "inductor"):
+            row[kind] = _side_in_process(kind, length, passed, args.cold)
         for mode in args.modes:
             k, i = row["kvarn"][mode], row["inductor"][mode]
             row[f"ratio_{mode}"] = k["s_median"] / i["s_median"]

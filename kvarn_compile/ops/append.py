@@ -141,6 +141,10 @@ def check_range(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     """
     if unpack(buffers).tail_k.dtype != torch.float16 or k.dtype == torch.float16:
         return
+    # one reduction per tensor first (max |x|, no temporaries); NaN or inf anywhere, or a
+    # peak beyond the range, takes the full check below, which sets non-finite values aside
+    if all(float(torch.linalg.vector_norm(x, float("inf"))) <= _FP16_MAX for x in (k, v)):
+        return
     peak = torch.maximum(torch.nan_to_num(k.float().abs(), nan=0.0, posinf=0.0).amax(-1),
                          torch.nan_to_num(v.float().abs(), nan=0.0, posinf=0.0).amax(-1))
     over = peak > _FP16_MAX

@@ -23,7 +23,8 @@ from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["attention", "tile_region", "tile_partials", "tile_inputs", "tile_scores", "tile_values", "query_frames",
-           "check_queries", "check_mask", "TILE_ARGS", "TILE_CHUNK"]
+           "check_queries", "check_query_shape", "check_mask", "check_mask_covers", "TILE_ARGS",
+           "TILE_CHUNK"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
 TILE_CHUNK = 64
@@ -85,7 +86,12 @@ def _tile_tensors(tiles, sl: slice = slice(None)) -> tuple[torch.Tensor, ...]:
 
 # ------------------------------------------------------------------------------ attention
 def check_queries(q: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
-    bsz, heads, _, d = f.sink_k.shape
+    check_query_shape(q, f.sink_k)
+
+
+def check_query_shape(q: torch.Tensor, sink_k: torch.Tensor) -> None:
+    """Refuse queries that do not match the cache (``sink_k``: [B, H, S, D])."""
+    bsz, heads, _, d = sink_k.shape
     if q.dim() != 4 or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % heads:
         raise ValueError(f"KVarN attention: expected queries [batch={bsz}, heads=k*{heads}, tq, "
                          f"head_dim={d}], but got {tuple(q.shape)}.")
@@ -93,9 +99,13 @@ def check_queries(q: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
 
 def check_mask(f: StateFields[torch.Tensor], mask: torch.Tensor | None) -> None:
     """Refuse a mask that does not cover every position the cache holds (mutates nothing)."""
-    if mask is None:
-        return
-    held = int(f.lengths.max())
+    if mask is not None:
+        check_mask_covers(mask, f.lengths)
+
+
+def check_mask_covers(mask: torch.Tensor, lengths: torch.Tensor) -> None:
+    """:func:`check_mask` from the state's ``lengths`` [B]."""
+    held = int(lengths.max())
     if mask.shape[-1] < held:
         raise ValueError(f"KVarN attention: the mask covers {mask.shape[-1]} key positions, but the "
                          f"cache holds up to {held}; expected a mask as long as the cache.")

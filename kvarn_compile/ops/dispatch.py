@@ -39,7 +39,7 @@ import torch
 from kvarn_compile.ops import context_parallel
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, library, regions
 from kvarn_compile.quant.rotation import rotation_matrix
-from kvarn_compile.state import Geometry, StateFields, unpack
+from kvarn_compile.state import Geometry, StateFields, field_indices, unpack
 
 __all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu",
            "cuda_checks_on", "cuda_checks_deferred", "deferred_checks", "prepare_device",
@@ -81,19 +81,35 @@ def _triton_tiles(q_rot, buffers, scale, kv_start, q_plain=None):
         q_plain=None if f.k_plain is None else q_plain, k_plain=f.k_plain)
 
 
-def _cpu_attention(q, f, mask, scale, causal, window, many=False):
-    """The whole step in one C++ call (``f``: the state's fields); None where the kernel
-    cannot read this cache. ``many``: the multi-query path (exact for any visibility)."""
+def _cpu_attention(q, buffers, mask, scale, causal, window):
+    """The whole step in one C++ call (the decode step's loop up to
+    :data:`CPU_KERNEL_MAX_QUERIES` queries, the multi-query kernel beyond: exact for any
+    visibility); None where the kernel cannot read this cache (the reference runs).
+
+    Reads the members through :func:`field_indices`, not :class:`StateFields`: this runs per
+    layer and token, and building the fields costs more than the rest of the Python around
+    the kernel. The checks are the reference's (shapes, and a mask as long as the cache).
+    """
     from kvarn_compile.kernels.cpu import attention as cpu_attention
 
-    geo = Geometry.of(f)
-    if not cpu_attention.supports(geo.head_dim, f.k.row_scale.dtype, f.sink_k.dtype) \
-            or (geo.key_bits, geo.value_bits) not in cpu_attention.SUPPORTED_BITS:
+    at = field_indices(buffers)
+    if "k_row_factor" in at:                   # fp8 scales: the kernel reads fp16/bf16/fp32
         return None
+    b = buffers
+    sink_k, lengths = b[at["sink_k"]], b[at["lengths"]]
+    k = [b[at["k_codes"]], b[at["k_row_scale"]], b[at["k_row_zero"]], b[at["k_col_scale"]]]
+    v = [b[at["v_codes"]], b[at["v_row_scale"]], b[at["v_row_zero"]], b[at["v_col_scale"]]]
+    if not cpu_attention.supports(sink_k.shape[-1], k[1].dtype, sink_k.dtype) \
+            or cpu_attention.bits_of(k, v) not in cpu_attention.SUPPORTED_BITS:
+        return None
+    attention_ref.check_query_shape(q, sink_k)
+    if mask is not None:
+        attention_ref.check_mask_covers(mask, lengths)
     return cpu_attention.decode_attention(
-        q, (f.sink_k, f.sink_v), list(f.k.core), list(f.v.core), (f.tail_k, f.tail_v),
-        f.lengths, f.n_tiles, scale=float(scale), causal=causal, window=window, mask=mask,
-        k_plain=f.k_plain, many=many)
+        q, (sink_k, b[at["sink_v"]]), k, v, (b[at["tail_k"]], b[at["tail_v"]]), lengths,
+        b[at["n_tiles"]], scale=float(scale), causal=causal, window=window, mask=mask,
+        k_plain=b[at["k_plain"]] if "k_plain" in at else None,
+        many=q.shape[2] > CPU_KERNEL_MAX_QUERIES)
 
 
 def _cuda_attention(q, buffers, mask, scale, causal, window):
@@ -120,16 +136,15 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     the per-token path) and refuse fp8 scales. ``"triton"``: the CUDA path where
     :func:`kernel_applies`.
     """
-    f = unpack(buffers)
-    attention_ref.check_queries(q, f)
-    attention_ref.check_mask(f, mask)
     out = None
     if kernel == "cpu":
-        if not f.layout.fp8_factors:
-            out = _cpu_attention(q, f, mask, scale, causal, window,
-                                 many=q.shape[2] > CPU_KERNEL_MAX_QUERIES)
-    elif kernel_applies(q, f, mask):
-        out = _cuda_attention(q, buffers, mask, scale, causal, window)
+        out = _cpu_attention(q, buffers, mask, scale, causal, window)
+    else:
+        f = unpack(buffers)
+        attention_ref.check_queries(q, f)
+        attention_ref.check_mask(f, mask)
+        if kernel_applies(q, f, mask):
+            out = _cuda_attention(q, buffers, mask, scale, causal, window)
     if out is None:
         return attention_ref.attention(q, buffers, mask, scale, causal, window)
     return out if out.dtype == q.dtype else out.to(q.dtype)   # (a no-op .to costs a dispatch)

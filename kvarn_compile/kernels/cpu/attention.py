@@ -48,7 +48,7 @@ import torch
 
 from kvarn_compile.kernels.cpu.build import KernelBuildError, build_extension, load, mode, usable
 
-__all__ = ["available", "build", "tile_attention", "decode_attention", "append_decode",
+__all__ = ["available", "build", "tile_attention", "decode_attention", "append_decode", "bits_of",
            "SUPPORTED_BITS", "KernelBuildError"]
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,13 @@ def _rotations(d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return h.contiguous(), h.T.contiguous()
 
 
+def bits_of(k: list[torch.Tensor], v: list[torch.Tensor]) -> tuple[int, int]:
+    """(key bits, value bits) of tile buffers k/v = [codes, row_scale, row_zero, col_scale]."""
+    return 8 * k[0].shape[-1] // k[3].shape[-1], 8 * v[0].shape[-1] // v[3].shape[-1]
+
+
 def _bits(k: list[torch.Tensor], v: list[torch.Tensor], d: int) -> tuple[int, int]:
-    g = k[3].shape[-1]
-    kb, vb = 8 * k[0].shape[-1] // g, 8 * v[0].shape[-1] // d
+    kb, vb = bits_of(k, v)
     if (kb, vb) not in SUPPORTED_BITS:
         raise NotImplementedError(f"kvarn CPU kernel: expected bit widths in {sorted(SUPPORTED_BITS)}, "
                                   f"but got k{kb} v{vb}.")
@@ -110,7 +114,12 @@ def _c(t: torch.Tensor) -> torch.Tensor:
 def _plain(k_plain: torch.Tensor | None) -> torch.Tensor | None:
     if k_plain is None:
         return None
-    return _c(k_plain.to(torch.uint8))
+    return _c(k_plain if k_plain.dtype == torch.uint8 else k_plain.to(torch.uint8))
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous fp32 tensor (no dispatch when it already is one: per layer and token)."""
+    return _c(x if x.dtype == torch.float32 else x.float())
 
 
 def tile_attention(q_rot: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
@@ -172,7 +181,7 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.float32)
         m = m.expand(bsz, hq, tq, m.shape[-1])
     out, _ = _module().kvarn_attention(
-        _c(q.float()), None, rot, rot_t, _c(sink[0]), _c(sink[1]), _c(tail[0]), _c(tail[1]),
+        _f32(q), None, rot, rot_t, _c(sink[0]), _c(sink[1]), _c(tail[0]), _c(tail[1]),
         _c(k[0]), _c(k[1]), _c(k[2]), _c(k[3]), _c(v[0]), _c(v[1]), _c(v[2]), _c(v[3]),
         _c(lengths), _c(n_tiles), None, _plain(k_plain), m,
         float(scale), bool(causal), int(window), kb, vb, CHUNK_TASK_ROWS if many else 0)
