@@ -12,8 +12,10 @@ For each context length, in the same process and run, two copies of the default 
 
 Both get the same prompt prefilled in chunks of ``--chunk`` tokens through the compiled
 model (a transformers ``StaticCache`` with ``early_initialization``), then ``--steps``
-single-token decode steps. Per step wall time; the first two steps (compiling) are
-dropped; medians and p20/p80 are reported, with the ratio inductor / kvarn (> 1: kvarn is
+single-token decode steps, the two models taking turns step by step (which goes first
+alternates), so that load from other processes hits both alike. Per step wall time; the
+first two steps (compiling) are dropped; medians and p20/p80 are reported, with the ratio
+inductor / kvarn of the medians and the median of the per-step ratios (> 1: kvarn is
 faster). The machine may be shared: read the spread, not just the median. Prints JSON.
 """
 
@@ -37,7 +39,8 @@ def _quantiles(times_ms: list[float]) -> dict:
     return {"ms_median": statistics.median(t), "ms_p20": q(0.2), "ms_p80": q(0.8), "steps": len(t)}
 
 
-def _run(model, length: int, steps: int, chunk: int, seed: int) -> dict:
+def _prefill(model, length: int, steps: int, chunk: int, seed: int):
+    """(cache, decode tokens, seconds): the prompt prefilled in chunks through the model."""
     from transformers import StaticCache
 
     c = model.config
@@ -52,16 +55,15 @@ def _run(model, length: int, steps: int, chunk: int, seed: int) -> dict:
         ids = prompt[:, start:start + chunk]
         model(input_ids=ids, past_key_values=cache, use_cache=True,
               cache_position=torch.arange(start, start + ids.shape[1]))
-    prefill_s = time.perf_counter() - t0
     tokens = torch.randint(2, c.vocab_size, (steps, 1, 1), generator=g)
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        model(input_ids=tokens[i], past_key_values=cache, use_cache=True,
-              cache_position=torch.tensor([length + i]))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"prefill_s_incl_compile": prefill_s, "first_steps_ms": times[:2],
-            **_quantiles(times[2:])}
+    return cache, tokens, time.perf_counter() - t0
+
+
+def _step(model, cache, token: torch.Tensor, position: int) -> float:
+    t0 = time.perf_counter()
+    model(input_ids=token, past_key_values=cache, use_cache=True,
+          cache_position=torch.tensor([position]))
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,11 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     for length in args.lengths:
         row: dict = {"tokens": length, "chunk": args.chunk}
         torch._dynamo.reset()
-        model, _ = load_model()
+        kvarn_model, _ = load_model()
         backend = kvarn_backend(args.preset, max_cache_len=length + args.steps, compiler="inductor")
-        model.compile(backend=backend)
+        kvarn_model.compile(backend=backend)
+        plain_model, _ = load_model()
+        plain_model.compile()
         first = len(lowering.DECISIONS)
-        row["kvarn"] = _run(model, length, args.steps, args.chunk, seed=length)
+        sides = {"kvarn": kvarn_model, "inductor": plain_model}
+        state = {name: _prefill(m, length, args.steps, args.chunk, seed=length)
+                 for name, m in sides.items()}
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for i in range(args.steps):     # interleaved, the first side alternating
+            for name in (("kvarn", "inductor") if i % 2 == 0 else ("inductor", "kvarn")):
+                cache, tokens, _ = state[name]
+                times[name].append(_step(sides[name], cache, tokens[i], length + i))
+        for name in sides:
+            row[name] = {"prefill_s_incl_compile": state[name][2], "first_steps_ms": times[name][:2],
+                         **_quantiles(times[name][2:])}
         row["kvarn"]["sites_rewritten"] = len(backend.report.rewritten)
         row["kvarn"]["state_bytes"] = backend.nbytes
         winners: dict[str, int] = {}
@@ -93,13 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                 " (replayed)" if d.replayed else "")
             winners[label] = winners.get(label, 0) + 1
         row["kvarn"]["lowering_winners"] = winners
-        del model, backend
-        torch._dynamo.reset()
-        model, _ = load_model()
-        model.compile()
-        row["inductor"] = _run(model, length, args.steps, args.chunk, seed=length)
-        del model
+        del kvarn_model, plain_model, backend, sides, state
         row["inductor_over_kvarn"] = row["inductor"]["ms_median"] / row["kvarn"]["ms_median"]
+        row["per_step_ratio_median"] = statistics.median(
+            i / k for i, k in zip(times["inductor"][2:], times["kvarn"][2:]))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "e2e_decode_cpu", "env": env(), "rows": rows}, indent=1))

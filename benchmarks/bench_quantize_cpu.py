@@ -83,7 +83,7 @@ def _freeze_case(preset: str, heads: int, d: int, reps: int) -> dict:
 def _compiled_step_ms(context: int, steps: int) -> dict:
     """Decode steps of the default model compiled with kvarn_backend (Inductor), as in
     ``bench_e2e_decode_cpu.py`` (the first two steps, compiling, dropped)."""
-    from bench_e2e_decode_cpu import _run
+    from bench_e2e_decode_cpu import _prefill, _quantiles, _step
 
     from kvarn_compile import kvarn_backend
     from kvarn_compile.eval.models import load_model
@@ -92,7 +92,9 @@ def _compiled_step_ms(context: int, steps: int) -> dict:
     model, _ = load_model()
     model.compile(backend=kvarn_backend("k4v2", max_cache_len=context + steps, compiler="inductor"))
     with torch.no_grad():
-        out = _run(model, context, steps, 512, seed=context)
+        cache, tokens, prefill_s = _prefill(model, context, steps, 512, seed=context)
+        times = [_step(model, cache, tokens[i], context + i) for i in range(steps)]
+    out = {"prefill_s_incl_compile": prefill_s, "first_steps_ms": times[:2], **_quantiles(times[2:])}
     out.update({"context": context, "how": "SmolLM2-135M compiled with kvarn_backend('k4v2', "
                 "compiler='inductor')"})
     return out

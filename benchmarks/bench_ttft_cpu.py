@@ -54,7 +54,7 @@ def _cache(model, max_len: int):
 def _one_shot(model, prompt: torch.Tensor, max_len: int) -> float:
     cache = _cache(model, max_len)
     t0 = time.perf_counter()
-    model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache,
                    max_new_tokens=1, do_sample=False)
     return time.perf_counter() - t0
 
