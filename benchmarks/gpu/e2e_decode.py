@@ -15,7 +15,8 @@ Both get the same prompt (prefilled in chunks of ``--chunk`` tokens), then ``--s
 teacher-forced single-token decode steps with the same tokens. Reported per side: prefill
 seconds including compile, the first two steps (compile, graph capture), then the median,
 p20 and p80 of the remaining steps (CUDA-synchronized wall time), and ``plain_over_kvarn``
-(> 1: kvarn is faster), and ``cudagraph_skips``: graphs CUDA graphs did not capture (run
+(> 1: kvarn is faster), with ``--profile-steps N`` the GPU kernels of N more steps
+(launches and time per step, the top 25 by time), and ``cudagraph_skips``: graphs CUDA graphs did not capture (run
 with ``TORCH_LOGS=perf_hints`` for the reasons). ``logits_rel_diff`` is the largest difference between the two sides'
 decode logits over the largest plain logit: with random weights it checks that the packed path
 computes the same model, not quality (``kvarn-compile eval`` measures quality).
@@ -53,11 +54,36 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _run(model, length: int, steps: int, chunk: int, dtype, device: str) -> dict:
+def _kernels_per_step(run_step, n: int, device: str) -> list[dict]:
+    """The GPU kernels of ``n`` more decode steps under torch.profiler (kernels replayed by a
+    CUDA graph are traced too): name, launches and microseconds per step, most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cuda" or n <= 0:
+        return []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            run_step(i)
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        r = rows.setdefault(e.name[:120], {"kernel": e.name[:120], "per_step": 0.0, "us_per_step": 0.0})
+        r["per_step"] += 1 / n
+        r["us_per_step"] += e.time_range.elapsed_us() / n
+    out = sorted(rows.values(), key=lambda r: -r["us_per_step"])
+    for r in out:
+        r["per_step"], r["us_per_step"] = round(r["per_step"], 2), round(r["us_per_step"], 2)
+    return out
+
+
+def _run(model, length: int, steps: int, chunk: int, dtype, device: str,
+         profile_steps: int = 0) -> dict:
     from transformers import StaticCache
 
     c = model.config
-    cache = StaticCache(config=c, max_cache_len=length + steps)
+    cache = StaticCache(config=c, max_cache_len=length + steps + profile_steps)
     if hasattr(cache, "early_initialization"):
         cache.early_initialization(1, c.num_key_value_heads, c.head_dim, dtype, device)
     kw = _cache_kw(model)
@@ -83,9 +109,20 @@ def _run(model, length: int, steps: int, chunk: int, dtype, device: str) -> dict
         logits.append(out.logits[0, -1].float().clone())
     t = sorted(times[2:])
     q = lambda p: t[min(int(p * len(t)), len(t) - 1)]  # noqa: E731
-    return {"prefill_s_incl_compile": prefill_s, "first_steps_ms": times[:2],
-            "ms_median": statistics.median(t), "ms_p20": q(0.2), "ms_p80": q(0.8),
-            "steps": len(t), "_logits": torch.stack(logits)}
+
+    def more(i):
+        model(input_ids=tokens[i % steps], use_cache=True, **{kw: cache},
+              cache_position=torch.tensor([length + steps + i], device=device))
+
+    kernels = _kernels_per_step(more, profile_steps, device)
+    row = {"prefill_s_incl_compile": prefill_s, "first_steps_ms": times[:2],
+           "ms_median": statistics.median(t), "ms_p20": q(0.2), "ms_p80": q(0.8),
+           "steps": len(t), "_logits": torch.stack(logits)}
+    if kernels:
+        row["kernels_per_step"] = round(sum(k["per_step"] for k in kernels), 1)
+        row["kernel_us_per_step"] = round(sum(k["us_per_step"] for k in kernels), 1)
+        row["top_kernels"] = kernels[:25]
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then profile this many more steps: GPU kernels per step, most time first")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
@@ -128,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                 if side == "plain":
                     model.compile(mode=args.mode)
                 else:
-                    backend = kvarn_backend(args.preset, max_cache_len=length + args.steps,
-                                            mode=args.mode)
+                    backend = kvarn_backend(args.preset, mode=args.mode,
+                                            max_cache_len=length + args.steps + args.profile_steps)
                     model.compile(backend=backend)
                 skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-                row[side] = _run(model, length, args.steps, args.chunk, dtype, args.device)
+                row[side] = _run(model, length, args.steps, args.chunk, dtype, args.device,
+                                 args.profile_steps)
                 # graphs CUDA graphs skipped (the reasons: TORCH_LOGS=perf_hints)
                 row[side]["cudagraph_skips"] = \
                     torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips

@@ -124,7 +124,7 @@ GPU_FILES=$(grep -rl "pytest.mark.gpu" tests --include="test_*.py" | sort)
 step bench_decode_attention 200 "$PY" benchmarks/bench_decode_attention_gpu.py ${KVARN_GPU_BENCH_ARGS:---quick} \
     --out "$OUT/bench_decode_attention_gpu.json" > /dev/null
 step e2e_decode 170 env TORCH_LOGS=perf_hints "$PY" benchmarks/gpu/e2e_decode.py \
-    --lengths ${KVARN_GPU_E2E_LENGTHS:-4096 32768} --out "$OUT/e2e_decode_gpu.json" > /dev/null
+    --lengths ${KVARN_GPU_E2E_LENGTHS:-4096 32768} --profile-steps 4 --out "$OUT/e2e_decode_gpu.json" > /dev/null
 step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_triton.py
 step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
 step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu $GPU_FILES "${IGNORE[@]}" --continue-on-collection-errors \

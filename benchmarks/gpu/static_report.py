@@ -320,6 +320,30 @@ def _quantize_case(kind, bits, *, d=128, g=128, iters_on=True):
     return Case(f"quantize_{kind}{bits}_d{d}_g{g}", "append", cfg, build, warps)
 
 
+def _append_decode_case(*, b=1, h=8, d=128, g=128, sink=128, tail=255, tiles=4,
+                        exact=torch.float16, new=torch.bfloat16):
+    from kvarn_compile.kernels.triton import append as A
+
+    def build():
+        k = torch.zeros(b, h, 1, d, dtype=new)
+        sk = torch.zeros(b, h, sink, d, dtype=exact)
+        tk = torch.zeros(b, h, tail, d, dtype=exact)
+        st = torch.zeros(b, h, g, d, dtype=exact)
+        c = torch.zeros(b, dtype=torch.int64)
+        flags = torch.zeros((), dtype=torch.int32)
+        return A._append_decode_kernel.warmup(
+            k, k, *k.stride()[:2], k.stride(3), *k.stride()[:2], k.stride(3), c, sk, sk, tk, tk,
+            c, c, c, c, st, st, c, flags, 0, h, H_P2=triton.next_power_of_2(h), D=d,
+            BLOCK_D=triton.next_power_of_2(d), S=sink, W=tail, G=g, N_MAX=tiles,
+            BLOCK_T=min(g, 32), CHECK_RANGE=exact == torch.float16 and new != torch.float16,
+            ERR_POS=1, ERR_CAP=2, ERR_TL=4, ERR_RNG=8, ERR_NF=16, ERR_MANY=64, grid=(1,),
+            num_warps=4)
+
+    cfg = dict(kernel="_append_decode_kernel", kv_heads=h, D=d, G=g, sink=sink, tail=tail,
+               num_warps=4)
+    return Case(f"append_decode_h{h}_d{d}_g{g}", "append", cfg, build, 4)
+
+
 def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=128, g=128,
                    hq=32, h=8, tq=1, split=4, num_warps=4, num_stages=1, bias=False, plain=False,
                    prefetch=True):
@@ -375,8 +399,8 @@ _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
 
 
 def cases(quick: bool) -> list[Case]:
-    """Quick (CI): the decode kernel and the decode template in their production configs
-    and the append (tile quantizer) kernel at D = G = 128 and 64. Full: also the other code
+    """Quick (CI): the decode kernel and the decode template in their production configs,
+    the append (tile quantizer) kernel at D = G = 128 and 64 and the decode step's append. Full: also the other code
     widths and precisions, the autotune configs, the combine kernel and the prefill template."""
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
@@ -385,6 +409,7 @@ def cases(quick: bool) -> list[Case]:
                        precision="fp16"),
         _quantize_case("k", 4),
         _quantize_case("k", 4, d=64, g=64),
+        _append_decode_case(),
     ]
     if quick:
         return out

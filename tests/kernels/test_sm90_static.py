@@ -18,9 +18,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "static_report.py"
 
-#: The quick cases, by family: decode kernels and templates, append (tile quantizer) kernels.
+#: The quick cases, by family: decode kernels and templates, append kernels (the tile quantizer,
+#: the decode step's append).
 DECODE = ("decode_kernel_k4v2_d128g128_n128_fp16", "kvarn_decode_k4v2_n128_m16_fp16")
-APPEND = ("quantize_k4_d128_g128", "quantize_k4_d64_g64")
+APPEND = ("quantize_k4_d128_g128", "quantize_k4_d64_g64", "append_decode_h8_d128_g128")
 #: Known spills, each a strict xfail: the test fails once the spill is gone, so the entry
 #: must then be removed. The quantizer holds a whole 128 x 128 fp32 tile, its rotated copy
 #: and the normalization's row/column vectors in registers (~0.6 KB of spills at 8 warps).

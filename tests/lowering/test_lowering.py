@@ -382,7 +382,14 @@ def test_gpu_templates_render_compile_match_and_autotune(tq, monkeypatch):
     out, code = _compile_and_run(_attend, q, *st.buffers)
     source = "\n".join(code)
     expected = 2.0 * attention_ref.attention(q, st.buffers, None, 0.3, True, 0)
-    torch.testing.assert_close(out, expected, atol=5e-3, rtol=5e-3)   # tf32 code matmuls
+    # the templates' code matmuls run at fp16 (decode) / tf32 (prefill) precision: the
+    # rounding of q * rs (and p * rs) to an 11-bit significand shifts each score by up to a
+    # few 1e-3 (interpreter emulation of the fp16 decode kernel on this cache: 0.003-0.0045
+    # of a largest |out| of 2.1-2.6; the H200 measured 0.011 and 0.022 on 2 * out, largest
+    # |out| 5-9), so the bound is relative to the output's scale; a missed or misplaced tile
+    # or mask moves outputs by several percent of it
+    err = float((out - expected).abs().max())
+    assert err <= 5e-3 * float(expected.abs().max()), (err, float(expected.abs().max()))
     tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
     assert tiles and len(tiles[0].offered) > 2, tiles
     template = "decode" if tq == 1 else "prefill"

@@ -159,6 +159,33 @@ def test_unchecked_cuda_decode_steps_do_not_sync_and_match_the_reference(monkeyp
     dispatch.raise_device_errors("cpu")                     # nothing flagged
 
 
+@pytest.mark.parametrize("cfg", [dict(sink_tokens=0), dict(recent_window=G),
+                                 dict(key_frame="rotated"), dict(sink_tokens=2 * G)],
+                         ids=["no-sink", "recent", "rotated-frames", "two-tile-sink"])
+def test_unchecked_append_matches_the_reference_across_layouts_and_a_restart(monkeypatch, cfg):
+    """The one-kernel append over state layouts the default does not have (no sink, a recent
+    window, one key frame, a sink of two tiles), through tile freezes, then a row that
+    restarts at position 0 while the other goes on: the reference's state after every step."""
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "0")
+    st = _prompted([2 * G + 20, 2 * G - 6], **cfg)
+    ref = [t.clone() for t in st.buffers]
+    froze = 0
+    for step in range(2 * G + 4):
+        k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 1, D)
+        pos = unpack(ref).lengths.clone()
+        if step == 2 * G:
+            pos[1] = 0                                      # row 1 starts a new sequence
+        before = unpack(st.buffers).n_tiles.clone()
+        with HostSyncDetector():
+            dispatch._append_cuda(st.buffers, k, v, pos.clone(), "kvarn", 8,
+                                  cfg.get("recent_window", 0), 0, False, "")
+        froze += int((unpack(st.buffers).n_tiles - before).clamp(min=0).sum())
+        append_ref.append_(ref, k, v, pos.clone(), "kvarn", 8, cfg.get("recent_window", 0))
+        _assert_states_match(st.buffers, ref, step)
+    assert froze >= 2, "the steps must freeze tiles"
+    dispatch.raise_device_errors("cpu")
+
+
 def test_unchecked_attention_with_a_mask_and_several_queries_does_not_sync(monkeypatch):
     """A mask over the quantized tokens (an additive bias in the kernel) and a multi-token
     query block (the causal bound inside the tiles): no sync, the reference's output."""

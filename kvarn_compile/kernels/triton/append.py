@@ -3,9 +3,11 @@
 The reference append (``ops/append.py``) decides in Python, per batch row, where each token
 goes and whether a tile completes: it reads the counters on the host (6-8 syncs per layer
 and step on a GPU), which a CUDA graph cannot capture. :func:`append_decode` makes the same
-decisions with tensor ops on the device, for the decode step's shape (one new token per
-row, ``hold == 0``), and always launches the tile quantizer: the program of a row whose
-tile does not complete reads its destination index -1 and returns at once.
+decisions on the device, for the decode step's shape (one new token per row, ``hold == 0``),
+in one Triton kernel (``_append_decode_kernel``: one program per row), and always launches
+the tile quantizer: the program of a row whose tile does not complete reads its
+destination index -1 and returns at once. Three launches a step, where the same decisions
+as tensor ops were about a hundred small kernels (each a few microseconds, graph or not).
 
 What the reference checks before writing (position, capacity, tail room, the fp16 range of
 an fp32 model's sink/tail) is checked on the device too: a row that fails is left
@@ -26,6 +28,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from kvarn_compile.kernels.triton.quantize import quantize_tiles_into
 from kvarn_compile.quant.quantize import choose_key_frame
@@ -87,101 +91,177 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     beyond the recent window have gathered past the frozen tiles, they are quantized into
     tile n_tiles[b]. Rows that fail a check set :func:`error_flags` bits and are unchanged.
     Callers check :func:`applies` first.
+
+    Three launches a step (a CUDA graph replays them as they are): ``_append_decode_kernel``
+    (every decision, check and write of the step, and a copy of the completing tile's
+    tokens, read from the ring before the new token is written into it) and the tile
+    quantizer for V and for K, whose programs return at once in a row without a complete
+    tile (destination -1). Per-tile key frames (``key_frame="auto"``) choose each K tile's
+    frame in torch on that copy.
     """
     f = unpack(buffers)
     geo = Geometry.of(f)
     s, g, n_max, w = geo.sink, geo.group, geo.max_tiles, geo.tail
     bsz, heads, _, d = f.sink_k.shape
     dev = k.device
-    flags = error_flags(dev)
     exact = f.tail_k.dtype
-    p0 = start_pos.to(torch.int64)
+    for t in (f.sink_k, f.sink_v, f.tail_k, f.tail_v):
+        if not t.is_contiguous():
+            raise ValueError(f"Expected contiguous sink/tail buffers, but got strides {t.stride()}.")
+    stage_k = torch.empty(bsz, heads, g if n_max else 1, d, dtype=exact, device=dev)
+    stage_v = torch.empty_like(stage_k)
+    dst = torch.empty(bsz, 1, dtype=torch.int64, device=dev)
+    if bsz:
+        _append_decode_kernel[(bsz,)](
+            k, v, k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3),
+            start_pos, f.sink_k, f.sink_v, f.tail_k, f.tail_v, f.lengths, f.committed,
+            f.n_tiles, f.capacity, stage_k, stage_v, dst, error_flags(dev), int(recent),
+            heads, H_P2=triton.next_power_of_2(heads), D=d, BLOCK_D=triton.next_power_of_2(d),
+            S=s, W=w, G=g, N_MAX=n_max, BLOCK_T=min(g, 32),
+            CHECK_RANGE=exact == torch.float16 and k.dtype != torch.float16,
+            ERR_POS=ERR_POSITION, ERR_CAP=ERR_CAPACITY, ERR_TL=ERR_TAIL, ERR_RNG=ERR_RANGE,
+            ERR_NF=ERR_NONFINITE, ERR_MANY=ERR_UNSUPPORTED)
+    if n_max == 0:
+        return
+    normalize = method == "kvarn"
+    rot = rotation(d, dev)
+    quantize_tiles_into(stage_v, *f.v.core, kind="v", bits=geo.value_bits, rotate=True,
+                        normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
+    if f.k_plain is None:
+        quantize_tiles_into(stage_k, *f.k.core, kind="k", bits=geo.key_bits, rotate=True,
+                            normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
+        return
+    # per-tile key frames: (batch row, head) pairs become the kernel's rows; one launch
+    # quantizes the rotated tiles, one the plain ones, each skipping the other's
+    rows = bsz * heads
+    plain = choose_key_frame(stage_k.float().reshape(rows, 1, g, d))[:, 0]     # [B*H]
+    by_head = [t.view(rows, 1, *t.shape[2:]) for t in f.k.core]
+    x = stage_k.reshape(rows, 1, g, d)
+    dst_h = dst.expand(bsz, heads).reshape(rows)
+    none = torch.full_like(dst_h, -1)
+    for frame, rotated in ((plain, False), (~plain, True)):
+        quantize_tiles_into(x, *by_head, kind="k", bits=geo.key_bits, rotate=rotated,
+                            normalize=normalize and rotated, iters=iters,
+                            dst_tile=torch.where(frame, dst_h, none)[:, None],
+                            rotation=rot if rotated else None)
+    tiles0 = dst.clamp(min=0)                                          # [B, 1]
+    at = torch.clamp(tiles0, 0, n_max - 1)[:, :, None].expand(bsz, heads, 1)
+    into = (dst >= 0)[:, :, None]
+    f.k_plain.scatter_(2, at, torch.where(into, plain.view(bsz, heads, 1).to(torch.uint8),
+                                          f.k_plain.gather(2, at)))
+
+
+@triton.jit
+def _where_also(mask, cond):
+    """mask & the scalar cond, broadcast through an int (Triton's interpreter refuses a store
+    mask made by and-ing a bool tensor with a bool scalar)."""
+    return mask & ((mask.to(tl.int32) * 0 + cond.to(tl.int32)) != 0)
+
+
+@triton.jit
+def _append_decode_kernel(
+    k_ptr, v_ptr, s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,   # new tokens [B, H, 1, D], any strides
+    start_ptr,                        # int32/int64 [B]: the position each row writes at
+    sink_k, sink_v, tail_k, tail_v,   # [B, H, S, D], [B, H, W, D], contiguous, exact dtype
+    len_ptr, done_ptr, tiles_ptr, cap_ptr,   # int64 [B] counters (lengths, committed, n_tiles, capacity)
+    stage_k, stage_v,                 # [B, H, G, D] exact dtype: the completing tile's tokens (out)
+    dst_ptr,                          # int64 [B]: the tile slot it goes to, -1 if none (out)
+    flags_ptr,                        # int32 []: error bits, OR-ed
+    recent,                           # tokens kept exact past the last complete tile
+    H,                                # kv heads
+    H_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, S: tl.constexpr,
+    W: tl.constexpr, G: tl.constexpr, N_MAX: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHECK_RANGE: tl.constexpr, ERR_POS: tl.constexpr, ERR_CAP: tl.constexpr,
+    ERR_TL: tl.constexpr, ERR_RNG: tl.constexpr, ERR_NF: tl.constexpr, ERR_MANY: tl.constexpr,
+):
+    """The decode append of one batch row (program b), every head at once: the reference's
+    decisions (``append_decode``) on the row's counters, its checks as error bits, the
+    token stored in the sink or its ring slot, the counters bumped. When a tile completes,
+    its G tokens (the ring's and the new one) are copied to ``stage_*`` first, and the
+    ring slot is written after a barrier: with a ring of G - 1 slots the new token's slot
+    is the tile's first token's."""
+    b = tl.program_id(0).to(tl.int64)
+    p0 = tl.load(start_ptr + b).to(tl.int64)
     restart = p0 == 0
-    zero = torch.zeros_like(f.lengths)
-    length0 = torch.where(restart, zero, f.lengths)
-    done0 = torch.where(restart, zero, f.committed)
-    tiles0 = torch.where(restart, zero, f.n_tiles)
+    length = tl.load(len_ptr + b)
+    length0 = tl.where(restart, 0, length)
+    done0 = tl.where(restart, 0, tl.load(done_ptr + b))
+    tiles = tl.load(tiles_ptr + b)
+    tiles0 = tl.where(restart, 0, tiles)
     end = p0 + 1
-    # ---- the reference's checks, as bits (check_append, check_range)
     bad_pos = (p0 < 0) | (p0 > length0) | (p0 < done0)
-    bad_cap = end > f.capacity[0]
-    frozen_end = s + tiles0 * g
-    due = torch.clamp(end - frozen_end - recent, min=0) // g          # tiles the commit allows
-    room = n_max - tiles0
-    freeze = torch.minimum(due, room).clamp(min=0)                    # 0 or 1 in a decode step
-    bad_many = freeze > 1
-    freeze = (freeze > 0) & (end > s)
-    tiles_after = tiles0 + freeze.to(tiles0.dtype)
-    bad_tail = (end - torch.clamp(s + tiles_after * g, min=s)) > w
-    kv = torch.cat([k, v], 2)                                         # [B, H, 2, D]
-    finite = torch.isfinite(kv).flatten(1).all(1)
-    bad_range = torch.zeros_like(bad_pos)
-    if exact == torch.float16 and k.dtype != torch.float16:
-        peak = torch.nan_to_num(kv.float().abs(), nan=0.0, posinf=0.0).flatten(1).amax(1)
-        bad_range = peak > _FP16_MAX
+    bad_cap = end > tl.load(cap_ptr)
+    frozen_end = S + tiles0 * G
+    due = tl.maximum(end - frozen_end - recent, 0) // G
+    n_freeze = tl.maximum(tl.minimum(due, N_MAX - tiles0), 0)
+    bad_many = n_freeze > 1
+    freeze = (n_freeze > 0) & (end > S)
+    tiles_after = tiles0 + freeze.to(tl.int64)
+    bad_tail = (end - tl.maximum(S + tiles_after * G, S)) > W
+
+    offs_h = tl.arange(0, H_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    hd = (offs_h < H)[:, None] & (offs_d < D)[None, :]
+    kx = tl.load(k_ptr + b * s_kb + offs_h[:, None] * s_kh + offs_d[None, :] * s_kd, mask=hd,
+                 other=0.0).to(tl.float32)
+    vx = tl.load(v_ptr + b * s_vb + offs_h[:, None] * s_vh + offs_d[None, :] * s_vd, mask=hd,
+                 other=0.0).to(tl.float32)
+    ka, va = tl.abs(kx), tl.abs(vx)
+    k_fin = ka < float("inf")          # False for NaN and +-inf (padding loads 0)
+    v_fin = va < float("inf")
+    finite = tl.sum(tl.sum((~k_fin | ~v_fin).to(tl.int32), axis=1), axis=0) == 0
+    bad_range = p0 < p0                # False
+    if CHECK_RANGE:
+        peak = tl.maximum(tl.max(tl.max(tl.where(k_fin, ka, 0.0), axis=1), axis=0),
+                          tl.max(tl.max(tl.where(v_fin, va, 0.0), axis=1), axis=0))
+        bad_range = peak > 65504.0
     bad = bad_pos | bad_cap | bad_tail | bad_range | bad_many
     ok = ~bad
-    code = (bad_pos.int() * ERR_POSITION | bad_cap.int() * ERR_CAPACITY
-            | (bad_tail & ~bad_pos).int() * ERR_TAIL | bad_range.int() * ERR_RANGE
-            | (ok & ~finite).int() * ERR_NONFINITE | bad_many.int() * ERR_UNSUPPORTED)
-    flags.bitwise_or_(_or_reduce(code))
+    code = tl.where(bad_pos, ERR_POS, 0) | tl.where(bad_cap, ERR_CAP, 0) \
+        | tl.where(bad_tail & ~bad_pos, ERR_TL, 0) | tl.where(bad_range, ERR_RNG, 0) \
+        | tl.where(ok & ~finite, ERR_NF, 0) | tl.where(bad_many, ERR_MANY, 0)
+    tl.atomic_or(flags_ptr, code.to(tl.int32))
 
-    k_new, v_new = k[:, :, 0].to(exact), v[:, :, 0].to(exact)         # [B, H, D]
-    # ---- the tile that completes: positions frozen_end .. + G - 1, from the ring, the new
-    # token from k/v (it is not in the ring yet)
-    if n_max > 0:
-        pos = frozen_end[:, None] + torch.arange(g, device=dev)[None, :]  # [B, G]
-        slot = torch.remainder(pos - s, w)
-        idx = slot[:, None, :, None].expand(bsz, heads, g, d)
-        is_new = (pos == p0[:, None])[:, None, :, None]
-        tile_k = torch.where(is_new, k_new[:, :, None], f.tail_k.gather(2, idx))
-        tile_v = torch.where(is_new, v_new[:, :, None], f.tail_v.gather(2, idx))
-        dst = torch.where(freeze & ok, tiles0, torch.full_like(tiles0, -1))[:, None]
-        normalize = method == "kvarn"
-        rot = rotation(d, dev)
-        quantize_tiles_into(tile_v, *f.v.core, kind="v", bits=geo.value_bits, rotate=True,
-                            normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
-        if f.k_plain is None:
-            quantize_tiles_into(tile_k, *f.k.core, kind="k", bits=geo.key_bits, rotate=True,
-                                normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
-        else:
-            # per-tile key frames: (batch row, head) pairs become the kernel's rows; one launch
-            # quantizes the rotated tiles, one the plain ones, each skipping the other's
-            rows = bsz * heads
-            plain = choose_key_frame(tile_k.float().reshape(rows, 1, g, d))[:, 0]     # [B*H]
-            by_head = [t.view(rows, 1, *t.shape[2:]) for t in f.k.core]
-            x = tile_k.reshape(rows, 1, g, d)
-            dst_h = dst.expand(bsz, heads).reshape(rows)
-            none = torch.full_like(dst_h, -1)
-            for frame, rotated in ((plain, False), (~plain, True)):
-                quantize_tiles_into(x, *by_head, kind="k", bits=geo.key_bits, rotate=rotated,
-                                    normalize=normalize and rotated, iters=iters,
-                                    dst_tile=torch.where(frame, dst_h, none)[:, None],
-                                    rotation=rot if rotated else None)
-            at = torch.clamp(tiles0, 0, n_max - 1)[:, None, None].expand(bsz, heads, 1)
-            into = (freeze & ok)[:, None, None]
-            f.k_plain.scatter_(2, at, torch.where(into, plain.view(bsz, heads, 1).to(torch.uint8),
-                                                  f.k_plain.gather(2, at)))
-    # ---- the token itself: sink, or its ring slot unless it went into the tile
-    if s > 0:
-        at = torch.clamp(p0, 0, s - 1)[:, None, None, None].expand(bsz, heads, 1, d)
-        into = (ok & (p0 < s))[:, None, None, None]
-        for buf, new in ((f.sink_k, k_new), (f.sink_v, v_new)):
-            buf.scatter_(2, at, torch.where(into, new[:, :, None], buf.gather(2, at)))
-    frozen_new = freeze & (p0 < frozen_end + g)
-    at = torch.remainder(p0 - s, w)[:, None, None, None].expand(bsz, heads, 1, d)
-    into = (ok & (p0 >= s) & ~frozen_new)[:, None, None, None]
-    for buf, new in ((f.tail_k, k_new), (f.tail_v, v_new)):
-        buf.scatter_(2, at, torch.where(into, new[:, :, None], buf.gather(2, at)))
-    # ---- counters
-    f.lengths.copy_(torch.where(ok, end, f.lengths))
-    f.committed.copy_(torch.where(ok, end, f.committed))
-    f.n_tiles.copy_(torch.where(ok, tiles_after, f.n_tiles))
-
-
-def _or_reduce(code: torch.Tensor) -> torch.Tensor:
-    """OR of the int32 bits of ``code`` [B] as one tensor (no host sync): bit by bit, max."""
-    out = torch.zeros((), dtype=torch.int32, device=code.device)
-    for bit in ERROR_BITS:
-        out = out | ((code & bit).amax() if code.numel() else out)
-    return out
+    k_new = kx.to(tail_k.dtype.element_ty)
+    v_new = vx.to(tail_v.dtype.element_ty)
+    row = b * H + offs_h                                               # [H_P2] (b, h) rows
+    if N_MAX > 0:
+        stage = freeze & ok
+        tl.store(dst_ptr + b, tl.where(stage, tiles0, -1))
+        if stage:
+            offs_t = tl.arange(0, BLOCK_T)
+            for h in range(H):
+                kh = tl.load(k_ptr + b * s_kb + h * s_kh + offs_d * s_kd, mask=offs_d < D,
+                             other=0.0).to(tail_k.dtype.element_ty)
+                vh = tl.load(v_ptr + b * s_vb + h * s_vh + offs_d * s_vd, mask=offs_d < D,
+                             other=0.0).to(tail_v.dtype.element_ty)
+                for t0 in range(0, G, BLOCK_T):
+                    pos = frozen_end + t0 + offs_t                     # >= S
+                    slot = (pos - S) % W
+                    m = (offs_d < D)[None, :] & (offs_t < BLOCK_T)[:, None]
+                    src = ((b * H + h) * W + slot)[:, None] * D + offs_d[None, :]
+                    out = ((b * H + h) * G + t0 + offs_t)[:, None] * D + offs_d[None, :]
+                    is_new = (pos == p0)[:, None]
+                    tk = tl.load(tail_k + src, mask=m, other=0.0)
+                    tv = tl.load(tail_v + src, mask=m, other=0.0)
+                    tl.store(stage_k + out, tl.where(is_new, kh[None, :], tk), mask=m)
+                    tl.store(stage_v + out, tl.where(is_new, vh[None, :], tv), mask=m)
+            tl.debug_barrier()         # the ring is read before the new token goes into it
+        frozen_new = stage & (p0 < frozen_end + G)
+    else:
+        frozen_new = p0 < p0
+    if S > 0:
+        at = tl.minimum(tl.maximum(p0, 0), S - 1)
+        into = ok & (p0 < S)
+        ptrs = (row * S + at)[:, None] * D + offs_d[None, :]
+        tl.store(sink_k + ptrs, k_new, mask=_where_also(hd, into))
+        tl.store(sink_v + ptrs, v_new, mask=_where_also(hd, into))
+    at = (p0 - S) % W
+    at = tl.where(at < 0, at + W, at)
+    into = ok & (p0 >= S) & ~frozen_new
+    ptrs = (row * W + at)[:, None] * D + offs_d[None, :]
+    tl.store(tail_k + ptrs, k_new, mask=_where_also(hd, into))
+    tl.store(tail_v + ptrs, v_new, mask=_where_also(hd, into))
+    tl.store(len_ptr + b, tl.where(ok, end, length))
+    tl.store(done_ptr + b, tl.where(ok, end, tl.load(done_ptr + b)))
+    tl.store(tiles_ptr + b, tl.where(ok, tiles_after, tiles))
