@@ -8,7 +8,8 @@
 #   KVARN_GPU_STEPS="bench_decode_attention e2e_decode" ... runs only those steps
 #   KVARN_GPU_BENCH_ARGS, KVARN_GPU_E2E_LENGTHS, KVARN_GPU_PYTEST_ARGS: the decode benchmark's
 #   arguments (--quick), the e2e context lengths (4096 32768), more pytest arguments for the
-#   GPU-marked tests (e.g. "-k autotune --tb=long")
+#   GPU-marked tests (e.g. "-k autotune --tb=long"); KVARN_GPU_E2E_SECONDS: the e2e step's
+#   limit (170)
 #
 # Missing pure-Python packages (expecttest, gguf on the lent H200 image) come from wheels in
 # .whl/ when that folder exists (fetch them beforehand with `pip download --no-deps`); test
@@ -123,7 +124,7 @@ export -f run_tests; export OUT PY
 GPU_FILES=$(grep -rl "pytest.mark.gpu" tests --include="test_*.py" | sort)
 step bench_decode_attention 200 "$PY" benchmarks/bench_decode_attention_gpu.py ${KVARN_GPU_BENCH_ARGS:---quick} \
     --out "$OUT/bench_decode_attention_gpu.json" > /dev/null
-step e2e_decode 170 env TORCH_LOGS=perf_hints "$PY" benchmarks/gpu/e2e_decode.py \
+step e2e_decode "${KVARN_GPU_E2E_SECONDS:-170}" env TORCH_LOGS=perf_hints "$PY" benchmarks/gpu/e2e_decode.py \
     --lengths ${KVARN_GPU_E2E_LENGTHS:-4096 32768} --profile-steps 4 --out "$OUT/e2e_decode_gpu.json" > /dev/null
 step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_triton.py
 step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
