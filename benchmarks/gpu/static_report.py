@@ -331,16 +331,18 @@ def _append_decode_case(*, b=1, h=8, d=128, g=128, sink=128, tail=255, tiles=4,
         st = torch.zeros(b, h, g, d, dtype=exact)
         c = torch.zeros(b, dtype=torch.int64)
         flags = torch.zeros((), dtype=torch.int32)
+        kp = torch.zeros(b, h, tiles, dtype=torch.uint8)
+        dh = torch.zeros(b * h, 1, dtype=torch.int64)
         return A._append_decode_kernel.warmup(
             k, k, *k.stride()[:2], k.stride(3), *k.stride()[:2], k.stride(3), c, sk, sk, tk, tk,
-            c, c, c, c, st, st, c, flags, 0, h, H_P2=triton.next_power_of_2(h), D=d,
+            c, c, c, c, st, st, c, flags, 0, kp, dh, dh, h, H_P2=triton.next_power_of_2(h), D=d,
             BLOCK_D=triton.next_power_of_2(d), S=sink, W=tail, G=g, N_MAX=tiles,
             BLOCK_T=min(g, 32), CHECK_RANGE=exact == torch.float16 and new != torch.float16,
-            ERR_POS=1, ERR_CAP=2, ERR_TL=4, ERR_RNG=8, ERR_NF=16, ERR_MANY=64, grid=(1,),
-            num_warps=4)
+            FRAMES=True, DOMINANCE=16.0, ERR_POS=1, ERR_CAP=2, ERR_TL=4, ERR_RNG=8, ERR_NF=16,
+            ERR_MANY=64, grid=(1,), num_warps=4)
 
     cfg = dict(kernel="_append_decode_kernel", kv_heads=h, D=d, G=g, sink=sink, tail=tail,
-               num_warps=4)
+               key_frames=True, num_warps=4)
     return Case(f"append_decode_h{h}_d{d}_g{g}", "append", cfg, build, 4)
 
 

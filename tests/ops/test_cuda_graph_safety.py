@@ -16,10 +16,13 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kvarn_compile
 from kvarn_compile.config import get_config
 from kvarn_compile.kernels import triton_available
+from kvarn_compile.kernels.triton.append import _dominant
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, dispatch
 from kvarn_compile.state import allocate_layer, unpack
 
@@ -160,18 +163,24 @@ def test_unchecked_cuda_decode_steps_do_not_sync_and_match_the_reference(monkeyp
 
 
 @pytest.mark.parametrize("cfg", [dict(sink_tokens=0), dict(recent_window=G),
-                                 dict(key_frame="rotated"), dict(sink_tokens=2 * G)],
-                         ids=["no-sink", "recent", "rotated-frames", "two-tile-sink"])
+                                 dict(key_frame="rotated"), dict(sink_tokens=2 * G),
+                                 dict(outlier=True)],
+                         ids=["no-sink", "recent", "rotated-frames", "two-tile-sink",
+                              "plain-frames"])
 def test_unchecked_append_matches_the_reference_across_layouts_and_a_restart(monkeypatch, cfg):
     """The one-kernel append over state layouts the default does not have (no sink, a recent
-    window, one key frame, a sink of two tiles), through tile freezes, then a row that
-    restarts at position 0 while the other goes on: the reference's state after every step."""
+    window, one key frame, a sink of two tiles, tiles stored plain: a bias-like key channel
+    in kv head 0 of row 0), through tile freezes, then a row that restarts at position 0
+    while the other goes on: the reference's state (key frames too) after every step."""
     monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "0")
+    outlier = cfg.pop("outlier", False)
     st = _prompted([2 * G + 20, 2 * G - 6], **cfg)
     ref = [t.clone() for t in st.buffers]
     froze = 0
     for step in range(2 * G + 4):
         k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 1, D)
+        if outlier:
+            k[0, 0, 0, 3] += 200.0
         pos = unpack(ref).lengths.clone()
         if step == 2 * G:
             pos[1] = 0                                      # row 1 starts a new sequence
@@ -182,7 +191,12 @@ def test_unchecked_append_matches_the_reference_across_layouts_and_a_restart(mon
         froze += int((unpack(st.buffers).n_tiles - before).clamp(min=0).sum())
         append_ref.append_(ref, k, v, pos.clone(), "kvarn", 8, cfg.get("recent_window", 0))
         _assert_states_match(st.buffers, ref, step)
+        if unpack(ref).k_plain is not None:
+            assert torch.equal(unpack(st.buffers).k_plain, unpack(ref).k_plain), f"step {step}"
     assert froze >= 2, "the steps must freeze tiles"
+    if outlier:
+        assert int(unpack(ref).k_plain[0, 0].sum()) >= 1, "a plain tile must have been frozen"
+        assert int(unpack(ref).k_plain[1].sum()) == 0, "and only where the outlier is"
     dispatch.raise_device_errors("cpu")
 
 
@@ -333,3 +347,40 @@ def test_a_kept_cache_buffer_is_adopted_once_then_not_read_until_written(monkeyp
     with HostSyncDetector(strict=False) as seen:
         adopt()
     assert seen.calls, "a written buffer must be read again"
+
+
+@triton.jit
+def _frame_kernel(x_ptr, out_ptr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DOMINANCE: tl.constexpr):
+    """The append kernel's key-frame choice (``_dominant``) of tile program_id(0) of x [T, G, D]."""
+    t = tl.program_id(0)
+    offs_g = tl.arange(0, G)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    x = tl.load(x_ptr + (t * G + offs_g)[:, None] * D + offs_d[None, :],
+                mask=d_ok[None, :], other=0.0)
+    plain = _dominant(tl.max(x, axis=0), tl.min(x, axis=0), tl.max(tl.abs(x), axis=0),
+                      d_ok, D, BLOCK_D, DOMINANCE)
+    tl.store(out_ptr + t, plain.to(tl.int32))
+
+
+def test_the_append_kernel_chooses_key_frames_by_the_reference_rule():
+    """``_dominant`` (the key-frame choice inside the append kernel, by rank, no sort) against
+    ``choose_key_frame`` on tiles whose dominance sits around the threshold, with tied
+    channel ranges, an odd head dim and padded channels."""
+    from kvarn_compile.quant.quantize import DOMINANCE_THRESHOLD, choose_key_frame, key_dominance
+
+    torch.manual_seed(0)
+    for d in (32, 24, 7):
+        tiles = torch.randn(64, 16, d)
+        tiles[1::3] = tiles[1::3].round()                      # tied ranges
+        peak = key_dominance(tiles)
+        # scale one channel so the dominance lands just below / at / just above the threshold
+        want_ratio = DOMINANCE_THRESHOLD * (1 + torch.linspace(-0.02, 0.02, 64))
+        tiles[:, :, 0] *= (want_ratio / peak)[:, None].clamp(min=1.0)
+        out = torch.empty(64, dtype=torch.int32)
+        _frame_kernel[(64,)](tiles.contiguous(), out, G=16, D=d,
+                            BLOCK_D=triton.next_power_of_2(d), DOMINANCE=DOMINANCE_THRESHOLD)
+        want = choose_key_frame(tiles)
+        assert 0 < int(want.sum()) < 64, "the tiles must straddle the threshold"
+        assert torch.equal(out.bool(), want), (d, out.tolist(), want.int().tolist())

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kvarn_compile.kernels.triton.quantize import quantize_tiles_into
-from kvarn_compile.quant.quantize import choose_key_frame
+from kvarn_compile.quant.quantize import DOMINANCE_THRESHOLD
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
@@ -96,8 +96,9 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     (every decision, check and write of the step, and a copy of the completing tile's
     tokens, read from the ring before the new token is written into it) and the tile
     quantizer for V and for K, whose programs return at once in a row without a complete
-    tile (destination -1). Per-tile key frames (``key_frame="auto"``) choose each K tile's
-    frame in torch on that copy.
+    tile (destination -1). With per-tile key frames (``key_frame="auto"``) the kernel also
+    chooses each completing K tile's frame, and K takes two quantizer launches (plain,
+    rotated), each writing the tiles of its frame.
     """
     f = unpack(buffers)
     geo = Geometry.of(f)
@@ -111,44 +112,59 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     stage_k = torch.empty(bsz, heads, g if n_max else 1, d, dtype=exact, device=dev)
     stage_v = torch.empty_like(stage_k)
     dst = torch.empty(bsz, 1, dtype=torch.int64, device=dev)
+    frames = f.k_plain is not None and n_max > 0
+    # per-tile key frames: the kernel chooses each completing K tile's frame (the reference's
+    # rule, choose_key_frame) and gives every (row, head) a destination for the plain and
+    # one for the rotated quantizer launch (-1 in the other)
+    dst_plain = torch.empty(bsz * heads if frames else 1, 1, dtype=torch.int64, device=dev)
+    dst_rot = torch.empty_like(dst_plain)
     if bsz:
         _append_decode_kernel[(bsz,)](
             k, v, k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3),
             start_pos, f.sink_k, f.sink_v, f.tail_k, f.tail_v, f.lengths, f.committed,
             f.n_tiles, f.capacity, stage_k, stage_v, dst, error_flags(dev), int(recent),
+            f.k_plain if frames else dst, dst_plain, dst_rot,
             heads, H_P2=triton.next_power_of_2(heads), D=d, BLOCK_D=triton.next_power_of_2(d),
             S=s, W=w, G=g, N_MAX=n_max, BLOCK_T=min(g, 32),
-            CHECK_RANGE=exact == torch.float16 and k.dtype != torch.float16,
-            ERR_POS=ERR_POSITION, ERR_CAP=ERR_CAPACITY, ERR_TL=ERR_TAIL, ERR_RNG=ERR_RANGE,
-            ERR_NF=ERR_NONFINITE, ERR_MANY=ERR_UNSUPPORTED)
+            CHECK_RANGE=exact == torch.float16 and k.dtype != torch.float16, FRAMES=frames,
+            DOMINANCE=DOMINANCE_THRESHOLD, ERR_POS=ERR_POSITION, ERR_CAP=ERR_CAPACITY,
+            ERR_TL=ERR_TAIL, ERR_RNG=ERR_RANGE, ERR_NF=ERR_NONFINITE, ERR_MANY=ERR_UNSUPPORTED)
     if n_max == 0:
         return
     normalize = method == "kvarn"
     rot = rotation(d, dev)
     quantize_tiles_into(stage_v, *f.v.core, kind="v", bits=geo.value_bits, rotate=True,
                         normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
-    if f.k_plain is None:
+    if not frames:
         quantize_tiles_into(stage_k, *f.k.core, kind="k", bits=geo.key_bits, rotate=True,
                             normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
         return
-    # per-tile key frames: (batch row, head) pairs become the kernel's rows; one launch
-    # quantizes the rotated tiles, one the plain ones, each skipping the other's
+    # (batch row, head) pairs become the quantizer's rows: one launch quantizes the plain
+    # tiles, one the rotated ones, each skipping the other's
     rows = bsz * heads
-    plain = choose_key_frame(stage_k.float().reshape(rows, 1, g, d))[:, 0]     # [B*H]
     by_head = [t.view(rows, 1, *t.shape[2:]) for t in f.k.core]
     x = stage_k.reshape(rows, 1, g, d)
-    dst_h = dst.expand(bsz, heads).reshape(rows)
-    none = torch.full_like(dst_h, -1)
-    for frame, rotated in ((plain, False), (~plain, True)):
-        quantize_tiles_into(x, *by_head, kind="k", bits=geo.key_bits, rotate=rotated,
-                            normalize=normalize and rotated, iters=iters,
-                            dst_tile=torch.where(frame, dst_h, none)[:, None],
-                            rotation=rot if rotated else None)
-    tiles0 = dst.clamp(min=0)                                          # [B, 1]
-    at = torch.clamp(tiles0, 0, n_max - 1)[:, :, None].expand(bsz, heads, 1)
-    into = (dst >= 0)[:, :, None]
-    f.k_plain.scatter_(2, at, torch.where(into, plain.view(bsz, heads, 1).to(torch.uint8),
-                                          f.k_plain.gather(2, at)))
+    quantize_tiles_into(x, *by_head, kind="k", bits=geo.key_bits, rotate=False,
+                        normalize=False, iters=iters, dst_tile=dst_plain)
+    quantize_tiles_into(x, *by_head, kind="k", bits=geo.key_bits, rotate=True,
+                        normalize=normalize, iters=iters, dst_tile=dst_rot, rotation=rot)
+
+
+@triton.jit
+def _dominant(hi, lo, peak, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              DOMINANCE: tl.constexpr):
+    """``choose_key_frame`` of one K tile from its per-channel max ``hi``, min ``lo`` and
+    max |k| ``peak`` [BLOCK_D] (channels d_ok): peak / median range >= DOMINANCE, the median
+    the (D // 2)-th smallest range (the reference's sorted range at D // 2), found by rank
+    (how many ranges are smaller, ties broken by channel index), not by a sort."""
+    rng = tl.where(d_ok, hi - lo, float("inf"))
+    offs = tl.arange(0, BLOCK_D)
+    below = (rng[None, :] < rng[:, None]) | ((rng[None, :] == rng[:, None])
+                                            & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(below.to(tl.int32), axis=1)
+    median = tl.sum(tl.where(rank == D // 2, rng, 0.0), axis=0)
+    top = tl.max(tl.where(d_ok, peak, 0.0), axis=0)
+    return tl.div_rn(top, tl.maximum(median, 1.1754943508222875e-38)) >= DOMINANCE
 
 
 @triton.jit
@@ -168,10 +184,14 @@ def _append_decode_kernel(
     dst_ptr,                          # int64 [B]: the tile slot it goes to, -1 if none (out)
     flags_ptr,                        # int32 []: error bits, OR-ed
     recent,                           # tokens kept exact past the last complete tile
+    k_plain_ptr,                      # uint8 [B, H, N]: per-tile key frames (FRAMES)
+    dst_plain_ptr, dst_rot_ptr,       # int64 [B * H]: the tile slot per (row, head) for the
+                                      # plain / rotated K quantizer, -1 if none (FRAMES, out)
     H,                                # kv heads
     H_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, S: tl.constexpr,
     W: tl.constexpr, G: tl.constexpr, N_MAX: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHECK_RANGE: tl.constexpr, ERR_POS: tl.constexpr, ERR_CAP: tl.constexpr,
+    CHECK_RANGE: tl.constexpr, FRAMES: tl.constexpr, DOMINANCE: tl.constexpr,
+    ERR_POS: tl.constexpr, ERR_CAP: tl.constexpr,
     ERR_TL: tl.constexpr, ERR_RNG: tl.constexpr, ERR_NF: tl.constexpr, ERR_MANY: tl.constexpr,
 ):
     """The decode append of one batch row (program b), every head at once: the reference's
@@ -179,7 +199,10 @@ def _append_decode_kernel(
     token stored in the sink or its ring slot, the counters bumped. When a tile completes,
     its G tokens (the ring's and the new one) are copied to ``stage_*`` first, and the
     ring slot is written after a barrier: with a ring of G - 1 slots the new token's slot
-    is the tile's first token's."""
+    is the tile's first token's. FRAMES: each head's copy also gives its K tile's frame by
+    the reference's rule (``quant.quantize.choose_key_frame``: max |k| >= DOMINANCE x the
+    median over channels of the per-channel range), stored in k_plain and as the
+    destinations of the plain / rotated quantizer launches."""
     b = tl.program_id(0).to(tl.int64)
     p0 = tl.load(start_ptr + b).to(tl.int64)
     restart = p0 == 0
@@ -228,24 +251,42 @@ def _append_decode_kernel(
     if N_MAX > 0:
         stage = freeze & ok
         tl.store(dst_ptr + b, tl.where(stage, tiles0, -1))
+        if FRAMES:
+            none = tl.full([H_P2], -1, tl.int64)
+            tl.store(dst_plain_ptr + row, none, mask=offs_h < H)
+            tl.store(dst_rot_ptr + row, none, mask=offs_h < H)
         if stage:
             offs_t = tl.arange(0, BLOCK_T)
+            d_ok = offs_d < D
             for h in range(H):
-                kh = tl.load(k_ptr + b * s_kb + h * s_kh + offs_d * s_kd, mask=offs_d < D,
+                kh = tl.load(k_ptr + b * s_kb + h * s_kh + offs_d * s_kd, mask=d_ok,
                              other=0.0).to(tail_k.dtype.element_ty)
-                vh = tl.load(v_ptr + b * s_vb + h * s_vh + offs_d * s_vd, mask=offs_d < D,
+                vh = tl.load(v_ptr + b * s_vb + h * s_vh + offs_d * s_vd, mask=d_ok,
                              other=0.0).to(tail_v.dtype.element_ty)
+                hi = tl.full([BLOCK_D], float("-inf"), tl.float32)    # per-channel max, min
+                lo = tl.full([BLOCK_D], float("inf"), tl.float32)
+                k_abs = tl.zeros([BLOCK_D], tl.float32)                # per-channel max |k|
                 for t0 in range(0, G, BLOCK_T):
                     pos = frozen_end + t0 + offs_t                     # >= S
                     slot = (pos - S) % W
-                    m = (offs_d < D)[None, :] & (offs_t < BLOCK_T)[:, None]
+                    m = d_ok[None, :] & (offs_t < BLOCK_T)[:, None]
                     src = ((b * H + h) * W + slot)[:, None] * D + offs_d[None, :]
                     out = ((b * H + h) * G + t0 + offs_t)[:, None] * D + offs_d[None, :]
                     is_new = (pos == p0)[:, None]
-                    tk = tl.load(tail_k + src, mask=m, other=0.0)
+                    tk = tl.where(is_new, kh[None, :], tl.load(tail_k + src, mask=m, other=0.0))
                     tv = tl.load(tail_v + src, mask=m, other=0.0)
-                    tl.store(stage_k + out, tl.where(is_new, kh[None, :], tk), mask=m)
+                    tl.store(stage_k + out, tk, mask=m)
                     tl.store(stage_v + out, tl.where(is_new, vh[None, :], tv), mask=m)
+                    if FRAMES:
+                        x = tk.to(tl.float32)
+                        hi = tl.maximum(hi, tl.max(x, axis=0))
+                        lo = tl.minimum(lo, tl.min(x, axis=0))
+                        k_abs = tl.maximum(k_abs, tl.max(tl.abs(x), axis=0))
+                if FRAMES:
+                    plain = _dominant(hi, lo, k_abs, d_ok, D, BLOCK_D, DOMINANCE)
+                    tl.store(k_plain_ptr + (b * H + h) * N_MAX + tiles0, plain.to(tl.uint8))
+                    tl.store(dst_plain_ptr + b * H + h, tl.where(plain, tiles0, -1))
+                    tl.store(dst_rot_ptr + b * H + h, tl.where(plain, -1, tiles0))
             tl.debug_barrier()         # the ring is read before the new token goes into it
         frozen_new = stage & (p0 < frozen_end + G)
     else:
