@@ -51,18 +51,27 @@ def _split_args(args: tuple[torch.Tensor, ...], n_buffers: int, has_mask: bool):
     return q, buffers, mask, args[1 + n_buffers + int(has_mask)]
 
 
+#: Up to this many query rows per kv head (GQA group x query tokens: a decode step) the
+#: products around the tiles (q @ H, the exact region, out @ H^T) are multiply-and-sum
+#: reductions Inductor fuses (``regions.small_matmul``), not BLAS calls tiled for big matrices.
+SMALL_ROWS = 16
+
+
 def _attention(args, n_buffers: int, has_mask: bool, scale: float, causal: bool,
                window: int, split_max: int, tiles_fn) -> torch.Tensor:
     q, buffers, mask, rot = _split_args(args, n_buffers, has_mask)
     f = unpack(buffers)
-    out_ex, lse_ex = regions.exact_region(q, f, mask, scale, causal, window)
+    rows = q.shape[1] // max(f.sink_k.shape[1], 1) * q.shape[2]
+    matmul = regions.small_matmul if rows <= SMALL_ROWS else torch.matmul
+    out_ex, lse_ex = regions.exact_region(q, f, mask, scale, causal, window, matmul=matmul)
     if f.k.codes.shape[2] == 0:
         # no tile slot (a cache allocated for fewer than sink + one tile positions): the
         # exact region is the whole attention; a softmax over zero tile columns has no max
         return out_ex.to(q.dtype)
-    o_part, lse_part = tiles_fn(*tile_inputs(q, buffers, mask, causal, window, rot), scale, split_max)
+    o_part, lse_part = tiles_fn(*tile_inputs(q, buffers, mask, causal, window, rot, matmul),
+                                scale, split_max)
     out_rot, lse_t = regions.combine_splits(o_part, lse_part)
-    out, _ = regions.merge_regions(out_ex, lse_ex, out_rot @ rot.T, lse_t)
+    out, _ = regions.merge_regions(out_ex, lse_ex, matmul(out_rot, rot.T), lse_t)
     return out.to(q.dtype)
 
 

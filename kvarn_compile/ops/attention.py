@@ -174,7 +174,7 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
 
 # ------------------------------------------------------------------------------ tile partials
 def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: bool,
-                window: int, rot: torch.Tensor | None = None):
+                window: int, rot: torch.Tensor | None = None, matmul=torch.matmul):
     """Everything a tile-partials kernel needs (:data:`TILE_ARGS`), from the attention's
     arguments.
 
@@ -183,6 +183,7 @@ def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: boo
     k_plain uint8 [B,H,N] or None; n_tiles [B]; kv_lo, kv_hi [B,Tq]; bias [B,Hq,Tq,N*G] or
     None. Quantized token j of a row sits at absolute position S + j (see
     ``regions.tile_bounds``). Static shapes only: it traces into the Inductor decomposition.
+    ``matmul`` rotates q (``regions.small_matmul`` in traced decode graphs).
     """
     f = unpack(buffers)
     bsz, _, s, d = f.sink_k.shape
@@ -190,7 +191,7 @@ def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: boo
     hq, tq = q.shape[1], q.shape[2]
     kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
     q_plain = q.float()
-    q_rot = q_plain @ (rotation_matrix(d, q.device) if rot is None else rot)
+    q_rot = matmul(q_plain, rotation_matrix(d, q.device) if rot is None else rot)
     tensors = [*_tile_tensors(f.k), *_tile_tensors(f.v)]
     positions = (s + torch.arange(n_max * g, device=q.device))[None, :].expand(bsz, -1)
     bias = regions.bias_at(mask, positions, (bsz, hq, tq))

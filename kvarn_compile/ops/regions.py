@@ -23,7 +23,7 @@ import torch
 
 from kvarn_compile.state import StateFields
 
-__all__ = ["exact_region", "tile_bounds", "bias_at", "combine_splits", "merge_regions", "safe_lse", "normalized",
+__all__ = ["exact_region", "small_matmul", "tile_bounds", "bias_at", "combine_splits", "merge_regions", "safe_lse", "normalized",
            "query_positions", "NEG_INF"]
 
 NEG_INF = float("-inf")
@@ -102,17 +102,30 @@ def _exact_keys(f: StateFields[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat([sink_pos, tail_pos], 1), ok
 
 
+def small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as a multiply and a sum over the shared dim (broadcasting the batch dims):
+    what a compiled graph should run when ``a`` has a few rows (a decode step's queries):
+    Inductor fuses it into one reduction kernel, where a BLAS call with 1-16 rows runs a
+    GEMM kernel tiled for hundreds (fp32 on an H200: tens of microseconds each). Eager,
+    it materializes the product: use it in traced code only."""
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+
+
 def exact_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
-                 scale: float, causal: bool, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [B, Hq, Tq, D] over sink + tail: (out fp32 [B,Hq,Tq,D], lse [B,Hq,Tq])."""
+                 scale: float, causal: bool, window: int, *, matmul=torch.matmul
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, Hq, Tq, D] over sink + tail: (out fp32 [B,Hq,Tq,D], lse [B,Hq,Tq]).
+
+    The query heads of a kv head are the rows of one product with its keys (no copy of the
+    keys per query head). ``matmul``: :func:`small_matmul` in traced decode graphs."""
     bsz, heads, _, d = f.sink_k.shape
     hq, tq = q.shape[1], q.shape[2]
     grp = hq // heads
     pos, ok = _exact_keys(f)
     keys = torch.cat([f.sink_k, f.tail_k], 2).float()                           # [B,H,S+W,D]
     vals = torch.cat([f.sink_v, f.tail_v], 2).float()
-    qg = q.float().reshape(bsz, heads, grp, tq, d)
-    scores = (qg @ keys.unsqueeze(2).transpose(-1, -2)) * scale                  # [B,H,g,Tq,S+W]
+    rows = q.float().reshape(bsz, heads, grp * tq, d)
+    scores = (matmul(rows, keys.transpose(-1, -2)) * scale).reshape(bsz, heads, grp, tq, -1)
     q_pos = query_positions(f.lengths, tq)
     allowed = ok[:, None, :].expand(bsz, tq, -1)
     if causal:
@@ -125,7 +138,7 @@ def exact_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tens
     scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
     p, denom, m_ref = safe_lse(scores)
     p, lse = normalized(p, denom, m_ref)
-    out = p @ vals.unsqueeze(2)
+    out = matmul(p.reshape(bsz, heads, grp * tq, -1), vals)
     return out.reshape(bsz, hq, tq, d), lse.reshape(bsz, hq, tq)
 
 
