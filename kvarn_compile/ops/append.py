@@ -466,14 +466,18 @@ def adopt_(buffers: list[torch.Tensor], cache_k: torch.Tensor, cache_v: torch.Te
     if not (fresh and managed(cache_k) and managed(cache_v)):
         if all(n == p for n in unpack(buffers).lengths.tolist()):
             return                                   # the packed state continues at p
-    written = cache_k[:, :, :1].flatten(1).any(1) | cache_v[:, :, :1].flatten(1).any(1)
+    # a row whose positions [0, p) all read zero holds no prompt: a copy of a cache a compiled
+    # model keeps packed (its own buffers read zeros) or one never filled. Only the whole
+    # range says so: a left-padded row's pad keys can be exactly zero (a zero pad embedding)
+    written = cache_k[:, :, :p].flatten(1).any(1) | cache_v[:, :, :p].flatten(1).any(1)
     if not bool(written.all()):
         raise ValueError(
             f"KVarN {name or 'cache'}: this call continues a sequence at position {p}, but the "
-            f"cache passed holds zeros at position 0 (batch row {int((~written).nonzero()[0])}), "
-            "where every prompt writes: it was copied from a cache a compiled model keeps packed "
-            "(whose own buffers read zeros) or never filled. Copy a packed cache with "
-            "copy.deepcopy (it copies the packed state too), or start the sequence at position 0.")
+            f"cache passed holds only zeros in positions 0..{p - 1} (batch row "
+            f"{int((~written).nonzero()[0])}), where the prompt was written: it was copied from "
+            "a cache a compiled model keeps packed (whose own buffers read zeros) or never "
+            "filled. Copy a packed cache with copy.deepcopy (it copies the packed state too), or "
+            "start the sequence at position 0.")
     (append or append_)(buffers, cache_k[:, :, :p], cache_v[:, :, :p], torch.zeros_like(start_pos),
                         method, iters, recent, hold, check_finite, name)
 

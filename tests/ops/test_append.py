@@ -376,3 +376,34 @@ def test_clip_mse_runtime_state_equals_quantize_cache_and_lowers_2bit_error():
     with pytest.raises(ValueError, match="kvarn\\+clip"):
         append_ref.append_(plain.buffers, k[:, :, :1], v[:, :, :1], torch.zeros(2, dtype=torch.long),
                   method="kvarn+fast")
+
+
+def test_adopt_takes_a_left_padded_prompt_and_refuses_a_row_that_reads_only_zeros():
+    """``adopt_`` (a prompt an uncompiled forward wrote into the model's cache): a left-padded
+    row whose pad keys and values are exactly zero (a zero pad embedding) is a prompt and is
+    adopted; a row whose positions [0, p) all read zero (a copy of a cache a compiled model
+    keeps packed) is refused with a one-line error, the state left as it was."""
+    from kvarn_compile.config import get_config
+    from kvarn_compile.ops import append as append_ref
+    from kvarn_compile.state import allocate_layer, unpack
+
+    g, h, d, p = 32, 2, 16, 50
+    st = allocate_layer(get_config("k4v2", group_size=g), batch=2, kv_heads=h, head_dim=d,
+                        max_len=128, dtype=torch.float32)
+    cache_k, cache_v = torch.zeros(2, h, 128, d), torch.zeros(2, h, 128, d)
+    cache_k[:, :, :p], cache_v[:, :, :p] = torch.randn(2, h, p, d), torch.randn(2, h, p, d)
+    cache_k[1, :, :9] = 0.0                          # row 1: 9 pad positions, exactly zero
+    cache_v[1, :, :9] = 0.0
+    append_ref.adopt_(st.buffers, cache_k, cache_v, torch.tensor([p, p]), "kvarn", 8, 0, 0,
+                      False, "layer", False)
+    assert unpack(st.buffers).lengths.tolist() == [p, p]
+
+    fresh = allocate_layer(get_config("k4v2", group_size=g), batch=2, kv_heads=h, head_dim=d,
+                           max_len=128, dtype=torch.float32)
+    before = [t.clone() for t in fresh.buffers]
+    cache_k[1, :, :p] = 0.0
+    cache_v[1, :, :p] = 0.0
+    with pytest.raises(ValueError, match=r"only zeros in positions 0\.\.49 \(batch row 1\)"):
+        append_ref.adopt_(fresh.buffers, cache_k, cache_v, torch.tensor([p, p]), "kvarn", 8, 0,
+                          0, False, "layer", False)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.buffers, before))
