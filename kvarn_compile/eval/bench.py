@@ -32,7 +32,8 @@ SCHEMA = {
             "compiler", "prefill_mode", "env", "rows", "total_s"),
     "row": ("context_tokens", "capacity_tokens", "runners", "kvarn_speedup"),
     "runner": ("label", "ms_per_step", "tokens_per_s", "steps_ms", "compile_prefill_s",
-               "compile_decode_s", "prefill_chunk_s", "kv_bytes_used", "kv_bytes_allocated"),
+               "compile_decode_s", "prefill_chunk_s", "ttft_incl_compile_s",
+               "kv_bytes_used", "kv_bytes_allocated"),
     "spread": ("n", "median", "p25", "p75", "min", "max"),
 }
 
@@ -121,6 +122,10 @@ def run_bench(model_name: str | None = None, *, lengths=BENCH_DEFAULTS["lengths"
                                "kvarn_speedup": {}}
         for r in runners:
             compiled = r.name != "eager"
+            # time to first token (--prefill compiled): the prompt's chunks through the runner's
+            # own compiled graphs, the first one compiling them (benchmarks/bench_ttft_cpu.py
+            # measures it without the compile too)
+            own = prefill_mode == "compiled" and compiled and "prefill" in r.first_call_s
             row["runners"][r.name] = {
                 "label": r.label, "ms_per_step": spread(r.step_ms),
                 "tokens_per_s": 1e3 / spread(r.step_ms)["median"] if r.step_ms else None,
@@ -128,6 +133,8 @@ def run_bench(model_name: str | None = None, *, lengths=BENCH_DEFAULTS["lengths"
                 "compile_prefill_s": r.first_call_s.get("prefill") if compiled else None,
                 "compile_decode_s": r.first_call_s.get("decode") if compiled else None,
                 "prefill_chunk_s": spread(r.prefill_s) if r.prefill_s else None,
+                "ttft_incl_compile_s": (r.first_call_s["prefill"] + sum(r.prefill_s)
+                                        if own else None),
                 "kv_bytes_used": packed["used"] if r.name == "kvarn" else fp_used,
                 "kv_bytes_allocated": packed["allocated"] if r.name == "kvarn" else fp_alloc,
             }
@@ -157,8 +164,10 @@ def bench_table(res: dict[str, Any]) -> str:
     """The results as a fixed-width text table."""
     from .speed import format_spread
 
+    ttft = res["prefill_mode"] == "compiled"
     head = (f"{'context':>7}  {'runner':14} {'ms/step median [IQR] min-max':>32} {'tok/s':>7} "
-            f"{'vs KVarN':>8} {'KV MiB in use':>13} {'allocated':>9} {'compile s':>12}")
+            f"{'vs KVarN':>8} {'KV MiB in use':>13} {'allocated':>9} {'compile s':>12}"
+            + (f" {'TTFT s':>8}" if ttft else ""))
     lines = [f"kvarn-compile bench: {res['model']}, {res['config']}, {res['steps']} decode steps per "
              f"length ({res['warmup']} warm-up), prefill chunks of {res['chunk']} tokens, "
              f"{res['env']['threads']} thread{'s' if res['env']['threads'] != 1 else ''}",
@@ -172,14 +181,22 @@ def bench_table(res: dict[str, Any]) -> str:
             lines.append(f"{row['context_tokens'] if i == 0 else '':>7}  {r['label']:14} "
                          f"{format_spread(r['ms_per_step']):>32} {tps} "
                          f"{(f'{ratio:.2f}x' if ratio else ''):>8} {_mib(r['kv_bytes_used']):>13} "
-                         f"{_mib(r['kv_bytes_allocated']):>9} {comp:>12}")
+                         f"{_mib(r['kv_bytes_allocated']):>9} {comp:>12}"
+                         + (f" {_ttft(r):>8}" if ttft else ""))
     compile_note = ("first prefill chunk + first decode step" if res["prefill_mode"] == "compiled" else
                     "first decode step (the prompt is prefilled once, eager, and copied; KVarN's "
                     "first step also packs it)")
     lines.append("vs KVarN: median of the per-step ratios runner / KVarN (> 1: KVarN is faster). "
                  f"compile s: {compile_note}, incl. compiling. KV MiB in use: the tokens held; "
-                 "allocated: the capacity (context + steps).")
+                 "allocated: the capacity (context + steps)."
+                 + (" TTFT s: time to first token, the prompt's chunks through the model's own "
+                    "compiled graphs, the first chunk compiling them (without the compile: "
+                    "benchmarks/bench_ttft_cpu.py)." if ttft else ""))
     return "\n".join(lines)
+
+
+def _ttft(r: dict[str, Any]) -> str:
+    return "-" if r.get("ttft_incl_compile_s") is None else f"{r['ttft_incl_compile_s']:.1f}"
 
 
 def plot_bench(res: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:

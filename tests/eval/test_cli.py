@@ -223,6 +223,10 @@ def test_bench_json_schema_on_a_tiny_model(tiny_llama, tmp_path):
     assert set(row["runners"]) == {"kvarn", "inductor"}
     kv = row["runners"]["kvarn"]
     assert kv["sites_rewritten"] == 4 and kv["compile_prefill_s"] > 0 and kv["prefill_chunk_s"]["n"] == 1
+    for r in row["runners"].values():   # time to first token: the compiling chunk + the other one
+        assert r["ttft_incl_compile_s"] == pytest.approx(
+            r["compile_prefill_s"] + r["prefill_chunk_s"]["median"])
+    assert "TTFT s" in bench.bench_table(res)
 
 
 # ------------------------------------------------------------------------------ reports
