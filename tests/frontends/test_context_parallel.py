@@ -147,7 +147,7 @@ def _generate(model, ids, cache, backend=None, new=8, dynamic=False):
         model.forward = torch.compile(fwd, backend=backend, dynamic=dynamic)
     try:
         with torch.no_grad():
-            out = model.generate(ids, generation_config=gen, past_key_values=cache)
+            out = model.generate(ids, generation_config=gen, cache=cache)
     finally:
         model.forward = fwd
     return out[0, ids.shape[1]:].tolist()

@@ -198,7 +198,7 @@ def _eager_tokens(model, ids, new, max_len):
     cache = KVarNCache(eager.config, max_cache_len=max_len, preset="k4v2", group_size=G)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return eager.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache,
+        return eager.generate(ids, max_new_tokens=new, do_sample=False, cache=cache,
                               output_logits=True, return_dict_in_generate=True)
 
 

@@ -147,7 +147,7 @@ def test_compile_config_second_request_on_the_same_cache():
         cache.reset()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = model.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=cache,
+            out = model.generate(ids, max_new_tokens=5, do_sample=False, cache=cache,
                                  compile_config=cc, output_logits=True,
                                  return_dict_in_generate=True)
         tokens, logits = fp_prefill_then_kvarn(model, ids, 5)

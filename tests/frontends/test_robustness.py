@@ -601,7 +601,7 @@ def _kvarn_eager(model, ids, new, *, max_len=256, spec_tokens=0, **kw):
     other = copy.deepcopy(model)
     use_kvarn_attention(other)
     cache = KVarNCache(other.config, max_cache_len=max_len, spec_tokens=spec_tokens, **PRESET)
-    return _generate(other, ids, new, past_key_values=cache, **kw)
+    return _generate(other, ids, new, cache=cache, **kw)
 
 
 def _same(got, want, rtol=1e-4):
