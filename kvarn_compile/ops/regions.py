@@ -23,8 +23,8 @@ import torch
 
 from kvarn_compile.state import StateFields
 
-__all__ = ["exact_region", "small_matmul", "tile_bounds", "bias_at", "combine_splits", "merge_regions", "safe_lse", "normalized",
-           "query_positions", "NEG_INF"]
+__all__ = ["exact_region", "small_matmul", "tile_bounds", "bias_at", "combine_splits",
+           "merge_regions", "safe_lse", "normalized", "query_positions", "NEG_INF"]
 
 NEG_INF = float("-inf")
 

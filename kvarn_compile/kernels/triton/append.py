@@ -51,7 +51,7 @@ ERROR_BITS = {ERR_POSITION: "position", ERR_CAPACITY: "capacity", ERR_TAIL: "tai
               ERR_RANGE: "range", ERR_NONFINITE: "nonfinite", ERR_MASK: "mask",
               ERR_UNSUPPORTED: "unsupported"}
 
-_FP16_MAX = 65504.0
+_FP16_MAX = tl.constexpr(65504.0)   # the largest finite float16
 _FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -78,7 +78,8 @@ def applies(f: StateFields[torch.Tensor], k: torch.Tensor, method: str, hold: in
             and method in ("kvarn", "hadamard") and not f.layout.fp8_factors
             and f.sink_k.shape[2] + f.tail_k.shape[2] > 0
             and f.tail_k.shape[2] >= f.k.col_scale.shape[-1] - 1 and k.shape[:2] == f.sink_k.shape[:2]
-            and k.shape[-1] == f.sink_k.shape[-1] and k.device == f.sink_k.device)
+            and k.shape[-1] == f.sink_k.shape[-1] and k.device == f.sink_k.device
+            and all(t.is_contiguous() for t in (f.sink_k, f.sink_v, f.tail_k, f.tail_v)))
 
 
 def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
@@ -106,9 +107,6 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     bsz, heads, _, d = f.sink_k.shape
     dev = k.device
     exact = f.tail_k.dtype
-    for t in (f.sink_k, f.sink_v, f.tail_k, f.tail_v):
-        if not t.is_contiguous():
-            raise ValueError(f"Expected contiguous sink/tail buffers, but got strides {t.stride()}.")
     stage_k = torch.empty(bsz, heads, g if n_max else 1, d, dtype=exact, device=dev)
     stage_v = torch.empty_like(stage_k)
     dst = torch.empty(bsz, 1, dtype=torch.int64, device=dev)
@@ -208,7 +206,8 @@ def _append_decode_kernel(
     restart = p0 == 0
     length = tl.load(len_ptr + b)
     length0 = tl.where(restart, 0, length)
-    done0 = tl.where(restart, 0, tl.load(done_ptr + b))
+    done = tl.load(done_ptr + b)
+    done0 = tl.where(restart, 0, done)
     tiles = tl.load(tiles_ptr + b)
     tiles0 = tl.where(restart, 0, tiles)
     end = p0 + 1
@@ -237,7 +236,7 @@ def _append_decode_kernel(
     if CHECK_RANGE:
         peak = tl.maximum(tl.max(tl.max(tl.where(k_fin, ka, 0.0), axis=1), axis=0),
                           tl.max(tl.max(tl.where(v_fin, va, 0.0), axis=1), axis=0))
-        bad_range = peak > 65504.0
+        bad_range = peak > _FP16_MAX
     bad = bad_pos | bad_cap | bad_tail | bad_range | bad_many
     ok = ~bad
     code = tl.where(bad_pos, ERR_POS, 0) | tl.where(bad_cap, ERR_CAP, 0) \
@@ -304,5 +303,5 @@ def _append_decode_kernel(
     tl.store(tail_k + ptrs, k_new, mask=_where_also(hd, into))
     tl.store(tail_v + ptrs, v_new, mask=_where_also(hd, into))
     tl.store(len_ptr + b, tl.where(ok, end, length))
-    tl.store(done_ptr + b, tl.where(ok, end, tl.load(done_ptr + b)))
+    tl.store(done_ptr + b, tl.where(ok, end, done))
     tl.store(tiles_ptr + b, tl.where(ok, tiles_after, tiles))
