@@ -222,13 +222,18 @@ class Geometry:
 
     batch: int
     kv_heads: int
-    head_dim: int
+    head_dim: int      # D: the keys' (and queries') head dim
     sink: int          # S: high-precision sink tokens
     group: int         # G: tokens per packed tile
     max_tiles: int     # n_max: tile slots per row
     tail: int          # W: tail ring slots
     key_bits: int
     value_bits: int
+    value_head_dim: int = 0   # Dv: the values' (and outputs') head dim; 0 reads as D
+
+    def __post_init__(self):
+        if not self.value_head_dim:
+            object.__setattr__(self, "value_head_dim", self.head_dim)
 
     @classmethod
     def of(cls, state: StateFields | Sequence[Any],
@@ -236,10 +241,12 @@ class Geometry:
         """From fields or a buffer list; ``size`` reads a member's shape (IR nodes: static ints)."""
         f = state if isinstance(state, StateFields) else unpack(state)
         bsz, heads, s, d = size(f.sink_k)
+        dv = size(f.sink_v)[-1]
         g = size(f.k.col_scale)[-1]
         kc, vc = size(f.k.codes), size(f.v.codes)
         return cls(batch=bsz, kv_heads=heads, head_dim=d, sink=s, group=g, max_tiles=kc[2],
-                   tail=size(f.tail_k)[2], key_bits=8 * kc[-1] // g, value_bits=8 * vc[-1] // d)
+                   tail=size(f.tail_k)[2], key_bits=8 * kc[-1] // g, value_bits=8 * vc[-1] // dv,
+                   value_head_dim=dv)
 
 
 _SINK, _TAIL, _TILES = range(3)
@@ -325,7 +332,13 @@ class LayerState:
 
     @property
     def head_dim(self) -> int:
+        """The keys' head dim (the queries'), D."""
         return self.sink_k.shape[-1]
+
+    @property
+    def value_head_dim(self) -> int:
+        """The values' head dim (the attention output's), Dv; D unless allocated otherwise."""
+        return self.sink_v.shape[-1]
 
     @property
     def sink_len(self) -> int:
@@ -418,9 +431,9 @@ class LayerState:
     @functools.cached_property
     def _growth(self) -> _Growth:
         f = self.fields
-        heads, dim = f.sink_k.shape[1], f.sink_k.shape[3]
+        heads, dims = f.sink_k.shape[1], f.sink_k.shape[3] + f.sink_v.shape[3]
         return _Growth(
-            token=2 * heads * dim * f.sink_k.element_size(), fp16_token=2 * heads * dim * 2,
+            token=heads * dims * f.sink_k.element_size(), fp16_token=heads * dims * 2,
             tile=self.tile_bytes(), tail=_tail_slots(self.config, self.spec_tokens),
             whole=tiles_for(self.config, max_len=self.max_len),
             at=tuple(f.layout.index(n) for n in ("sink_k", "tail_k", "k_codes")),
@@ -490,7 +503,7 @@ class LayerState:
     def describe(self) -> str:
         c = self.config
         return (f"LayerState({self.name or 'layer'}: B={self.batch}, H={self.kv_heads}, "
-                f"D={self.head_dim}, max_len={self.max_len}, sink={self.sink_len}, "
+                f"D={self.head_dim}{'' if self.value_head_dim == self.head_dim else f'/{self.value_head_dim}'}, max_len={self.max_len}, sink={self.sink_len}, "
                 f"tiles={self.max_tiles}x{c.group_size}, tail={self.tail_len}, "
                 f"{c.short()}, {self.nbytes} bytes)")
 
@@ -579,16 +592,23 @@ def capacity_for(config: KVarNConfig, sizes: tuple[int, int, int], *, max_len: i
 
 def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: int,
                    max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                   spec_tokens: int = 0, name: str = "", grow_from: int | None = None) -> LayerState:
+                   spec_tokens: int = 0, name: str = "", grow_from: int | None = None,
+                   value_head_dim: int | None = None) -> LayerState:
     """Allocate one layer's packed cache for ``max_len`` tokens per batch row.
+
+    ``value_head_dim``: the values' head dim when it differs from the keys' ``head_dim``
+    (multi-head latent attention decompressed: K 192, V 128); each side is rotated and
+    quantized in its own frame.
 
     ``spec_tokens`` is how many uncommitted (speculative) tokens beyond a full tail tile
     may exist at once; with the default auto-commit 0 suffices. ``grow_from``: a growable
     state sized for that many tokens (:func:`grown_sizes`), grown by
     :meth:`LayerState.reserve` up to ``max_len``; None preallocates every slot.
     """
-    if head_dim % 16 or head_dim < 16:
-        raise ValueError(f"Expected head_dim to be a multiple of 16, but got {head_dim}.")
+    dv = head_dim if value_head_dim is None else value_head_dim
+    for what, dim in (("head_dim", head_dim), ("value_head_dim", dv)):
+        if dim % 16 or dim < 16:
+            raise ValueError(f"Expected {what} to be a multiple of 16, but got {dim}.")
     if not dtype.is_floating_point:
         raise ValueError(f"Expected a floating-point model dtype, but got {dtype}.")
     if max_len < 1 or batch < 1 or kv_heads < 1:
@@ -603,8 +623,8 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
         sink, tail, tiles = grown_sizes(config, tokens=grow_from, max_len=max_len, tail=tail,
                                         hold=spec_tokens)
     kb, vb = config.key_bits, config.value_bits
-    if (g * kb) % 8 or (head_dim * vb) % 8:
-        raise ValueError(f"{kb}/{vb}-bit codes do not pack whole bytes for G={g}, D={head_dim}.")
+    if (g * kb) % 8 or (dv * vb) % 8:
+        raise ValueError(f"{kb}/{vb}-bit codes do not pack whole bytes for G={g}, Dv={dv}.")
     sdt = config.torch_scale_dtype
     fp8 = sdt == torch.float8_e4m3fn
     zdt = torch.float16 if fp8 else sdt
@@ -623,12 +643,12 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
 
     fields = StateFields(
         layout,
-        sink_k=new(sink, head_dim, dt=exact), sink_v=new(sink, head_dim, dt=exact),
+        sink_k=new(sink, head_dim, dt=exact), sink_v=new(sink, dv, dt=exact),
         k=Tiles(new(tiles, head_dim, g * kb // 8, dt=torch.uint8), new(tiles, head_dim, dt=sdt),
                 new(tiles, head_dim, dt=zdt), new(tiles, g, dt=sdt), **factors()),
-        v=Tiles(new(tiles, g, head_dim * vb // 8, dt=torch.uint8), new(tiles, g, dt=sdt),
-                new(tiles, g, dt=zdt), new(tiles, head_dim, dt=sdt), **factors()),
-        tail_k=new(tail, head_dim, dt=exact), tail_v=new(tail, head_dim, dt=exact),
+        v=Tiles(new(tiles, g, dv * vb // 8, dt=torch.uint8), new(tiles, g, dt=sdt),
+                new(tiles, g, dt=zdt), new(tiles, dv, dt=sdt), **factors()),
+        tail_k=new(tail, head_dim, dt=exact), tail_v=new(tail, dv, dt=exact),
         lengths=counter(), committed=counter(), n_tiles=counter(),
         capacity=counter(capacity_for(config, (sink, tail, tiles), max_len=max_len)),
         k_plain=new(tiles, dt=torch.uint8) if layout.key_frames else None)
@@ -638,6 +658,8 @@ def allocate_layer(config: KVarNConfig, *, batch: int, kv_heads: int, head_dim: 
                       shortest=tokens)
 
 
-def fp16_cache_bytes(*, batch: int, kv_heads: int, head_dim: int, tokens: int) -> int:
+def fp16_cache_bytes(*, batch: int, kv_heads: int, head_dim: int, tokens: int,
+                     value_head_dim: int | None = None) -> int:
     """Bytes of a plain fp16 K+V cache holding ``tokens`` tokens (the comparison baseline)."""
-    return 2 * batch * kv_heads * tokens * head_dim * 2
+    dv = head_dim if value_head_dim is None else value_head_dim
+    return batch * kv_heads * tokens * (head_dim + dv) * 2

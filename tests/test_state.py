@@ -25,7 +25,9 @@ PRESETS = small_presets()
 kv = small_kv
 
 
-def _expected_nbytes(cfg, *, batch, heads, head_dim, max_len, exact_size, spec_tokens=0):
+def _expected_nbytes(cfg, *, batch, heads, head_dim, max_len, exact_size, spec_tokens=0,
+                     value_head_dim=None):
+    dv = value_head_dim or head_dim
     g, kb, vb = cfg.group_size, cfg.key_bits, cfg.value_bits
     s = min(cfg.sink, max_len)
     n = (max_len - s) // g
@@ -34,11 +36,11 @@ def _expected_nbytes(cfg, *, batch, heads, head_dim, max_len, exact_size, spec_t
     ss = 1 if fp8 else torch.empty(0, dtype=cfg.torch_scale_dtype).element_size()
     zs = 2 if fp8 else ss
     k_tile = head_dim * g * kb // 8 + head_dim * (ss + zs) + g * ss
-    v_tile = g * head_dim * vb // 8 + g * (ss + zs) + head_dim * ss
+    v_tile = g * dv * vb // 8 + g * (ss + zs) + dv * ss
     factors = 4 * 2 if fp8 else 0
     factors += 1 if cfg.key_frame == "auto" else 0   # one key-frame flag byte per tile
-    per_row_head = 2 * s * head_dim * exact_size + n * (k_tile + v_tile + factors) \
-        + 2 * w * head_dim * exact_size
+    per_row_head = s * (head_dim + dv) * exact_size + n * (k_tile + v_tile + factors) \
+        + w * (head_dim + dv) * exact_size
     return batch * heads * per_row_head + 4 * batch * 8
 
 
@@ -59,6 +61,31 @@ def test_state_bytes_match_the_layout_formula(preset, dtype):
         if i not in hi and i < len(BASE_FIELDS) and t.dim() > 1:
             assert t.dtype in (torch.uint8, cfg.torch_scale_dtype, torch.float16)
             assert t.shape[2] == (4000 - G) // G          # quantized storage: one slot per tile
+
+
+@pytest.mark.parametrize("preset", ["k4v2", "k4v4", "k4v2-fp8", "k4v2-kauto"])
+def test_values_of_another_head_dim_have_their_own_layout(preset):
+    """value_head_dim (multi-head latent attention decompressed: K 192, V 128): every value
+    member has Dv channels, the keys' keep D, and the bytes follow the layout formula."""
+    cfg = PRESETS[preset]
+    st = packed_state(cfg, batch=3, head_dim=48, value_head_dim=32, max_len=250, spec_tokens=5)
+    assert st.nbytes == _expected_nbytes(cfg, batch=3, heads=H, head_dim=48, max_len=250,
+                                         exact_size=2, spec_tokens=5, value_head_dim=32)
+    assert (st.head_dim, st.value_head_dim) == (48, 32)
+    assert st.sink_k.shape[-1] == st.tail_k.shape[-1] == st.k_row_scale.shape[-1] == 48
+    assert st.sink_v.shape[-1] == st.tail_v.shape[-1] == st.v_col_scale.shape[-1] == 32
+    assert st.v_codes.shape[-1] == 32 * cfg.value_bits // 8
+    geo = st.geometry
+    assert (geo.head_dim, geo.value_head_dim, geo.key_bits, geo.value_bits) == \
+        (48, 32, cfg.key_bits, cfg.value_bits)
+    assert "D=48/32" in st.describe()
+    assert fp16_cache_bytes(batch=1, kv_heads=2, head_dim=48, value_head_dim=32, tokens=10) \
+        == 2 * 10 * (48 + 32) * 2
+
+
+def test_a_value_head_dim_that_is_not_a_multiple_of_16_is_refused():
+    with pytest.raises(ValueError, match="Expected value_head_dim to be a multiple of 16, but got 40"):
+        packed_state(head_dim=32, value_head_dim=40)
 
 
 def test_state_is_far_smaller_than_fp16_for_long_sequences():

@@ -221,10 +221,12 @@ def ctas_per_sm(registers: int, warps: int, shared: int) -> int:
     return min(by_regs, by_shared, WARPS_PER_SM // warps, CTAS_PER_SM)
 
 
-def tile_bytes(d: int, g: int, kb: int, vb: int, scale_bytes: int = 2) -> int:
-    """Codes and scales of one K tile and one V tile (state layout: rs/rz per row, cs per column)."""
-    codes = d * g * kb // 8 + g * d * vb // 8
-    scales = (2 * d + g) + (2 * g + d)
+def tile_bytes(d: int, g: int, kb: int, vb: int, scale_bytes: int = 2, dv: int | None = None) -> int:
+    """Codes and scales of one K tile [D, G] and one V tile [G, Dv] (state layout: rs/rz per
+    row, cs per column); Dv = D unless given."""
+    dv = d if dv is None else dv
+    codes = d * g * kb // 8 + g * dv * vb // 8
+    scales = (2 * d + g) + (2 * g + dv)
     return codes + scales * scale_bytes
 
 
@@ -250,9 +252,15 @@ class Case:
     outer_trips: int = 1          # runs of the outer loop per tile (decode: G // BLOCK_N chunks)
 
 
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
 def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=False, block_m=16,
-                        block_n=64):
+                        block_n=64, dv=None, num_warps=4):
     from kvarn_compile.kernels.triton import attention as A
+
+    dv = d if dv is None else dv
 
     def build():
         f16, u8 = torch.float16, torch.uint8
@@ -261,25 +269,30 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
         kc = torch.zeros(b, h, n, d, g * kb // 8, dtype=u8)
         krs = torch.zeros(b, h, n, d, dtype=f16)
         kcs = torch.zeros(b, h, n, g, dtype=f16)
-        vc = torch.zeros(b, h, n, g, d * vb // 8, dtype=u8)
+        vc = torch.zeros(b, h, n, g, dv * vb // 8, dtype=u8)
         vrs = torch.zeros(b, h, n, g, dtype=f16)
-        vcs = torch.zeros(b, h, n, d, dtype=f16)
+        vcs = torch.zeros(b, h, n, dv, dtype=f16)
         nt = torch.zeros(b, dtype=torch.int64)
         kp = torch.zeros(b, h, n, dtype=u8)
-        o = torch.zeros(b, hq, 1, split, d)
+        o = torch.zeros(b, hq, 1, split, dv)
         lse = torch.zeros(b, hq, 1, split)
         return A._kvarn_decode_attn_kernel.warmup(
             q, *q.stride()[:3], kc, krs, krs, kcs, vc, vrs, vrs, vcs, nt, nt, nt, q, 0, 0, 0,
-            q, kp, o, lse, 1.0, h, n, 1, GROUP_Q=hq // h, D=d, BLOCK_D=d, G=g, K_BITS=kb,
+            q, kp, o, lse, 1.0, h, n, 1, GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), DV=dv,
+            BLOCK_DV=_block(dv), G=g, K_BITS=kb,
             V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=True, HAS_KV_START=False, HAS_KV_END=False,
             HAS_BIAS=False, HAS_K_PLAIN=plain,
-            INPUT_PRECISION=precision, grid=(1,), num_warps=4, num_stages=1)
+            INPUT_PRECISION=precision, grid=(1,), num_warps=num_warps, num_stages=1)
 
     cfg = dict(kernel="_kvarn_decode_attn_kernel", k_bits=kb, v_bits=vb, D=d, G=g,
                group_q=hq // h, BLOCK_M=block_m, BLOCK_N=block_n, input_precision=precision,
-               k_plain=plain, num_warps=4)
-    return Case(f"decode_kernel_k{kb}v{vb}_d{d}g{g}_n{block_n}_{precision}" + ("_plain" if plain else ""), "decode",
-                cfg, build, 4, tile_bytes(d, g, kb, vb), outer_trips=g // block_n)
+               k_plain=plain, num_warps=num_warps)
+    if dv != d:
+        cfg["DV"] = dv
+    return Case(f"decode_kernel_k{kb}v{vb}_d{d}" + (f"v{dv}" if dv != d else "")
+                + f"g{g}_n{block_n}_{precision}" + ("_plain" if plain else "")
+                + (f"_w{num_warps}" if num_warps != 4 else ""), "decode",
+                cfg, build, num_warps, tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
 
 
 def _combine_case(split=16, d=128):
@@ -308,50 +321,63 @@ def _quantize_case(kind, bits, *, d=128, g=128, iters_on=True):
         rs = torch.zeros(1, 1, 2, rows, dtype=f16)
         cs = torch.zeros(1, 1, 2, cols, dtype=f16)
         dst = torch.zeros(1, 1, dtype=torch.int64)
-        warps = 8 if g * max(16, d) >= 128 * 128 else 4
         return Q._kvarn_quantize_tiles_kernel.warmup(
             x, *x.stride()[:3], rot, codes, rs, rs, cs, dst, 8, 1, 2, 1,
             D=d, G=g, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_K=kind == "k", BITS=bits,
-            ROTATE=True, NORMALIZE=iters_on, grid=(1,), num_warps=warps)
+            ROTATE=True, NORMALIZE=iters_on, ROT_CHUNK=Q._rot_chunk(d), grid=(1,),
+            num_warps=warps)
 
-    warps = 8 if g * max(16, d) >= 128 * 128 else 4
+    warps = Q._num_warps(d, g)          # the launcher's choices (quantize_tiles_into)
     cfg = dict(kernel="_kvarn_quantize_tiles_kernel", kind=kind, bits=bits, D=d, G=g,
                normalize=iters_on, num_warps=warps)
+    if Q._rot_chunk(d):
+        cfg["rot_chunk"] = Q._rot_chunk(d)
     return Case(f"quantize_{kind}{bits}_d{d}_g{g}", "append", cfg, build, warps)
 
 
 def _append_decode_case(*, b=1, h=8, d=128, g=128, sink=128, tail=255, tiles=4,
-                        exact=torch.float16, new=torch.bfloat16):
+                        exact=torch.float16, new=torch.bfloat16, dv=None):
     from kvarn_compile.kernels.triton import append as A
+
+    dv = d if dv is None else dv
 
     def build():
         k = torch.zeros(b, h, 1, d, dtype=new)
+        v = torch.zeros(b, h, 1, dv, dtype=new)
         sk = torch.zeros(b, h, sink, d, dtype=exact)
         tk = torch.zeros(b, h, tail, d, dtype=exact)
         st = torch.zeros(b, h, g, d, dtype=exact)
+        sv = torch.zeros(b, h, sink, dv, dtype=exact)
+        tv = torch.zeros(b, h, tail, dv, dtype=exact)
+        stv = torch.zeros(b, h, g, dv, dtype=exact)
         c = torch.zeros(b, dtype=torch.int64)
         flags = torch.zeros((), dtype=torch.int32)
         kp = torch.zeros(b, h, tiles, dtype=torch.uint8)
         dh = torch.zeros(b * h, 1, dtype=torch.int64)
         return A._append_decode_kernel.warmup(
-            k, k, *k.stride()[:2], k.stride(3), *k.stride()[:2], k.stride(3), c, sk, sk, tk, tk,
-            c, c, c, c, st, st, c, flags, 0, kp, dh, dh, h, H_P2=triton.next_power_of_2(h), D=d,
-            BLOCK_D=triton.next_power_of_2(d), S=sink, W=tail, G=g, N_MAX=tiles,
+            k, v, *k.stride()[:2], k.stride(3), *v.stride()[:2], v.stride(3), c, sk, sv, tk, tv,
+            c, c, c, c, st, stv, c, flags, 0, kp, dh, dh, h, H_P2=triton.next_power_of_2(h), D=d,
+            BLOCK_D=triton.next_power_of_2(d), DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
+            S=sink, W=tail, G=g, N_MAX=tiles,
             BLOCK_T=min(g, 32), CHECK_RANGE=exact == torch.float16 and new != torch.float16,
             FRAMES=True, DOMINANCE=16.0, ERR_POS=1, ERR_CAP=2, ERR_TL=4, ERR_RNG=8, ERR_NF=16,
             ERR_MANY=64, grid=(1,), num_warps=4)
 
     cfg = dict(kernel="_append_decode_kernel", kv_heads=h, D=d, G=g, sink=sink, tail=tail,
                key_frames=True, num_warps=4)
-    return Case(f"append_decode_h{h}_d{d}_g{g}", "append", cfg, build, 4)
+    if dv != d:
+        cfg["DV"] = dv
+    return Case(f"append_decode_h{h}_d{d}" + (f"v{dv}" if dv != d else "") + f"_g{g}", "append",
+                cfg, build, 4)
 
 
 def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=128, g=128,
                    hq=32, h=8, tq=1, split=4, num_warps=4, num_stages=1, bias=False, plain=False,
-                   prefetch=True):
+                   prefetch=True, dv=None):
     from kvarn_compile.lowering.tile_templates import render_standalone
 
     family = "decode" if template.startswith("kvarn_decode") else "prefill"
+    dv = d if dv is None else dv
 
     def build():
         f16, u8, i64 = torch.float16, torch.uint8, torch.int64
@@ -361,9 +387,9 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                        KC=torch.zeros(b, h, n, d, g * kb // 8, dtype=u8),
                        KRS=torch.zeros(b, h, n, d, dtype=f16), KRZ=torch.zeros(b, h, n, d, dtype=f16),
                        KCS=torch.zeros(b, h, n, g, dtype=f16),
-                       VC=torch.zeros(b, h, n, g, d * vb // 8, dtype=u8),
+                       VC=torch.zeros(b, h, n, g, dv * vb // 8, dtype=u8),
                        VRS=torch.zeros(b, h, n, g, dtype=f16), VRZ=torch.zeros(b, h, n, g, dtype=f16),
-                       VCS=torch.zeros(b, h, n, d, dtype=f16),
+                       VCS=torch.zeros(b, h, n, dv, dtype=f16),
                        **({"KP": torch.zeros(b, h, n, dtype=u8)} if plain else {}),
                        NT=torch.zeros(b, dtype=i64), KVLO=torch.zeros(b, tq, dtype=i64),
                        KVHI=torch.zeros(b, tq, dtype=i64))
@@ -371,8 +397,10 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
             tensors["BIAS"] = torch.zeros(b, 1, tq, n * g)
         split_max = split if family == "decode" else 1
         tensors["LSE"] = torch.zeros(b, hq, tq, split_max)
-        out = torch.zeros(b, hq, tq, split_max, d)
-        ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=d, G=g, BLOCK_N=block_n, K_BITS=kb, V_BITS=vb,
+        out = torch.zeros(b, hq, tq, split_max, dv)
+        # the constexprs the lowering passes (lowering/tiles.py)
+        ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), DV=dv, BLOCK_DV=_block(dv), G=g,
+                  BLOCK_N=block_n, K_BITS=kb, V_BITS=vb,
                   SPLIT=split if family == "decode" else 1, SPLIT_MAX=split_max, BLOCK_M=block_m,
                   PREFETCH=int(prefetch),
                   HAS_BIAS=bias, HAS_K_PLAIN=plain, INPUT_PRECISION=precision, SM_SCALE=0.088,
@@ -387,12 +415,15 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                group_q=hq // h, TQ=tq, BLOCK_N=block_n, BLOCK_M=block_m,
                input_precision=precision, bias=bias, k_plain=plain, num_warps=num_warps,
                num_stages=num_stages, prefetch=prefetch)
-    name = f"{template.split('.')[0]}_k{kb}v{vb}_n{block_n}_m{block_m}" + ("_bias" if bias else "") \
+    if dv != d:
+        cfg["DV"] = dv
+    name = f"{template.split('.')[0]}_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else "") \
+        + f"_n{block_n}_m{block_m}" + ("_bias" if bias else "") \
         + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") \
         + ("_noprefetch" if not prefetch and family == "decode" else "") \
         + (f"_w{num_warps}" if num_warps != 4 else "")
     return Case(name, family, cfg, build, num_warps,
-                tile_bytes(d, g, kb, vb) if family == "decode" else None,
+                tile_bytes(d, g, kb, vb, dv=dv) if family == "decode" else None,
                 inner_trips=1 if family == "decode" else g // block_n,
                 outer_trips=g // block_n if family == "decode" else 1)
 
@@ -402,8 +433,10 @@ _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
 
 def cases(quick: bool) -> list[Case]:
     """Quick (CI): the decode kernel and the decode template in their production configs,
-    the append (tile quantizer) kernel at D = G = 128 and 64 and the decode step's append. Full: also the other code
-    widths and precisions, the autotune configs, the combine kernel and the prefill template."""
+    the append (tile quantizer) kernel at D = G = 128 and 64 and the decode step's append, and
+    the decode kernel, the decode step's append and the key quantizer for keys and values of
+    different head dims (D = 192, Dv = 128). Full: also the other code widths and precisions,
+    the autotune configs, the combine kernel, the prefill template and more D = 192 configs."""
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
         _decode_kernel_case(4, 2, "fp16", block_n=128),
@@ -412,6 +445,11 @@ def cases(quick: bool) -> list[Case]:
         _quantize_case("k", 4),
         _quantize_case("k", 4, d=64, g=64),
         _append_decode_case(),
+        # keys and values of different head dims (MLA decompressed: D = 192 padded to 256 on
+        # the score side, Dv = 128 on the value side); 128 query heads over 128 kv heads
+        _decode_kernel_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16, block_n=128),
+        _append_decode_case(h=16, d=192, dv=128),
+        _quantize_case("k", 4, d=192),   # (V tiles of Dv = 128: quantize_v2_d128_g128 below)
     ]
     if quick:
         return out
@@ -439,6 +477,14 @@ def cases(quick: bool) -> list[Case]:
         _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256),
         _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
                        bias=True, plain=True),
+        # D = 192, Dv = 128 (the production configs are in the quick list)
+        _decode_kernel_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16, block_n=64),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16, d=192, dv=128,
+                       hq=16, h=16, precision="fp16"),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=4, block_n=64, block_m=16, d=192, dv=128,
+                       hq=16, h=16),
+        _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+                       d=192, dv=128, hq=16, h=16),
     ]
     return out
 

@@ -46,17 +46,21 @@ class TuneKey:
     batch: int
     query: str
     length_bucket: int
+    #: the values' head dim where it differs from ``head_dim`` (multi-head latent attention
+    #: decompressed); 0 = the same (and left out of :meth:`text`, as in keys written before)
+    value_head_dim: int = 0
 
     def text(self) -> str:
-        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if f.name != "value_head_dim" or self.value_head_dim)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TuneKey":
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(d)
+        missing = names - set(d) - {"value_head_dim"}
         if missing:
             raise ValueError(f"autotune key is missing {sorted(missing)}")
-        return cls(**{k: d[k] for k in names})
+        return cls(**{k: d[k] for k in names if k in d})
 
 
 def preset_name(key_bits: int, value_bits: int, group: int, scale_dtype: torch.dtype) -> str:

@@ -1,7 +1,10 @@
 """The Inductor lowering of ``kvarn::attention`` (see the package docstring for the paths).
 
-Choices, all bound to the same flattened inputs ``[q, *buffers(, mask), rot]`` (``rot``: the
-head-dim rotation as a graph constant):
+Choices, all bound to the same flattened inputs ``[q, *buffers(, mask), rot(, rot_v)]``
+(``rot``: the head-dim rotation as a graph constant; ``rot_v``: the values' own rotation,
+``rotation_matrix(Dv)``, only for a cache whose values have another head dim Dv than the
+keys, e.g. multi-head latent attention decompressed, D = 192 and Dv = 128: the tile
+region's output is rotated back with it, and the output is [B, Hq, Tq, Dv]):
 
 * ``reference`` - :data:`REFERENCE`, an ``ExternKernelChoice`` created at import under the
   unique name ``kvarn_attention_reference``: generated code calls
@@ -45,8 +48,8 @@ def _reference_flat(*args: torch.Tensor, n_buffers: int, has_mask: bool, scale: 
                     causal: bool, window: int) -> torch.Tensor:
     """The eager op with flattened tensor arguments (the extern kernel's calling convention).
 
-    ``args`` = ``(q, *buffers[, mask], rot)``; the rotation (shared with the decompositions'
-    inputs) is not needed here: the op rotates by itself.
+    ``args`` = ``(q, *buffers[, mask], rot[, rot_v])``; the rotations (shared with the
+    decompositions' inputs) are not needed here: the op rotates by itself.
     """
     q, buffers = args[0], list(args[1:1 + n_buffers])
     mask = args[1 + n_buffers] if has_mask else None
@@ -100,7 +103,8 @@ def externs() -> dict[str, object]:
 def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
                             mask_dtype: torch.dtype | None,
                             mask_length: int | None = None) -> dict[int, object]:
-    """Realistic benchmark inputs for ``[q, *buffers(, mask), rot]`` (index -> fn(ir node)).
+    """Realistic benchmark inputs for ``[q, *buffers(, mask), rot(, rot_v)]`` (index -> fn(ir
+    node)); ``rot_v`` where the values' head dim (sink_v's last size) differs from the keys'.
 
     Valid codes (random bytes), positive scales, and counters that agree with each other:
     n_tiles between half and full tile capacity, lengths = sink + tiles + a partial tail,
@@ -172,11 +176,18 @@ def attention_input_gen_fns(buffer_shapes: list[list[int]], has_mask: bool,
     from kvarn_compile.quant.rotation import rotation_matrix
 
     # Python data, not a tensor: the generators also run under fake mode (layout inference)
-    rot_values = rotation_matrix(d).tolist()
+    def rot_fn_of(dim: int):
+        values = rotation_matrix(dim).tolist()
 
-    def rot_fn(node):
-        return torch.tensor(rot_values, dtype=torch.float32, device=node.get_device())
-    fns[1 + len(buffer_shapes) + int(has_mask)] = rot_fn
+        def rot_fn(node):
+            return torch.tensor(values, dtype=torch.float32, device=node.get_device())
+        return rot_fn
+
+    at = 1 + len(buffer_shapes) + int(has_mask)
+    fns[at] = rot_fn_of(d)
+    dv = shape("sink_v")[-1]
+    if dv != d:
+        fns[at + 1] = rot_fn_of(dv)
     return fns
 
 
@@ -229,7 +240,8 @@ def cpu_kernel_covers(q, buffers) -> bool:
         return False
     geo = Geometry.of(f, size=lambda n: static_ints(n.get_size()))
     if (geo.key_bits, geo.value_bits) not in cpu_attention.SUPPORTED_BITS or not \
-            cpu_attention.supports(geo.head_dim, f.k.row_scale.get_dtype(), f.sink_k.get_dtype()):
+            cpu_attention.supports(geo.head_dim, f.k.row_scale.get_dtype(), f.sink_k.get_dtype(),
+                                   value_head_dim=geo.value_head_dim):
         return False
     return cpu_attention.available()
 
@@ -250,19 +262,23 @@ def lower_attention(q, buffers, mask, scale, causal, window):
         return None        # symbolic shapes: the op itself (a fallback kernel)
     device = q.get_device()
     d = shapes[0][-1]
+    b_shapes = shapes[1:1 + len(buffers)]
+    dv = b_shapes[layout.index("sink_v")][-1]     # the values' head dim (the output's)
     from kvarn_compile.quant.rotation import rotation_matrix
 
-    rot = ind.V.graph.add_tensor_constant(rotation_matrix(d, device), name="kvarn_rotation")
-    inputs = list(ind.realize_inputs(*nodes, rot))
+    rots = [ind.V.graph.add_tensor_constant(rotation_matrix(d, device), name="kvarn_rotation")]
+    if dv != d:   # values of another head dim: their own rotation, a trailing input
+        rots.append(ind.V.graph.add_tensor_constant(rotation_matrix(dv, device),
+                                                    name="kvarn_rotation_v"))
+    inputs = list(ind.realize_inputs(*nodes, *rots))
     path = current_path()
-    b_shapes = shapes[1:1 + len(buffers)]
     bsz, heads, n_max = b_shapes[layout.index("k_codes")][:3]
     kwargs = dict(n_buffers=len(buffers), has_mask=has_mask, scale=float(scale),
                   causal=bool(causal), window=int(window))
     at = layout.index
     key = tune_key(ATTENTION_OP_NAME, q=q, k_codes=buffers[at("k_codes")],
                    k_col_scale=buffers[at("k_col_scale")], v_codes=buffers[at("v_codes")],
-                   row_scale=buffers[at("k_row_scale")])
+                   row_scale=buffers[at("k_row_scale")], v_col_scale=buffers[at("v_col_scale")])
     if path == "auto" and triton_templates_available(device):
         path = "split"
     elif path == "auto" and cpu_kernel_covers(q, buffers):
@@ -290,8 +306,9 @@ def lower_attention(q, buffers, mask, scale, causal, window):
                                              dict(kwargs, split_max=split_max), gen_fns))
     for label in ("shared", "reference"):
         if label in wanted:
+            # [B, Hq, Tq, Dv], contiguous: the op's output (the values' head dim)
             layout = choices[0].layout if choices else ind.ir.FixedLayout(
-                device, q.get_dtype(), list(q.get_size()))
+                device, q.get_dtype(), [*q.get_size()[:3], dv])
             choice = externs()[label].bind(inputs, layout, **kwargs)
             choice.kvarn_spec = {"choice": label}
             choices.append(choice)
@@ -305,5 +322,5 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     finish_decision(decision, choice)
     if getattr(choice, "gm", None) is not None:   # a decomposition won: inline its IR
         # (with the lowering's own TensorBoxes: pointwise lowerings need boxes, not storages)
-        return ind.inline_subgraph_to_ir_nodes(choice.gm, [*nodes, rot], ATTENTION_OP_NAME)
+        return ind.inline_subgraph_to_ir_nodes(choice.gm, [*nodes, *rots], ATTENTION_OP_NAME)
     return node if node is not None else choice.output_node()

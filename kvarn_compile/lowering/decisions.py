@@ -84,8 +84,9 @@ def cache_salt(registered: bool) -> str:
     return f"lowering={'on' if registered else 'off'};path={current_path()}"
 
 
-def tune_key(op: str, *, q, k_codes, k_col_scale, v_codes, row_scale):
-    """The autotune key of a lowering from its IR inputs, or None for symbolic shapes."""
+def tune_key(op: str, *, q, k_codes, k_col_scale, v_codes, row_scale, v_col_scale=None):
+    """The autotune key of a lowering from its IR inputs, or None for symbolic shapes
+    (``v_col_scale`` [.., Dv] gives the values' head dim; without it, the queries')."""
     from kvarn_compile._torch_compat import device_identity, static_ints
     from kvarn_compile.autotune import TuneKey, preset_name
     from kvarn_compile.lowering.heuristics import length_bucket, query_bucket
@@ -93,16 +94,19 @@ def tune_key(op: str, *, q, k_codes, k_col_scale, v_codes, row_scale):
     qs, kc = static_ints(q.get_size()), static_ints(k_codes.get_size())
     group = static_ints(k_col_scale.get_size()[-1:])
     vrow = static_ints(v_codes.get_size()[-1:])
-    if qs is None or kc is None or group is None or vrow is None:
+    dvs = static_ints(v_col_scale.get_size()[-1:]) if v_col_scale is not None else None
+    if qs is None or kc is None or group is None or vrow is None \
+            or (v_col_scale is not None and dvs is None):
         return None
     b, hq, tq, d = qs
+    dv = d if dvs is None else dvs[0]
     g = group[0]
-    kb, vb = 8 * kc[-1] // g, 8 * vrow[0] // d
+    kb, vb = 8 * kc[-1] // g, 8 * vrow[0] // dv
     name, cap = device_identity(q.get_device())
     return TuneKey(op=op, device=name, capability=cap, dtype=str(q.get_dtype()),
                    preset=preset_name(kb, vb, g, row_scale.get_dtype()), head_dim=d,
                    kv_heads=kc[1], q_heads=hq, batch=b, query=query_bucket(hq, kc[1], tq),
-                   length_bucket=length_bucket(kc[2] * g))
+                   length_bucket=length_bucket(kc[2] * g), value_head_dim=0 if dv == d else dv)
 
 
 def record_decision(op: str, key, choices: list, inputs: list, replayed: bool) -> LoweringDecision:

@@ -45,10 +45,13 @@ __all__ = ["attention_dense", "attention_split", "tile_partials", "tile_inputs"]
 
 
 def _split_args(args: tuple[torch.Tensor, ...], n_buffers: int, has_mask: bool):
-    """(q, buffers, mask, rot) from the flat ``(q, *buffers[, mask], rot)``."""
+    """(q, buffers, mask, rot, rot_v) from the flat ``(q, *buffers[, mask], rot[, rot_v])``:
+    ``rot_v`` (the values' Dv-sized rotation) only where Dv differs from D."""
     q, buffers = args[0], list(args[1:1 + n_buffers])
     mask = args[1 + n_buffers] if has_mask else None
-    return q, buffers, mask, args[1 + n_buffers + int(has_mask)]
+    at = 1 + n_buffers + int(has_mask)
+    rot = args[at]
+    return q, buffers, mask, rot, args[at + 1] if len(args) > at + 1 else rot
 
 
 #: Up to this many query rows per kv head (GQA group x query tokens: a decode step) the
@@ -59,7 +62,7 @@ SMALL_ROWS = 16
 
 def _attention(args, n_buffers: int, has_mask: bool, scale: float, causal: bool,
                window: int, split_max: int, tiles_fn) -> torch.Tensor:
-    q, buffers, mask, rot = _split_args(args, n_buffers, has_mask)
+    q, buffers, mask, rot, rot_v = _split_args(args, n_buffers, has_mask)
     f = unpack(buffers)
     rows = q.shape[1] // max(f.sink_k.shape[1], 1) * q.shape[2]
     matmul = regions.small_matmul if rows <= SMALL_ROWS else torch.matmul
@@ -71,7 +74,7 @@ def _attention(args, n_buffers: int, has_mask: bool, scale: float, causal: bool,
     o_part, lse_part = tiles_fn(*tile_inputs(q, buffers, mask, causal, window, rot, matmul),
                                 scale, split_max)
     out_rot, lse_t = regions.combine_splits(o_part, lse_part)
-    out, _ = regions.merge_regions(out_ex, lse_ex, matmul(out_rot, rot.T), lse_t)
+    out, _ = regions.merge_regions(out_ex, lse_ex, matmul(out_rot, rot_v.T), lse_t)
     return out.to(q.dtype)
 
 
@@ -79,8 +82,9 @@ def attention_dense(*args: torch.Tensor, n_buffers: int, has_mask: bool, scale: 
                     causal: bool, window: int) -> torch.Tensor:
     """``kvarn::attention`` as plain torch ops over the whole tile capacity (traceable).
 
-    ``args`` = ``(q, *buffers[, mask], rot)`` with ``rot`` = ``rotation_matrix(D)``: the
-    rotation is an input (a graph constant in the lowering), not a tensor built here,
+    ``args`` = ``(q, *buffers[, mask], rot[, rot_v])`` with ``rot`` = ``rotation_matrix(D)``
+    and ``rot_v`` = ``rotation_matrix(Dv)`` where the values' head dim differs: the
+    rotations are inputs (graph constants in the lowering), not tensors built here,
     because the trace runs on fake tensors.
     """
     return _attention(args, n_buffers, has_mask, scale, causal, window, 1, tile_partials)

@@ -13,7 +13,10 @@ stays Inductor-generated code.
 
 It writes the per-split lse into ``lse_part`` [B, Hq, Tq, SPLIT_MAX] (filled with -inf by
 the caller; a kernel may leave unused split slots alone) and returns the normalized
-per-split outputs o_part [B, Hq, Tq, SPLIT_MAX, D] (flash-decoding partials).
+per-split outputs o_part [B, Hq, Tq, SPLIT_MAX, Dv] (flash-decoding partials, in the
+values' rotated frame). Dv, the values' head dim (``v_col_scale``'s last size), is D except
+for caches whose keys and values differ in width (MLA decompressed: D = 192, Dv = 128); the
+templates then score over D and accumulate over Dv (constexprs D / DV).
 
 Choices of its lowering:
 
@@ -185,13 +188,15 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
     device = q_rot.get_device()
     sizes = static_ints(q_rot.get_size())
     b, hq, tq, d = sizes if sizes is not None else (None,) * 4
+    dv_size = v_col_scale.get_size()[-1]          # the values' head dim (the output's)
+    dv = (static_ints([dv_size]) or [None])[0]
     layout = ind.ir.FixedLayout(device, torch.float32, [*q_rot.get_size()[:3], split_max,
-                                                        q_rot.get_size()[3]])
+                                                        dv_size])
     kwargs = {"has_frames": has_frames, "has_bias": has_bias, "scale": float(scale),
               "split_max": int(split_max)}
     choices_extern = externs()
     key = tune_key(TILE_OP_NAME, q=q_rot, k_codes=k_codes, k_col_scale=k_col_scale,
-                   v_codes=v_codes, row_scale=k_row_scale)
+                   v_codes=v_codes, row_scale=k_row_scale, v_col_scale=v_col_scale)
     replay = autotune.DB.lookup(key) if key is not None else None
     interpreted = device.type == "cpu"     # templates on CPU tensors: the Triton interpreter
 
@@ -211,7 +216,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
 
     shapes = {"k_codes": static_ints(k_codes.get_size()) or [0, 0, 0]}
     template_ok = (triton_templates_available(device) and sizes is not None and key is not None
-                   and all(static_ints(t.get_size()) is not None for t in inputs))
+                   and dv is not None and all(static_ints(t.get_size()) is not None for t in inputs))
     # Under the interpreter the torch extern would always win the benchmark (the templates
     # run ~20x slower there), so CPU Triton mode lets the templates compete alone.
     if not (template_ok and interpreted):
@@ -222,14 +227,14 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
 
         heads = shapes["k_codes"][1]
         group = int(k_col_scale.get_size()[-1])
-        kb, vb = 8 * int(k_codes.get_size()[-1]) // group, 8 * int(v_codes.get_size()[-1]) // d
+        kb, vb = _code_bits(k_codes, group), _code_bits(v_codes, dv)
         tile_nodes = [node_of[n] for n in TILE_ARGS[2:10]]
         contiguous = all(_tile_contiguous(t) for t in tile_nodes)
         if contiguous and group >= 16 and group & (group - 1) == 0 and kb in (2, 4, 8) \
                 and vb in (2, 4, 8) and k_row_scale.get_dtype() != torch.float8_e4m3fn:
             grp = hq // heads
             rows = grp * tq
-            common = dict(GROUP_Q=grp, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), G=group,
+            common = dict(GROUP_Q=grp, D=d, BLOCK_D=_block(d), DV=dv, BLOCK_DV=_block(dv), G=group,
                           K_BITS=kb, V_BITS=vb, SPLIT_MAX=int(split_max), HAS_BIAS=has_bias,
                           HAS_K_PLAIN=has_frames,
                           INPUT_PRECISION="'ieee'" if interpreted else "'tf32'",
@@ -266,6 +271,18 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                                                  input_gen_fns=gen_fns)
     finish_decision(decision, choice)
     return node
+
+
+def _block(n: int) -> int:
+    """n rounded up to a power of two >= 16 (a template's BLOCK_D / BLOCK_DV)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _code_bits(codes, row_len: int) -> int:
+    """Code width of packed rows of ``row_len`` codes; 0 where the row's bytes hold no whole
+    number of bits per code (the templates then decline and the torch choice runs)."""
+    nbytes = int(codes.get_size()[-1])
+    return nbytes * 8 // row_len if row_len > 0 and (nbytes * 8) % row_len == 0 else 0
 
 
 def _tile_contiguous(node) -> bool:

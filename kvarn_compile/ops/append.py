@@ -84,11 +84,12 @@ def check_append(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     f = unpack(buffers)
     bsz, heads, _, d = f.sink_k.shape
     s, g, n_max, w = _geometry(buffers)
-    expected = (bsz, heads, k.shape[2] if k.dim() == 4 else -1, d)
-    for label, x in (("keys", k), ("values", v)):
-        if x.dim() != 4 or tuple(x.shape) != expected or x.shape[2] < 1:
+    t = k.shape[2] if k.dim() == 4 else -1
+    for label, x, dim in (("keys", k, d), ("values", v, f.sink_v.shape[-1])):
+        if x.dim() != 4 or tuple(x.shape) != (bsz, heads, t, dim) or x.shape[2] < 1:
             raise ValueError(f"KVarN append{where}: expected {label} shaped [batch={bsz}, "
-                             f"kv_heads={heads}, tokens>=1, head_dim={d}], but got {tuple(x.shape)}.")
+                             f"kv_heads={heads}, tokens>=1 (as the keys), head_dim={dim}], but got "
+                             f"{tuple(x.shape)}.")
         if not x.is_floating_point():
             raise ValueError(f"KVarN append{where}: expected floating-point {label}, but got {x.dtype}.")
         if x.device != f.sink_k.device:
@@ -389,7 +390,8 @@ def _dequantized_tile(f: StateFields[torch.Tensor], row: int, tile: int
 
 def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized K/V [B, H, max_len, D] (zeros past each row's length). Test oracle only.
+    """Dequantized K [B, H, max_len, D] and V [B, H, max_len, Dv] (zeros past each row's
+    length). Test oracle only.
 
     This is exactly what the runtime never builds; tests compare the fused attention
     against plain attention over these tensors.
@@ -398,11 +400,11 @@ def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
 
     f = unpack(buffers)
     geo = Geometry.of(f)
-    bsz, heads, d, w = geo.batch, geo.kv_heads, geo.head_dim, geo.tail
+    bsz, heads, w = geo.batch, geo.kv_heads, geo.tail
     cap = int(f.capacity[0])
     pos, ok = _slot_positions(f)
     out = []
-    for kind, bits in (("k", geo.key_bits), ("v", geo.value_bits)):
+    for kind, bits, d in (("k", geo.key_bits, geo.head_dim), ("v", geo.value_bits, geo.value_head_dim)):
         full = torch.zeros(bsz, heads, cap + w, d, device=f.sink_k.device)
         parts = [getattr(f, f"sink_{kind}").float()]
         if geo.max_tiles:

@@ -114,7 +114,7 @@ def check_mask_covers(mask: torch.Tensor, lengths: torch.Tensor) -> None:
 def tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
                 scale: float, causal: bool, window: int, n_used: int, tile_offset: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the first ``n_used`` tile slots: (out fp32 [B,Hq,Tq,D] in the original
+    """Attention over the first ``n_used`` tile slots: (out fp32 [B,Hq,Tq,Dv] in the original
     frame, lse [B,Hq,Tq]), with per-row fill, causality, window and mask applied.
 
     ``tile_offset``: the sequence's tile number of slot 0 (a context-parallel rank holds
@@ -125,6 +125,7 @@ def tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tenso
     hq, tq = q.shape[1], q.shape[2]
     grp = hq // heads
     rot = rotation_matrix(d, q.device)
+    rot_v = rot if geo.value_head_dim == d else rotation_matrix(geo.value_head_dim, q.device)
     qg = q.float().reshape(bsz, heads, grp, tq, d)
     q_rot = qg @ rot
     chunks = [slice(a, min(a + TILE_CHUNK, n_used)) for a in range(0, n_used, TILE_CHUNK)]
@@ -143,7 +144,7 @@ def tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tenso
     p, lse = regions.normalized(p, denom, m_ref)
     out = sum(tile_values(p[..., sl.start * g:sl.stop * g], *_tile_tensors(f.v, sl), geo.value_bits)
               for sl in chunks)
-    return (out @ rot.T).reshape(bsz, hq, tq, d), lse.reshape(bsz, hq, tq)
+    return (out @ rot_v.T).reshape(bsz, hq, tq, -1), lse.reshape(bsz, hq, tq)
 
 
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None = None,
@@ -154,7 +155,8 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     mask: optional bool (True = attend) or additive float, broadcastable to
     [B, Hq, Tq, M] and indexed by absolute key position (M must exceed every position).
     window > 0 keeps keys with position > query position - window (sliding window).
-    Queries that can see no key get a zero output. Returns [B, Hq, Tq, D] in q's dtype;
+    Queries that can see no key get a zero output. Returns [B, Hq, Tq, Dv] in q's dtype
+    (Dv: the values' head dim, D unless the state was allocated with another);
     with ``return_lse``, (out fp32, lse fp32 [B, Hq, Tq]) so partial results over parts of
     a cache can be merged (:func:`kvarn_compile.ops.regions.merge_regions`).
     """
@@ -206,7 +208,7 @@ def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
     """Dual-scale attention partials over every packed tile slot, static shapes (one split).
 
     The reference of ``kvarn::tile_partials_`` and of its Triton templates: returns (o_part
-    fp32 [B, Hq, Tq, SPLIT_MAX, D], lse_part fp32 [B, Hq, Tq, SPLIT_MAX]); split 0 holds
+    fp32 [B, Hq, Tq, SPLIT_MAX, Dv], lse_part fp32 [B, Hq, Tq, SPLIT_MAX]); split 0 holds
     the whole region, the others are empty (o = 0, lse = -inf). Scores, in the rotated
     frame (or with the un-rotated ``q_plain`` for a tile whose ``k_plain`` flag is set)::
 
@@ -215,8 +217,8 @@ def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
     """
     bsz, hq, tq, d = q_rot.shape
     heads, n_max = k_codes.shape[1], k_codes.shape[2]
-    g = k_col_scale.shape[-1]
-    kb, vb = 8 * k_codes.shape[-1] // g, 8 * v_codes.shape[-1] // d
+    g, dv = k_col_scale.shape[-1], v_col_scale.shape[-1]
+    kb, vb = 8 * k_codes.shape[-1] // g, 8 * v_codes.shape[-1] // dv
     grp = hq // heads
     q_t = query_frames(q_rot.reshape(bsz, heads, grp, tq, d),
                        None if q_plain is None else q_plain.reshape(bsz, heads, grp, tq, d), k_plain)
@@ -229,10 +231,10 @@ def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
     scores = scores.masked_fill(~visible[:, None, None], regions.NEG_INF)
     p, denom, m_ref = regions.safe_lse(scores)
     p, lse = regions.normalized(p, denom, m_ref)
-    out = tile_values(p, v_codes, v_row_scale, v_row_zero, v_col_scale, vb)   # [B,H,g,Tq,D]
-    out = out.reshape(bsz, hq, tq, 1, d)
+    out = tile_values(p, v_codes, v_row_scale, v_row_zero, v_col_scale, vb)   # [B,H,g,Tq,Dv]
+    out = out.reshape(bsz, hq, tq, 1, dv)
     lse = lse.reshape(bsz, hq, tq, 1)
     if split_max > 1:
-        out = torch.cat([out, out.new_zeros(bsz, hq, tq, split_max - 1, d)], 3)
+        out = torch.cat([out, out.new_zeros(bsz, hq, tq, split_max - 1, dv)], 3)
         lse = torch.cat([lse, lse.new_full((bsz, hq, tq, split_max - 1), regions.NEG_INF)], 3)
     return out, lse

@@ -112,14 +112,14 @@ def tile_range(max_len: int, sink: int, group: int, world: int) -> tuple[int, in
 
 def allocate(cp: ContextParallel, config, *, batch: int, kv_heads: int, head_dim: int,
              max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-             spec_tokens: int = 0, name: str = "") -> LayerState:
+             spec_tokens: int = 0, name: str = "", value_head_dim: int | None = None) -> LayerState:
     """One layer's state on this rank: ``ceil(n / world)`` tile slots, replicated sink, tail
     and counters; the capacity counter is the whole sequence's ``max_len``."""
     g, sink = config.group_size, min(config.sink, max_len)
     _, n_local = tile_range(max_len, sink, g, cp.world)
     state = allocate_layer(config, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                            max_len=sink + n_local * g, dtype=dtype, device=device,
-                           spec_tokens=spec_tokens, name=name)
+                           spec_tokens=spec_tokens, name=name, value_head_dim=value_head_dim)
     state.capacity.fill_(max_len)
     state.max_len = max_len
     state.context_parallel = cp.key

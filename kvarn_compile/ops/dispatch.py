@@ -115,14 +115,15 @@ def _cpu_attention(q, buffers, mask, scale, causal, window):
 def _cuda_attention(q, buffers, mask, scale, causal, window):
     f = unpack(buffers)
     out_e, lse_e = regions.exact_region(q, f, mask, scale, causal, window)
-    d = q.shape[-1]
+    d, dv = q.shape[-1], f.sink_v.shape[-1]
     rot = rotation_matrix(d, q.device)
     kv_start = None
     if window > 0:
         kv_start = regions.tile_bounds(f, q.shape[2], causal, window)[0]
     q32 = q.float().contiguous()
     out_t, lse_t = _triton_tiles((q32 @ rot).contiguous(), buffers, scale, kv_start, q32)
-    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot.T, lse_t)
+    rot_v = rot if dv == d else rotation_matrix(dv, q.device)
+    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot_v.T, lse_t)
     return out
 
 
@@ -327,6 +328,8 @@ def _cuda_step_attention(q, f, mask, scale, causal, window, checked: bool):
             triton_append.error_flags(q.device).bitwise_or_(short)
     out_e, lse_e = regions.exact_region(q, f, mask, scale, causal, window)
     rot = triton_append.rotation(d, q.device)
+    dv = geo.value_head_dim
+    rot_v = rot if dv == d else triton_append.rotation(dv, q.device)
     kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
     bias = None
     if mask is not None:
@@ -339,7 +342,7 @@ def _cuda_step_attention(q, f, mask, scale, causal, window, checked: bool):
         kv_start=kv_lo if window > 0 else None,
         kv_end=kv_hi if causal and tq > 1 else None, bias=bias,
         q_plain=None if f.k_plain is None else q32, k_plain=f.k_plain)
-    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot.T, lse_t)
+    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot_v.T, lse_t)
     return out
 
 
@@ -401,7 +404,7 @@ def _append_cuda(buffers, k, v, start_pos, method, iters, recent, hold, check_fi
         from kvarn_compile.kernels.triton import append as triton_append
 
         append_ref.check_method(method)
-        if triton_append.applies(unpack(buffers), k, method, hold, check_finite):
+        if triton_append.applies(unpack(buffers), k, method, hold, check_finite, v=v):
             triton_append.append_decode(buffers, k, v, start_pos, method=method, iters=iters,
                                         recent=recent)
             return
@@ -517,8 +520,8 @@ def _tile_partials_triton_cuda(q_rot, q_plain, k_codes, k_row_scale, k_row_zero,
                                       v_col_scale, n_tiles, scale=scale, kv_start=kv_lo,
                                       q_plain=None if k_plain is None else q_plain.contiguous(),
                                       k_plain=k_plain)
-    b, hq, tq, d = q_rot.shape
-    o_part = out.new_zeros(b, hq, tq, split_max, d)
+    b, hq, tq = q_rot.shape[:3]
+    o_part = out.new_zeros(b, hq, tq, split_max, v_col_scale.shape[-1])
     o_part[:, :, :, 0] = out
     lse_part.fill_(float("-inf"))
     lse_part[..., 0] = lse

@@ -58,26 +58,30 @@ class StateStore:
 
     # ------------------------------------------------------------------ states
     def for_append(self, site: str, k: torch.Tensor, max_len: int, *,
-                   growable: bool = False) -> LayerState:
+                   growable: bool = False, value_head_dim: int | None = None) -> LayerState:
         """The state new keys ``k`` [B, H, T, D] go to; allocated on first use (``growable``:
-        with the tile slots these keys need, grown later by ``LayerState.reserve``)."""
+        with the tile slots these keys need, grown later by ``LayerState.reserve``;
+        ``value_head_dim``: the values' Dv, when not D)."""
         batch, heads, tokens, dim = k.shape
+        dv = dim if value_head_dim is None else value_head_dim
         state = self.states.get((site, batch))
-        if state is not None and self._fits(state, k, max_len, growable):
+        if state is not None and self._fits(state, k, dv, max_len, growable):
             return state
         with self._lock:
             state = self.states.get((site, batch))
-            if state is None or not self._fits(state, k, max_len, growable):
+            if state is None or not self._fits(state, k, dv, max_len, growable):
                 state = allocate_layer(self.config, batch=batch, kv_heads=heads, head_dim=dim,
                                        max_len=max_len, dtype=k.dtype, device=k.device,
                                        spec_tokens=self.spec_tokens, name=site,
-                                       grow_from=tokens if growable else None)
+                                       grow_from=tokens if growable else None,
+                                       value_head_dim=dv)
                 self.states[(site, batch)] = state
         return state
 
     @staticmethod
-    def _fits(state: LayerState, k: torch.Tensor, max_len: int, growable: bool) -> bool:
+    def _fits(state: LayerState, k: torch.Tensor, dv: int, max_len: int, growable: bool) -> bool:
         return (state.max_len == max_len and state.head_dim == k.shape[3]
+                and state.value_head_dim == dv
                 and state.kv_heads == k.shape[1] and state.sink_k.device == k.device
                 and state.growable == growable)
 
@@ -129,7 +133,7 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
     store, site = resolve(key)
     # a cat cache (no model-owned tensors) grows with the sequence: room for this append
     growable = cache_k is None and cache_v is None
-    state = store.for_append(site, k, max_len, growable=growable)
+    state = store.for_append(site, k, max_len, growable=growable, value_head_dim=v.shape[-1])
     if growable and start_pos.numel():
         first, last = start_pos.aminmax()  # every row starting over at 0: a new sequence
         state.reserve(int(last) + k.shape[2], fresh=int(last) == 0, shortest=int(first) + k.shape[2])
@@ -143,7 +147,7 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
         for cache in (cache_k, cache_v):
             if cache is not None:
                 store.released_bytes += release_storage(cache)
-    return k.new_empty((0,))
+    return v.new_empty((0, v.shape[-1]))
 
 
 def state_for_attention(key: str, batch: int) -> list[torch.Tensor]:

@@ -67,6 +67,7 @@ from __future__ import annotations
 import torch
 
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, context_parallel, keyed
+from kvarn_compile.state import field_indices
 
 __all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
            "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_", "register_plain_kernel",
@@ -121,10 +122,15 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 
 
+def _out_shape(q: torch.Tensor, buffers: list[torch.Tensor]) -> tuple[int, ...]:
+    """[B, Hq, Tq, Dv]: the queries' shape with the values' head dim."""
+    return (*q.shape[:-1], buffers[field_indices(buffers)["sink_v"]].shape[-1])
+
+
 @attention.register_fake
 def _attention_fake(q, buffers, mask, scale, causal, window):
     _check_devices("attention", buffers, queries=q)
-    return q.new_empty(q.shape)      # contiguous, whatever q's strides (as the kernels return)
+    return q.new_empty(_out_shape(q, buffers))   # contiguous, whatever q's strides (as the kernels)
 
 
 @torch.library.custom_op("kvarn::reorder_", mutates_args=("buffers",))
@@ -238,7 +244,7 @@ def cp_attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tenso
 @cp_attention.register_fake
 def _cp_attention_fake(q, buffers, mask, scale, causal, window, group):
     _check_devices("attention", buffers, queries=q)
-    return q.new_empty(q.shape)
+    return q.new_empty(_out_shape(q, buffers))
 
 
 # ------------------------------------------------------------------------------ keyed forms
@@ -250,7 +256,7 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
     """``append_`` into the keyed state ``key`` (allocated on first use for ``max_len``
     tokens; for a ``cat`` cache, where ``cache_k``/``cache_v`` are None, a growable state
     whose tile slots grow with the sequence up to ``max_len``); returns an empty token for
-    the site's ``attention_keyed``.
+    the site's ``attention_keyed`` ([0, Dv]: it tells the attention's fake its output's head dim).
 
     ``cache_k``/``cache_v``: the model's own cache tensors, which the graph no longer
     reads. A prompt a non-compiled forward wrote there is adopted first (see
@@ -264,7 +270,7 @@ def append_keyed(k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor,
 @append_keyed.register_fake
 def _append_keyed_fake(k, v, start_pos, cache_k, cache_v, key, max_len, method, iters, recent,
                        hold, check_finite, release):
-    return k.new_empty((0,))
+    return v.new_empty((0, v.shape[-1]))
 
 
 @torch.library.custom_op("kvarn::attention_keyed", mutates_args=())
@@ -277,7 +283,7 @@ def attention_keyed(q: torch.Tensor, token: torch.Tensor, mask: torch.Tensor | N
 
 @attention_keyed.register_fake
 def _attention_keyed_fake(q, token, mask, key, scale, causal, window):
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:-1], token.shape[-1]))
 
 
 @torch.library.custom_op("kvarn::reorder_keyed", mutates_args=())
@@ -317,7 +323,7 @@ def tile_partials_(q_rot: torch.Tensor, q_plain: torch.Tensor | None, k_codes: t
                    lse_part: torch.Tensor, scale: float, split_max: int) -> torch.Tensor:
     """Per-split partials over the packed tiles (``attention_ref.tile_partials``): writes the
     per-split lse into ``lse_part`` [B, Hq, Tq, SPLIT_MAX] (filled with -inf by the caller)
-    and returns the normalized o_part [B, Hq, Tq, SPLIT_MAX, D]. It exists for the
+    and returns the normalized o_part [B, Hq, Tq, SPLIT_MAX, Dv]. It exists for the
     lowering (``lowering/tiles.py``), whose Triton templates compete for it. ``q_plain``
     and ``k_plain`` (per-tile key frames) come together or not at all."""
     o, lse = attention_ref.tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero,
@@ -330,8 +336,8 @@ def tile_partials_(q_rot: torch.Tensor, q_plain: torch.Tensor | None, k_codes: t
 def _tile_partials_fake(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
                         v_row_scale, v_row_zero, v_col_scale, k_plain, n_tiles, kv_lo, kv_hi,
                         bias, lse_part, scale, split_max):
-    b, hq, tq, d = q_rot.shape
-    return q_rot.new_empty(b, hq, tq, split_max, d, dtype=torch.float32)
+    b, hq, tq = q_rot.shape[:3]
+    return q_rot.new_empty(b, hq, tq, split_max, v_col_scale.shape[-1], dtype=torch.float32)
 
 
 tile_partials_.register_fake(_tile_partials_fake)

@@ -114,7 +114,7 @@ def small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def exact_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
                  scale: float, causal: bool, window: int, *, matmul=torch.matmul
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [B, Hq, Tq, D] over sink + tail: (out fp32 [B,Hq,Tq,D], lse [B,Hq,Tq]).
+    """Attention of q [B, Hq, Tq, D] over sink + tail: (out fp32 [B,Hq,Tq,Dv], lse [B,Hq,Tq]).
 
     The query heads of a kv head are the rows of one product with its keys (no copy of the
     keys per query head). ``matmul``: :func:`small_matmul` in traced decode graphs."""
@@ -139,7 +139,7 @@ def exact_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tens
     p, denom, m_ref = safe_lse(scores)
     p, lse = normalized(p, denom, m_ref)
     out = matmul(p.reshape(bsz, heads, grp * tq, -1), vals)
-    return out.reshape(bsz, hq, tq, d), lse.reshape(bsz, hq, tq)
+    return out.reshape(bsz, hq, tq, vals.shape[-1]), lse.reshape(bsz, hq, tq)
 
 
 def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor

@@ -48,7 +48,7 @@ class QuantizedKV:
     @property
     def elements(self) -> int:
         """Number of K plus V elements represented."""
-        return 2 * self.tokens * self.sink_k.shape[-1] * _lead(self.sink_k)
+        return self.tokens * (self.sink_k.shape[-1] + self.sink_v.shape[-1]) * _lead(self.sink_k)
 
     def _exact_bytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -100,12 +100,14 @@ def _lead(x: torch.Tensor) -> int:
 
 def quantize_cache(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, *,
                    exact_dtype: torch.dtype | None = None) -> QuantizedKV:
-    """Compress full K/V [..., T, D] (post-RoPE, token-major) with ``config``.
+    """Compress full K [..., T, D] and V [..., T, Dv] (post-RoPE, token-major; Dv = D but for
+    multi-head latent attention) with ``config``.
 
     The sink and tail are kept in ``exact_dtype`` (default: the input dtype).
     """
-    if k.shape != v.shape:
-        raise ValueError(f"Expected K and V of one shape, but got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"Expected K and V of one shape but for the head dim, but got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}.")
     exact_dtype = exact_dtype or k.dtype
     sink, n_q, _ = split_lengths(k.shape[-2], config)
     tiles = {}

@@ -95,7 +95,7 @@ def kvarn_ops_reference(config, history, q, mask, scale, *, causal=True, cap: in
 
     k0 = history[0][0]
     ref = allocate_layer(config, batch=k0.shape[0], kv_heads=k0.shape[1], head_dim=k0.shape[3],
-                         max_len=cap, dtype=k0.dtype)
+                         value_head_dim=history[0][1].shape[3], max_len=cap, dtype=k0.dtype)
     pos = 0
     for k, v in history:
         append_(ref.buffers, k, v, torch.full((k.shape[0],), pos), method=config.op_method,

@@ -8,10 +8,11 @@ from kvarn_compile.testing.oracles import oracle_attention
 
 def random_kv(batch: int, heads: int, tokens: int, head_dim: int, *, scale: float = 1.0,
               dtype: torch.dtype = torch.float32, bias_outlier: bool = False,
-              seed: int | None = None, generator: torch.Generator | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              seed: int | None = None, generator: torch.Generator | None = None,
+              value_head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Random K/V [batch, heads, tokens, head_dim] like real keys: uneven channel scales
-    (1-5x) and a +0.5 offset on the keys, standard normal values, both times ``scale``.
+    (1-5x) and a +0.5 offset on the keys, standard normal values, both times ``scale``
+    (values of ``value_head_dim`` channels where given).
 
     ``bias_outlier``: kv head 0 also gets a huge key channel (5) turning with position, like
     a k_proj bias after RoPE, so ``key_frame="auto"`` stores its tiles plain and the other
@@ -23,7 +24,7 @@ def random_kv(batch: int, heads: int, tokens: int, head_dim: int, *, scale: floa
     k = torch.randn(batch, heads, tokens, head_dim, generator=g) * spread + 0.5
     if bias_outlier:
         k[:, 0, :, 5] += 400 * torch.cos(0.3 * torch.arange(tokens) + torch.rand(1, generator=g) * 6)
-    v = torch.randn(batch, heads, tokens, head_dim, generator=g)
+    v = torch.randn(batch, heads, tokens, value_head_dim or head_dim, generator=g)
     return (k * scale).to(dtype), (v * scale).to(dtype)
 
 
@@ -64,7 +65,8 @@ def small_kv(batch, tokens, *, heads=SMALL_H, head_dim=SMALL_D, **kw):
 
 
 def packed_state(cfg=None, *, batch: int = 2, heads: int = 2, head_dim: int = 32,
-                 max_len: int = 256, dtype: torch.dtype = torch.float32, spec_tokens: int = 0):
+                 max_len: int = 256, dtype: torch.dtype = torch.float32, spec_tokens: int = 0,
+                 value_head_dim: int | None = None):
     """An empty layer state (:func:`kvarn_compile.state.allocate_layer`) with small defaults:
     ``cfg`` k4v2 at group_size 32, 2 rows, 2 kv heads of 32 channels, 256 tokens."""
     from kvarn_compile.config import get_config
@@ -72,7 +74,7 @@ def packed_state(cfg=None, *, batch: int = 2, heads: int = 2, head_dim: int = 32
 
     cfg = get_config("k4v2", group_size=32) if cfg is None else cfg
     return allocate_layer(cfg, batch=batch, kv_heads=heads, head_dim=head_dim, max_len=max_len,
-                          dtype=dtype, spec_tokens=spec_tokens)
+                          dtype=dtype, spec_tokens=spec_tokens, value_head_dim=value_head_dim)
 
 
 def attend(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None = None, *,
@@ -88,7 +90,7 @@ def assert_attention_matches(q: torch.Tensor, buffers: list[torch.Tensor],
     cache) within ``tol`` (relative, and absolute to the output's scale)."""
     out = attend(q, buffers, mask, **kw)
     ref = oracle_attention(q, buffers, mask, **kw)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == ref.shape == (*q.shape[:-1], ref.shape[-1]) and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
@@ -176,14 +178,16 @@ class PackedSequence:
 
     def __init__(self, cfg=None, *, batch: int = 2, heads: int = 2, head_dim: int = 32,
                  max_len: int = 256, dtype: torch.dtype = torch.float32, spec_tokens: int = 0,
-                 outliers: bool = False):
+                 outliers: bool = False, value_head_dim: int | None = None):
         self.outliers = outliers                     # keys with a huge bias channel
         self.heads, self.head_dim = heads, head_dim
+        self.value_head_dim = value_head_dim or head_dim
         self.state = packed_state(cfg, batch=batch, heads=heads, head_dim=head_dim,
-                                  max_len=max_len, dtype=dtype, spec_tokens=spec_tokens)
+                                  max_len=max_len, dtype=dtype, spec_tokens=spec_tokens,
+                                  value_head_dim=self.value_head_dim)
         self.cfg = self.state.config
         self.k = [torch.zeros(heads, 0, head_dim) for _ in range(batch)]
-        self.v = [torch.zeros(heads, 0, head_dim) for _ in range(batch)]
+        self.v = [torch.zeros(heads, 0, self.value_head_dim) for _ in range(batch)]
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -195,7 +199,8 @@ class PackedSequence:
 
         b = len(self.k)
         start = self.state.lengths.tolist() if start is None else list(start)
-        k, v = random_kv(b, self.heads, tokens, self.head_dim, bias_outlier=self.outliers)
+        k, v = random_kv(b, self.heads, tokens, self.head_dim, bias_outlier=self.outliers,
+                         value_head_dim=self.value_head_dim)
         c = self.cfg
         append_(self.buffers, k, v, torch.tensor(start), method=c.op_method, iters=c.sinkhorn_iters,
                 recent=c.recent_window, hold=hold)

@@ -1,7 +1,9 @@
 """The C++ multi-query attention (``kernels/cpu/attention.py``: ``decode_attention(...,
 many=True)``, a prefill chunk over the packed cache) against the pure-torch reference
 ``ops/attention.py``: queries inside the quantized region (causal within tiles), odd chunk
-lengths across tile boundaries, GQA, sliding windows, masks, every preset and cache layout."""
+lengths across tile boundaries, GQA, sliding windows, masks, every preset and cache layout,
+values of another head dim than the keys (MLA decompressed; more in
+``test_cpu_value_head_dim.py``)."""
 
 import pytest
 import torch
@@ -17,12 +19,15 @@ TILE_NAMES = ("codes", "row_scale", "row_zero", "col_scale")
 TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
-def _chunked(past, chunk, cfg, *, heads=H, d=D, dtype=torch.float32, seed=0, max_len=None):
+def _chunked(past, chunk, cfg, *, heads=H, d=D, dtype=torch.float32, seed=0, max_len=None, dv=None):
     """A cache that holds ``past[row]`` tokens, then a chunk of ``chunk`` more per row (two
-    appends, as a chunked prefill writes them), with uneven key channels."""
+    appends, as a chunked prefill writes them), with uneven key channels; values of head
+    dim ``dv`` (default ``d``)."""
     gen = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
     max_len = max_len or max(past) + chunk + 2 * cfg.group_size
-    st = allocate_layer(cfg, batch=len(past), kv_heads=heads, head_dim=d, max_len=max_len, dtype=dtype)
+    st = allocate_layer(cfg, batch=len(past), kv_heads=heads, head_dim=d, value_head_dim=dv,
+                        max_len=max_len, dtype=dtype)
     for row, n in enumerate(past):
         sub = [t[row:row + 1] for t in st.buffers]
         start = 0
@@ -30,7 +35,7 @@ def _chunked(past, chunk, cfg, *, heads=H, d=D, dtype=torch.float32, seed=0, max
             if not size:
                 continue
             k = torch.randn(1, heads, size, d, generator=gen) * (0.5 + torch.rand(d, generator=gen) * 2) + 0.3
-            v = torch.randn(1, heads, size, d, generator=gen)
+            v = torch.randn(1, heads, size, dv, generator=gen)
             append_ref.append_(sub, k.to(dtype), v.to(dtype), torch.tensor([start]))
             start += size
     return st
@@ -53,9 +58,9 @@ def _check(q, st, *, scale=None, causal=True, window=0, mask=None, tol=2e-5):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ref = attention_ref.attention(q.float(), st.buffers, mask, scale, causal, window).float()
     out = _many(q.float(), st.buffers, scale, causal, window, mask)
-    assert out.shape == q.shape and out.dtype == torch.float32
+    assert out.shape == (*q.shape[:-1], ref.shape[-1]) and out.dtype == torch.float32
     close = torch.allclose(out, ref, atol=tol, rtol=tol, equal_nan=True)
-    if q.shape[-1] <= 64 or close:
+    if max(q.shape[-1], out.shape[-1]) <= 64 or close:
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol, equal_nan=True)
         return out
     orc = oracle_attention(q.float(), st.buffers, mask, scale=scale, causal=causal, window=window)
@@ -79,7 +84,7 @@ def test_prefill_chunk_after_a_packed_past_matches_the_reference(preset, tq, gro
     _check(q, st, window=window)
 
 
-LAYOUTS = {   # (preset, overrides, model dtype, head dim)
+LAYOUTS = {   # (preset, overrides, model dtype, head dim or (key, value) head dims)
     "k3v3": ("k4v2", {"key_bits": 3, "value_bits": 3}, torch.float32, D),
     "k8v4": ("k4v2", {"key_bits": 8, "value_bits": 4}, torch.float32, D),
     "k4v4-d16": ("k4v4", {}, torch.float32, 16),
@@ -94,17 +99,21 @@ LAYOUTS = {   # (preset, overrides, model dtype, head dim)
     "two-tile-sink": ("k4v2", {"sink_tokens": 2 * G}, torch.float32, D),
     "recent": ("k4v2", {"recent_window": G}, torch.float32, D),
     "key-frames": ("k4v2", {"key_frame": "auto"}, torch.float32, D),
+    "mla-d192-dv128": ("k4v2", {}, torch.float32, (192, 128)),       # MLA decompressed
+    "dv-wider-k4v4-fp16": ("k4v4", {}, torch.float16, (D, 64)),
+    "dv-k3v3": ("k4v2", {"key_bits": 3, "value_bits": 3}, torch.float32, (64, 32)),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_prefill_chunk_across_cache_layouts(layout):
     preset, over, dtype, d = LAYOUTS[layout]
+    d, dv = d if isinstance(d, tuple) else (d, d)
     cfg = get_config(preset, **{"group_size": G, **over})
     g = cfg.group_size
     past = [2 * g + 7, g + 3]
     tq = g + 19                       # crosses tile boundaries, not a multiple of anything
-    st = _chunked(past, tq, cfg, d=d, dtype=dtype)
+    st = _chunked(past, tq, cfg, d=d, dtype=dtype, dv=dv)
     if layout == "key-frames":        # a real mix of plain and rotated key tiles
         kp = unpack(st.buffers).k_plain
         kp.copy_((torch.rand(kp.shape) < 0.5).to(kp.dtype))

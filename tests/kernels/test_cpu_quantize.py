@@ -175,7 +175,8 @@ def _states_equal(a, b):
 
 def _fill(cfg, op: bool, k, v, chunks, hold=0):
     st = allocate_layer(cfg, batch=k.shape[0], kv_heads=k.shape[1], head_dim=k.shape[-1],
-                        max_len=k.shape[2] + 64, dtype=k.dtype, spec_tokens=hold)
+                        value_head_dim=v.shape[-1], max_len=k.shape[2] + 64, dtype=k.dtype,
+                        spec_tokens=hold)
     pos = 0
     for n in chunks:
         start = torch.full((k.shape[0],), pos)
@@ -214,6 +215,26 @@ def test_append_op_uses_the_kernel_and_leaves_the_reference_state(monkeypatch, p
     ref = _fill(cfg, False, k, v, chunks)
     assert calls and all(calls), "the CPU append op did not use the C++ quantizer"
     assert int(ref.n_tiles.min()) >= 5
+    _states_equal(got, ref)
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 128)])
+@pytest.mark.parametrize("preset", ["k4v2", "k4v4"])
+def test_append_op_with_another_value_head_dim(monkeypatch, preset, d, dv):
+    """Values of another head dim than the keys (MLA decompressed): the kernel freezes K in
+    the D-sized rotated (or plain) frame and V in the Dv-sized one, bit for bit the reference."""
+    cfg = get_config(preset, group_size=64)
+    calls = []
+    real = cpu_quantize.freeze
+    monkeypatch.setattr(cpu_quantize, "freeze", lambda *a, **kw: calls.append(r := real(*a, **kw)) or r)
+    k, v = torch.randn(2, 2, 330, d), torch.randn(2, 2, 330, dv)
+    k[:, 1, 150:, 9] += 200.0                     # key frames: some plain tiles
+    chunks = [140, 1, 1, 60, 1, 127]
+    got = _fill(cfg, True, k, v, chunks)
+    ref = _fill(cfg, False, k, v, chunks)
+    assert calls and all(calls), "the CPU append op did not use the C++ quantizer"
+    assert int(ref.n_tiles.min()) >= 3 and bool(ref.fields.k_plain.any())
+    assert ref.fields.v.col_scale.shape[-1] == dv
     _states_equal(got, ref)
 
 

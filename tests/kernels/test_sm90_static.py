@@ -22,6 +22,13 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "static_report.py"
 #: the decode step's append).
 DECODE = ("decode_kernel_k4v2_d128g128_n128_fp16", "kvarn_decode_k4v2_n128_m16_fp16")
 APPEND = ("quantize_k4_d128_g128", "quantize_k4_d64_g64", "append_decode_h8_d128_g128")
+#: Keys and values of different head dims (MLA decompressed: D = 192, padded to 256 on the
+#: score side, Dv = 128): the decode kernel, the decode step's append and the key quantizer.
+#: Held to compiling, fitting an SM (shared memory and registers) and 16-byte code loads, not
+#: to no spills: the padded 256-wide key side spills (decode ~0.6 KB at 128-token steps, the
+#: quantizer ~4 KB; the append 12 B).
+MLA = ("decode_kernel_k4v2_d192v128g128_n128_fp16", "append_decode_h16_d192v128_g128",
+       "quantize_k4_d192_g128")
 #: Known spills, each a strict xfail: the test fails once the spill is gone, so the entry
 #: must then be removed. The quantizer holds a whole 128 x 128 fp32 tile, its rotated copy
 #: and the normalization's row/column vectors in registers (~0.6 KB of spills at 8 warps).
@@ -46,7 +53,8 @@ def rows():
 
 
 def test_every_quick_kernel_compiles_for_sm90(rows):
-    assert set(DECODE + APPEND) <= set(rows), f"missing cases: {set(DECODE + APPEND) - set(rows)}"
+    names = set(DECODE + APPEND + MLA)
+    assert names <= set(rows), f"missing cases: {names - set(rows)}"
     errors = {name: row["error"] for name, row in rows.items() if "error" in row}
     assert not errors, f"compile errors for sm_90: {errors}"
 
@@ -76,3 +84,17 @@ def test_decode_kernels_load_codes_in_16_byte_vectors(rows, name):
     assert "1B" not in row["loop_global_loads"], (
         f"{name} loads single bytes in its tile loop: {row['loop_global_loads']}")
     assert 0 < row["est_bandwidth_fraction"] <= 1
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_kernels_for_different_key_and_value_head_dims_fit_an_sm(name, rows):
+    """At least one CTA per SM: the key quantizer at D = 192 (BLOCK_D = 256) rotates in
+    chunks (ROT_CHUNK) instead of staging a 256 x 256 fp32 rotation in shared memory (256 KiB,
+    more than an sm_90 SM has: the launch would fail)."""
+    row = rows[name]
+    assert "error" not in row, row["error"]
+    assert row["ctas_per_sm"] >= 1, (f"{name} does not fit an sm_90 SM: {row['shared_bytes']} B "
+                                     f"of shared memory, {row['registers']} registers")
+    if name.startswith("decode"):
+        assert row["widest_global_load"] == 16 and "1B" not in row["loop_global_loads"], \
+            row["loop_global_loads"]

@@ -93,9 +93,10 @@ def test_quantize_matches_reference(kind, bits, method, d):
 
 
 @pytest.mark.parametrize("d,kind,bits", [(80, "k", 4), (80, "v", 2), (112, "v", 4),
-                                         (64, "k", 8), (64, "v", 8)])
+                                         (64, "k", 8), (64, "v", 8), (192, "k", 4), (192, "v", 2)])
 def test_quantize_more_dims_and_8_bits(d, kind, bits):
-    """Non-power-of-two head dims (Paley/Kronecker rotations, masked padding) and 8-bit codes."""
+    """Non-power-of-two head dims (Paley/Kronecker rotations, masked padding) and 8-bit codes;
+    D = 192 (MLA keys, padded to 256) rotates in chunks of 64 channels (``ROT_CHUNK``)."""
     x = kv_like(2, 1, tokens=32, d=d)
     got = quantize_tiles_triton(x, kind, bits, rotate=True, normalize=True, group=32)
     ref = quantize_kv(x, kind, method="kvarn", bits=bits, group=32)
@@ -239,9 +240,9 @@ def oracle_attention(q, k: QuantizedTiles, v: QuantizedTiles, n_tiles, scale, kv
     ``kvarn_compile.testing.reference_attention`` over the first n_tiles[b] tiles of each row,
     every query sees every valid key (decode over tiles) from ``kv_start`` on; (out, lse)."""
     kd = dequantize_tiles(k).double().transpose(-1, -2).cpu()  # [B, H, N, G, D]
-    vd = dequantize_tiles(v).double().cpu()
+    vd = dequantize_tiles(v).double().cpu()                    # [B, H, N, G, Dv]
     b, h, n, g, d = kd.shape
-    kd, vd = kd.reshape(b, h, n * g, d), vd.reshape(b, h, n * g, d)
+    kd, vd = kd.reshape(b, h, n * g, d), vd.reshape(b, h, n * g, vd.shape[-1])
     return testing.reference_attention(q.cpu(), kd, vd, lengths=n_tiles.cpu() * g, scale=scale,
                                        causal=False, kv_start=None if kv_start is None else kv_start.cpu(),
                                        return_lse=True)
@@ -356,6 +357,25 @@ def test_decode_attention_padded_head_dim_and_kernel_quantized_cache():
     n_tiles = torch.tensor([1, 2], device=DEV)
     out, lse = kvarn_decode_attention_tiles(q, kq, vq, n_tiles, scale=d ** -0.5, num_splits=2)
     assert_attention_close(out, lse, *oracle_attention(q, kq, vq, n_tiles, d ** -0.5))
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 128)])
+def test_decode_attention_keys_and_values_of_different_head_dims(d, dv):
+    """MLA-style tiles written by the quantize kernel: keys D = 192 (padded to 256, chunked
+    rotation), values Dv = 128; GQA, two splits, a window bound: the output is [.., Dv]."""
+    b, h, n, g, group_q = 2, 2, 2, 32, 2
+    kq = quantize_tiles_triton(kv_like(b, h, tokens=n * g, d=d), "k", 4, rotate=True,
+                               normalize=True, group=g)
+    vq = quantize_tiles_triton(kv_like(b, h, tokens=n * g, d=dv), "v", 2, rotate=True,
+                               normalize=True, group=g)
+    assert vq.col_scale.shape[-1] == dv
+    q = torch.randn(b, h * group_q, 2, d, device=DEV)
+    n_tiles = torch.tensor([1, 2], device=DEV)
+    kv_start = torch.tensor([[0, 0], [10, 40]], device=DEV)
+    out, lse = kvarn_decode_attention_tiles(q, kq, vq, n_tiles, scale=d ** -0.5, num_splits=2,
+                                            kv_start=kv_start)
+    assert out.shape == (b, h * group_q, 2, dv)
+    assert_attention_close(out, lse, *oracle_attention(q, kq, vq, n_tiles, d ** -0.5, kv_start))
 
 
 def test_decode_attention_merges_with_an_exact_region():

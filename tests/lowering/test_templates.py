@@ -17,6 +17,11 @@ different lengths, prompts crossing tile boundaries, per-tile key frames, masks,
 and fp32 queries (bf16 is wrong in the interpreter, triton#11584: GPU only). The winner
 exports to the autotune database and replays without benchmarking; an edited template
 never runs from Inductor's caches. The interpreter is slow: shapes are tiny.
+
+Keys and values of different head dims (MLA decompressed: D = 192, Dv = 128; and 64 / 128):
+two more cases of the above (the values' rotation is a second graph constant of the
+lowering), the template texts rendered standalone against the reference tile partials, and
+the ``tile_partials_`` lowering on its own offering them with a Dv-wide output.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from torch._inductor.utils import run_and_get_code
 from kvarn_compile import _torch_compat, autotune, lowering
 from kvarn_compile.config import get_config
 from kvarn_compile.lowering.heuristics import query_bucket
-from kvarn_compile.ops import append as append_ref, attention as attention_ref
+from kvarn_compile.ops import append as append_ref, attention as attention_ref, regions
 from kvarn_compile.state import allocate_layer
 
 G = 32
@@ -49,6 +54,10 @@ CASES = {
     "prefill-k4v2-d128-gqa-fp32": ("prefill", "k4v2", 128, (4, 2), torch.float32, 40, {}),
     "prefill-k4v4-d64-mha-fp16-frames": ("prefill", "k4v4", 64, (2, 2), torch.float16, 72, {"frames": True}),
     "prefill-k2v2-d64-gqa-fp32-mask": ("prefill", "k2v2", 64, (4, 2), torch.float32, 40, {"mask": True}),
+    # values of another head dim (MLA decompressed): output [B, Hq, Tq, Dv]
+    "decode-k4v2-d192v128-gqa-fp32": ("decode", "k4v2", 192, (4, 2), torch.float32, 1, {"dv": 128}),
+    "prefill-k4v4-d64v128-gqa-fp16-mask": ("prefill", "k4v4", 64, (4, 2), torch.float16, 40,
+                                           {"dv": 128, "mask": True}),
 }
 
 
@@ -67,16 +76,18 @@ def fresh_inductor(tmp_path, monkeypatch):
 
 
 def packed(preset: str, head_dim: int, kv_heads: int, lengths: list[int], tq: int,
-           frames: bool = False, seed: int = 0):
+           frames: bool = False, seed: int = 0, value_head_dim: int | None = None):
     """Batch rows of different lengths, the newest ``tq`` tokens of each written by a second
-    append (a prefill of ``tq`` tokens crosses tile boundaries and freezes tiles itself)."""
+    append (a prefill of ``tq`` tokens crosses tile boundaries and freezes tiles itself).
+    ``value_head_dim``: values of another head dim than the keys (default: the same)."""
     gen = torch.Generator().manual_seed(seed)
+    dv = head_dim if value_head_dim is None else value_head_dim
     cfg = get_config(preset, group_size=G, key_frame="auto" if frames else "rotated")
     st = allocate_layer(cfg, batch=len(lengths), kv_heads=kv_heads, head_dim=head_dim,
-                        max_len=max(lengths) + 8, dtype=torch.float32)
+                        value_head_dim=dv, max_len=max(lengths) + 8, dtype=torch.float32)
     for row, n in enumerate(lengths):
         k = torch.randn(1, kv_heads, n, head_dim, generator=gen)
-        v = torch.randn(1, kv_heads, n, head_dim, generator=gen)
+        v = torch.randn(1, kv_heads, n, dv, generator=gen)
         if frames:               # a bias-like huge key channel in head 0: its tiles go plain
             k[:, 0, :, 3] += 300.0
         sub = [t[row:row + 1] for t in st.buffers]
@@ -106,7 +117,8 @@ def _case_inputs(name: str):
     template, preset, d, (hq, h), dtype, tq, extra = CASES[name]
     lengths = [150, 97] if tq == 1 else [150, 100]       # rows of different lengths
     assert (query_bucket(hq, h, tq) == "decode") == (template == "decode"), name
-    st = packed(preset, d, h, lengths, tq, frames=extra.get("frames", False))
+    st = packed(preset, d, h, lengths, tq, frames=extra.get("frames", False),
+                value_head_dim=extra.get("dv"))
     q = torch.randn(2, hq, tq, d).to(dtype)
     mask = None
     if extra.get("mask"):
@@ -134,7 +146,7 @@ def _check(template: str, st, q, mask, out, source, tiles) -> float:
     assert len(decision.timings_ms) >= 2 and all(c.startswith(template) for c in decision.timings_ms), \
         decision.line()
     want = attention_ref.attention(q, st.buffers, mask, 0.3, True, 0)
-    assert out.dtype == q.dtype
+    assert out.dtype == q.dtype and out.shape == want.shape == (*q.shape[:3], st.value_head_dim)
     scale = want.float().abs().max().item()
     err = (out.float() - want.float()).abs().max().item() / scale
     tol = 1e-4 if q.dtype == torch.float32 else 2e-3
@@ -259,6 +271,111 @@ def test_an_edited_template_never_runs_from_inductors_caches(tmp_path):
     template.write_text(template.read_text() + "\n# edited\n")
     third = run()
     assert third["hit"] == 0 and third["miss"] >= 1, third
+
+
+# ------------------------------------------------------------------ values of another head dim
+#: (template, preset, D, Dv, (q heads, kv heads), query tokens, extras)
+DV_CASES = {
+    "decode-k4v2-d192v128-gqa": ("decode", "k4v2", 192, 128, (4, 2), 1, {}),
+    "decode-k4v4-d192v128-gqa-frames": ("decode", "k4v4", 192, 128, (4, 2), 1, {"frames": True}),
+    "decode-k4v2-d64v128-gqa-mask": ("decode", "k4v2", 64, 128, (4, 2), 1, {"mask": True}),
+    "decode-k4v4-d64v64-gqa": ("decode", "k4v4", 64, 64, (4, 2), 1, {}),
+    "prefill-k4v2-d192v128-gqa-mask": ("prefill", "k4v2", 192, 128, (4, 2), 40, {"mask": True}),
+    "prefill-k4v4-d64v128-mha-frames": ("prefill", "k4v4", 64, 128, (2, 2), 40, {"frames": True}),
+    "prefill-k4v2-d16v16-gqa": ("prefill", "k4v2", 16, 16, (4, 2), 40, {}),
+}
+
+
+def _dv_case(name: str):
+    template, preset, d, dv, (hq, h), tq, extra = DV_CASES[name]
+    lengths = [150, 97] if tq == 1 else [150, 100]
+    st = packed(preset, d, h, lengths, tq, frames=extra.get("frames", False), value_head_dim=dv)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, hq, tq, d, generator=gen)
+    mask = None
+    if extra.get("mask"):
+        mask = torch.rand(2, 1, tq, st.max_len, generator=gen) > 0.2
+    return template, st, q, mask
+
+
+@pytest.mark.parametrize("name", list(DV_CASES))
+def test_template_texts_with_value_head_dims_match_the_reference_tiles(name, tmp_path):
+    """Each template rendered standalone (its text, the constexprs the lowering passes: D,
+    BLOCK_D, DV, BLOCK_DV) and run by the interpreter: the per-split partials [.., Dv] merged
+    by lse equal the reference tile partials; split slots no program owns stay -inf."""
+    import triton
+
+    from kvarn_compile.lowering.tile_templates import launch_standalone, render_standalone
+
+    template, st, q, mask = _dv_case(name)
+    d, dv = st.head_dim, st.value_head_dim
+    b, hq, tq = q.shape[:3]
+    h = st.kv_heads
+    ins = attention_ref.tile_inputs(q, st.buffers, mask, True, 0)
+    q_rot, qp, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, nt, lo, hi, bias = ins
+    frames = kp is not None
+    decode = template == "decode"
+    split = 2 if decode else 1
+    split_max = split + 1
+    tensors = dict(Q=q_rot, **({"QP": qp} if frames else {}), KC=kc, KRS=krs, KRZ=krz, KCS=kcs,
+                   VC=vc, VRS=vrs, VRZ=vrz, VCS=vcs, **({"KP": kp} if frames else {}),
+                   NT=nt, KVLO=lo, KVHI=hi)
+    if bias is not None:
+        tensors["BIAS"] = bias.contiguous()
+    tensors["LSE"] = torch.full((b, hq, tq, split_max), float("-inf"))
+    out = torch.full((b, hq, tq, split_max, dv), float("nan"))
+    block_m = 16
+    ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
+              BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=G, BLOCK_N=16 if decode else 32,
+              K_BITS=st.config.key_bits, V_BITS=st.config.value_bits, SPLIT=split,
+              SPLIT_MAX=split_max, BLOCK_M=block_m, PREFETCH=1, HAS_BIAS=bias is not None,
+              HAS_K_PLAIN=frames, INPUT_PRECISION="ieee", SM_SCALE=0.3, KVARN_SRC=1)
+    kernel = render_standalone(f"kvarn_{template}.py.jinja", tensors, ce, tmp_path)
+    grid = ((b * h, split, triton.cdiv(hq // h * tq, block_m)) if decode
+            else (triton.cdiv(tq, block_m), b * hq, 1))
+    launch_standalone(kernel, tensors, out, grid, ce)
+    ref_o, ref_lse = attention_ref.tile_partials(*ins, 0.3, 1)
+    assert ref_o.shape[-1] == dv
+    got_o, got_lse = regions.combine_splits(out[:, :, :, :split], tensors["LSE"][..., :split])
+    fin = torch.isfinite(ref_lse[..., 0])
+    assert torch.equal(torch.isfinite(got_lse), fin) and bool(fin.any())
+    scale = ref_o.abs().max().item()
+    torch.testing.assert_close(got_o, ref_o[:, :, :, 0], atol=2e-5 * scale, rtol=0)
+    torch.testing.assert_close(got_lse[fin], ref_lse[..., 0][fin], atol=2e-5, rtol=1e-5)
+    assert torch.isinf(tensors["LSE"][..., split:]).all(), "unused split slots must stay -inf"
+
+
+def _tile_partials_call(split_max: int):
+    def fn(*tensors):
+        *ins, lse = tensors
+        o = torch.ops.kvarn.tile_partials_(*ins, lse, 0.3, split_max)
+        return o, lse
+    return fn
+
+
+@pytest.mark.parametrize("name", ["decode-k4v2-d192v128-gqa", "prefill-k4v2-d192v128-gqa-mask"])
+def test_tile_lowering_offers_the_templates_for_value_head_dims(name, fresh_inductor):
+    """``kvarn::tile_partials_`` compiled on its own (CPU Triton mode): the lowering offers the
+    template configs with a [.., Dv] output and DV constexprs, autotunes them and the winner's
+    partials equal the reference's."""
+    template, st, q, mask = _dv_case(name)
+    ins = attention_ref.tile_inputs(q, st.buffers, mask, True, 0)
+    lse = torch.full((*q.shape[:3], 2), float("-inf"))
+    first = len(lowering.DECISIONS)
+    with _torch_compat.triton_cpu_mode():
+        (o, lse_out), code = run_and_get_code(torch.compile(_tile_partials_call(2), fullgraph=True),
+                                              *ins, lse)
+    tiles = [d for d in lowering.DECISIONS[first:] if d.op == "kvarn_tile_partials"]
+    source = "\n".join(code)
+    assert _calls_template(source, template) and "DV : tl.constexpr = 128" in source
+    assert tiles and tiles[-1].winner.startswith(template) and len(tiles[-1].timings_ms) >= 2
+    assert o.shape == (*q.shape[:3], 2, st.value_head_dim)
+    got_o, got_lse = regions.combine_splits(o, lse_out)
+    ref_o, ref_lse = attention_ref.tile_partials(*ins, 0.3, 1)
+    fin = torch.isfinite(ref_lse[..., 0])
+    assert torch.equal(torch.isfinite(got_lse), fin) and bool(fin.any())
+    torch.testing.assert_close(got_o, ref_o[:, :, :, 0], atol=2e-5 * ref_o.abs().max().item(), rtol=0)
+    torch.testing.assert_close(got_lse[fin], ref_lse[..., 0][fin], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

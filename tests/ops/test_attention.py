@@ -144,6 +144,48 @@ def test_attention_fp16_and_bf16_queries():
         torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)  # output rounding only
 
 
+# ------------------------------------------------------------------------------ value head dims
+@pytest.mark.parametrize("preset", ["k4v2", "k4v4", "k4v2-kauto", "k4v2-fp8"])
+@pytest.mark.parametrize("dims", [(48, 32), (32, 64)], ids=["d48-dv32", "d32-dv64"])
+def test_attention_with_values_of_another_head_dim(preset, dims):
+    """Keys and values of different head dims (multi-head latent attention decompressed: K
+    192 = 128 + 64 RoPE channels, V 128): each side rotated and quantized in its own frame,
+    the output [B, Hq, Tq, Dv]; decode and multi-query steps, windows, masks."""
+    d, dv = dims
+    seq = PackedSequence(PRESETS[preset], head_dim=d, value_head_dim=dv,
+                         outliers=preset.endswith("kauto"))
+    st = seq.state
+    assert (st.head_dim, st.value_head_dim) == (d, dv) and st.geometry.value_head_dim == dv
+    assert st.sink_v.shape[-1] == st.tail_v.shape[-1] == st.v_col_scale.shape[-1] == dv
+    seq.write(75)
+    seq.write(58, start=[0, 75])                    # row 0 restarts, row 1: 3 tiles
+    tol = 2e-4 if preset.endswith("kauto") else 1e-5
+    for tq in (1, 1, 9):
+        seq.write(tq)
+        q = torch.randn(2, 2 * H, tq, d)
+        assert_attention_matches(q, seq.buffers, tol=tol)
+        assert_attention_matches(q, seq.buffers, tol=tol, window=17)
+    mask = torch.rand(2, 1, 9, CAP) > 0.3
+    assert_attention_matches(torch.randn(2, 2 * H, 9, d), seq.buffers, mask, tol=tol)
+    # the packed values are the true values within the preset's rounding (not the keys', not
+    # another frame's): what the oracle above reads back is the real V
+    _, v_hat = append_ref.materialize(seq.buffers, dtype=torch.float32)
+    n = seq.lengths()[1]
+    rel = ((v_hat[1, :, :n] - seq.v[1]).norm() / seq.v[1].norm()).item()
+    assert 0 < rel < 0.5, rel
+    for row in range(2):
+        assert_tiles_equal_reference(seq.buffers, row, seq.k[row], seq.v[row], seq.cfg)
+
+
+def test_values_of_another_head_dim_refuse_a_wrong_append():
+    """An append whose values have the keys' head dim is refused before anything is written."""
+    st = packed_state(head_dim=32, value_head_dim=64)
+    k, v = kv(2, 5)                                  # both 32 channels
+    with pytest.raises(ValueError, match=r"expected values shaped .*head_dim=64\], but got \(2, 2, 5, 32\)"):
+        append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    assert st.lengths.tolist() == [0, 0]
+
+
 # ------------------------------------------------------------------------------ key frames
 def test_key_frame_auto_stores_outlier_heads_plain_and_attends_exactly():
     """key_frame="auto": head 0 (a huge turning channel) is stored plain, head 1 rotated;

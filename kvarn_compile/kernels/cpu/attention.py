@@ -28,6 +28,10 @@ reference wherever the dispatcher sends it.
 :func:`decode_attention` the fused one. Both take ``k_plain`` (uint8 [B, H, N], 1 = that
 tile's keys are stored in the plain, un-rotated frame: its scores use the un-rotated q).
 
+Keys and values may have different head dims (multi-head latent attention decompressed:
+D = 192 for q and K, Dv = 128 for V and the output): scores run over D with the D-sized
+rotation, values and the output over Dv, the tile output rotated back with the Dv-sized one.
+
 :func:`append_decode` is the decode-step append fast path (``csrc/append.cpp``).
 
 The C++ sources are ``kernels/csrc/attention.cpp`` and ``append.cpp``; ``kernels/cpu/build.py``
@@ -90,11 +94,13 @@ def _rotations(d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bits_of(k: list[torch.Tensor], v: list[torch.Tensor]) -> tuple[int, int]:
-    """(key bits, value bits) of tile buffers k/v = [codes, row_scale, row_zero, col_scale]."""
+    """(key bits, value bits) of tile buffers k/v = [codes, row_scale, row_zero, col_scale]:
+    a K code row packs G tokens (G = k col_scale's last dim), a V code row Dv channels (Dv =
+    v col_scale's last dim, the values' head dim, which may differ from the keys' D)."""
     return 8 * k[0].shape[-1] // k[3].shape[-1], 8 * v[0].shape[-1] // v[3].shape[-1]
 
 
-def _bits(k: list[torch.Tensor], v: list[torch.Tensor], d: int) -> tuple[int, int]:
+def _bits(k: list[torch.Tensor], v: list[torch.Tensor]) -> tuple[int, int]:
     kb, vb = bits_of(k, v)
     if (kb, vb) not in SUPPORTED_BITS:
         raise NotImplementedError(f"kvarn CPU kernel: expected bit widths in {sorted(SUPPORTED_BITS)}, "
@@ -102,9 +108,13 @@ def _bits(k: list[torch.Tensor], v: list[torch.Tensor], d: int) -> tuple[int, in
     return kb, vb
 
 
-def supports(d: int, scale_dtype: torch.dtype, exact_dtype: torch.dtype = torch.float16) -> bool:
-    """True when the kernel reads this head dim, scale dtype (fp8: no) and sink/tail dtype."""
-    return d % 16 == 0 and scale_dtype in _SCALE_DTYPES and exact_dtype in _SCALE_DTYPES
+def supports(d: int, scale_dtype: torch.dtype, exact_dtype: torch.dtype = torch.float16,
+             value_head_dim: int | None = None) -> bool:
+    """True when the kernel reads this key head dim ``d``, value head dim (``value_head_dim``,
+    default ``d``; any other multiple of 16 too), scale dtype (fp8: no) and sink/tail dtype."""
+    dv = d if value_head_dim is None else value_head_dim
+    return (d % 16 == 0 and d > 0 and dv % 16 == 0 and dv > 0 and scale_dtype in _SCALE_DTYPES
+            and exact_dtype in _SCALE_DTYPES)
 
 
 def _c(t: torch.Tensor) -> torch.Tensor:
@@ -126,16 +136,17 @@ def tile_attention(q_rot: torch.Tensor, k: list[torch.Tensor], v: list[torch.Ten
                    n_tiles: torch.Tensor, *, scale: float, kv_start: torch.Tensor | None = None,
                    k_plain: torch.Tensor | None = None, q: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out_rot fp32 [B, Hq, Tq, D], lse [B, Hq, Tq]) over the packed tiles.
+    """(out_rot fp32 [B, Hq, Tq, Dv], lse [B, Hq, Tq]) over the packed tiles.
 
-    k = [codes, row_scale, row_zero, col_scale], v likewise (layouts of ``state.py``).
+    k = [codes, row_scale, row_zero, col_scale], v likewise (layouts of ``state.py``); q_rot
+    [B, Hq, Tq, D] in the keys' rotated frame, out_rot in the values' (Dv-sized) one.
     kv_start [B, Tq]: first visible token index of the tile region per query.
     k_plain uint8 [B, H, N]: 1 where that tile's keys are stored un-rotated; their scores
     use the un-rotated ``q`` (q_rot @ H.T when not given). Values are always rotated.
     Rows with no visible quantized token get out = 0 and lse = -inf.
     """
     d = q_rot.shape[-1]
-    kb, vb = _bits(k, v, d)
+    kb, vb = _bits(k, v)
     if k_plain is not None and q is None:
         q = q_rot.float() @ _rotations(d)[1]
     start = _c(kv_start.to(torch.int64)) if kv_start is not None else None
@@ -160,10 +171,11 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
                      mask: torch.Tensor | None = None, k_plain: torch.Tensor | None = None,
                      many: bool = False) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] (the last Tq tokens of each row) over the whole packed
-    cache in one C++ call: fp32 output [B, Hq, Tq, D], un-rotated.
+    cache in one C++ call: fp32 output [B, Hq, Tq, Dv], un-rotated (Dv: the values' head
+    dim, v col_scale's last dim; D unless the state was allocated with another).
 
-    sink = (sink_k, sink_v) [B, H, S, D], tail = (tail_k, tail_v) [B, H, W, D] (ring
-    buffer), k/v the tile buffers, as in ``state.py``; semantics of causal / window / mask
+    sink = (sink_k, sink_v) [B, H, S, D | Dv], tail = (tail_k, tail_v) [B, H, W, D | Dv]
+    (ring buffer), k/v the tile buffers, as in ``state.py``; semantics of causal / window / mask
     as in ``ops.attention.attention`` (mask: bool or additive float, broadcastable to
     [B, Hq, Tq, M], indexed by absolute key position). k_plain as in :func:`tile_attention`.
 
@@ -174,8 +186,11 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
     the decode step's loop (codes unpacked in registers per 4 rows, splits over tiles).
     """
     bsz, hq, tq, d = q.shape
-    kb, vb = _bits(k, v, d)
+    kb, vb = _bits(k, v)
+    dv = v[3].shape[-1]
     rot, rot_t = _rotations(d)
+    if dv != d:                       # values (and the output) in their own Dv-sized frame
+        rot_t = _rotations(dv)[1]
     m = None
     if mask is not None:
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.float32)

@@ -137,15 +137,22 @@ def freeze(tokens_k: torch.Tensor, tokens_v: torch.Tensor, k_dst: list[torch.Ten
            v_dst: list[torch.Tensor], plain_dst: torch.Tensor | None, first_tile: int, *,
            key_bits: int, value_bits: int, group: int, rotate: bool, normalize: bool,
            iters: int, clip: bool) -> bool:
-    """Quantize K/V [H, n*G, D] of one batch row into tile slots first_tile.. of the
-    contiguous destinations (k_dst / v_dst: codes, row_scale, row_zero, col_scale, each
-    [H, N, ...]; plain_dst [H, N] uint8 for per-tile key frames, else None).
+    """Quantize K [H, n*G, D] and V [H, n*G, Dv] of one batch row into tile slots
+    first_tile.. of the contiguous destinations (k_dst / v_dst: codes, row_scale, row_zero,
+    col_scale, each [H, N, ...]; plain_dst [H, N] uint8 for per-tile key frames, else None).
+    K rotates with the D-sized Hadamard, V with the Dv-sized one (Dv may differ from D:
+    multi-head latent attention decompressed).
 
     Returns False with nothing written where a value is not finite or a scale overflows its
     storage dtype (the reference then runs: it isolates bad tokens, or raises).
     """
     consts, ratios = _consts()
+    rot_k = rot_v = None
+    if rotate:
+        d, dv = tokens_k.shape[-1], tokens_v.shape[-1]
+        rot_k = _rotation(d)
+        rot_v = rot_k if dv == d else _rotation(dv)
     return bool(_module().kvarn_freeze(
-        tokens_k, tokens_v, _rotation(tokens_k.shape[-1]) if rotate else None, k_dst, v_dst,
+        tokens_k, tokens_v, rot_k, rot_v, k_dst, v_dst,
         plain_dst, int(first_tile), int(key_bits), int(value_bits), int(group), bool(normalize),
         int(iters), bool(clip), consts, ratios))

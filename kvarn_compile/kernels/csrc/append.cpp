@@ -26,11 +26,14 @@ bool kvarn_append_decode(torch::Tensor k, torch::Tensor v, torch::Tensor sink_k,
                          torch::Tensor tail_k, torch::Tensor tail_v, torch::Tensor lengths,
                          torch::Tensor committed, torch::Tensor n_tiles, torch::Tensor capacity,
                          torch::Tensor start_pos, int64_t group, int64_t recent, int64_t hold) {
-  if (hold != 0 || k.dim() != 4 || v.sizes() != k.sizes() || !k.is_floating_point()
+  if (hold != 0 || k.dim() != 4 || v.dim() != 4 || !k.is_floating_point()
       || !v.is_floating_point() || k.device().type() != c10::DeviceType::CPU) return false;
+  // D: the keys' head dim, DV: the values' (they differ for MLA decompressed, e.g. 192 / 128)
   const int64_t B = sink_k.size(0), H = sink_k.size(1), S = sink_k.size(2), D = sink_k.size(3);
-  const int64_t W = tail_k.size(2), T = k.size(2);
+  const int64_t DV = sink_v.size(3), W = tail_k.size(2), T = k.size(2);
   if (k.size(0) != B || k.size(1) != H || k.size(3) != D || T < 1) return false;
+  if (v.size(0) != B || v.size(1) != H || v.size(2) != T || v.size(3) != DV) return false;
+  if (sink_v.size(2) != S || tail_v.size(2) != W || tail_k.size(3) != D || tail_v.size(3) != DV) return false;
   if (start_pos.dim() != 1 || start_pos.size(0) != B) return false;
   if (start_pos.scalar_type() != torch::kLong && start_pos.scalar_type() != torch::kInt) return false;
   for (const auto& t : {sink_k, sink_v, tail_k, tail_v})
@@ -75,9 +78,9 @@ bool kvarn_append_decode(torch::Tensor k, torch::Tensor v, torch::Tensor sink_k,
     kvarn::with_storage_type(exact, [&](auto tag) {
       using E = decltype(tag);
       put_rows<E>(kf, sink_k.data_ptr<E>(), b, H, T, D, S, sink_slot, 0);
-      put_rows<E>(vf, sink_v.data_ptr<E>(), b, H, T, D, S, sink_slot, 0);
+      put_rows<E>(vf, sink_v.data_ptr<E>(), b, H, T, DV, S, sink_slot, 0);
       put_rows<E>(kf, tail_k.data_ptr<E>(), b, H, T, D, W, tail_slot, 0);
-      put_rows<E>(vf, tail_v.data_ptr<E>(), b, H, T, D, W, tail_slot, 0);
+      put_rows<E>(vf, tail_v.data_ptr<E>(), b, H, T, DV, W, tail_slot, 0);
     });
     len[b] = p0 + T;
     com[b] = p0 + T;

@@ -1,7 +1,8 @@
 // A whole KVarN decode attention step over the packed cache (kernels/cpu/attention.py is
 // its launcher and describes it): the exact sink and tail, the packed tiles unpacked in
 // registers (dual-scale fold), one online softmax, the rotations inside the call. Work is
-// split over (batch row, kv head, range of units), merged by log-sum-exp.
+// split over (batch row, kv head, range of units), merged by log-sum-exp. Keys (D) and
+// values (Dv) may have different head dims (MLA decompressed): D for scores, Dv for outputs.
 // Built by kernels/cpu/build.py with -O3 -march=native -ffp-contract=fast -fopenmp,
 // together with append.cpp, into one extension whose module this file defines.
 #include "kvarn_common.h"
@@ -615,8 +616,8 @@ inline void scale_rows(float* a, int d, float alpha) {
 struct Call {
   const float* q = nullptr;      // [B, HQ, TQ, D] un-rotated (null: tiles only, no plain tiles)
   const float* qrot = nullptr;   // [B, HQ, TQ, D] rotated, or null: q @ rot
-  const float* rot = nullptr;    // [D, D]
-  const float* rot_t = nullptr;  // [D, D] rot^T, or null: the output stays rotated
+  const float* rot = nullptr;    // [D, D] the keys' rotation
+  const float* rot_t = nullptr;  // [DV, DV] the values' rotation^T, or null: the output stays rotated
   const void *sink_k = nullptr, *sink_v = nullptr, *tail_k = nullptr, *tail_v = nullptr;
   int exact_dt = F32, S = 0, W = 0;
   const uint8_t *kc = nullptr, *vc = nullptr;
@@ -628,34 +629,36 @@ struct Call {
   const uint8_t* k_plain = nullptr;   // [B, H, N]
   const void* mask = nullptr; int mask_float = 0; int64_t msb = 0, msh = 0, msq = 0, msm = 0;
   int B, H, HQ, TQ, D, N, G, kb, vb;
+  int DV;                             // the values' (and output's) head dim; D for most models
   float scale; bool causal = false; int window = 0;
   int splits = 1;
-  float* out; float* lse;             // [B, HQ, TQ, D], [B, HQ, TQ]
+  float* out; float* lse;             // [B, HQ, TQ, DV], [B, HQ, TQ]
 };
 
 void run(const Call& a) {
-  const int B = a.B, H = a.H, HQ = a.HQ, TQ = a.TQ, D = a.D, N = a.N, G = a.G;
+  // D: scores (q, keys); DV: values and output (sink/tail values, V tiles, accumulators)
+  const int B = a.B, H = a.H, HQ = a.HQ, TQ = a.TQ, D = a.D, DV = a.DV, N = a.N, G = a.G;
   const int grp = HQ / H, R = grp * TQ;
   const bool fused = a.lengths != nullptr;
   // packed row sizes and the vector path (16-byte blocks) or the byte-unpack path
-  const int knb_packed = G * a.kb / 8, vnb_packed = D * a.vb / 8;
+  const int knb_packed = G * a.kb / 8, vnb_packed = DV * a.vb / 8;
   const bool k_native = (a.kb == 2 || a.kb == 4 || a.kb == 8) && knb_packed % 16 == 0;
   const bool v_native = (a.vb == 2 || a.vb == 4 || a.vb == 8) && vnb_packed % 16 == 0;
   const int kbits = k_native ? a.kb : 8, vbits = v_native ? a.vb : 8;
   const int kper = 8 / kbits, vper = 8 / vbits;
-  const int knb = G / kper, vnb = D / vper;   // bytes per row as the loops read them
+  const int knb = G / kper, vnb = DV / vper;   // bytes per row as the loops read them
   KFn kf[MAX_NR + 1]; VFn vf[MAX_NR + 1]; PFn pf[MAX_NR + 1];
   for (int nr = 1; nr <= MAX_NR; ++nr) { kf[nr] = pick_k(kbits, nr); vf[nr] = pick_v(vbits, nr); pf[nr] = pick_pv(nr); }
   const int splits = a.splits;
   const int64_t ntasks = (int64_t)B * H * splits;
-  std::vector<float> part_plain(fused ? ntasks * R * D : 0), part_rot(ntasks * R * D);
+  std::vector<float> part_plain(fused ? ntasks * R * DV : 0), part_rot(ntasks * R * DV);
   std::vector<float> part_m(ntasks * R, NEG_INF), part_l(ntasks * R, 0.f);
   std::atomic<int64_t> next{0};
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
 
   // value-code order of the rotated accumulators: index k * vnb + j holds channel j * vper + k
-  std::vector<int> chan(D);
-  for (int i = 0; i < D; ++i) chan[i] = (i % vnb) * vper + i / vnb;
+  std::vector<int> chan(DV);
+  for (int i = 0; i < DV; ++i) chan[i] = (i % vnb) * vper + i / vnb;
   // Merge the splits of one (batch row, kv head) into the output; run by the task that
   // finishes its last split (one parallel region: no second barrier).
   auto merge = [&](int64_t bh, float* rot, float* plain) {
@@ -665,9 +668,9 @@ void run(const Call& a) {
       const int64_t orow = ((int64_t)b * HQ + h * grp + gi) * TQ + tq;
       float M = NEG_INF;
       for (int sp = 0; sp < splits; ++sp) M = std::max(M, part_m[(bh * splits + sp) * R + r]);
-      float* o = a.out + orow * D;
+      float* o = a.out + orow * DV;
       if (!(M > NEG_INF)) {
-        std::fill(o, o + D, 0.f);
+        std::fill(o, o + DV, 0.f);
         if (a.lse) a.lse[orow] = NEG_INF;
         continue;
       }
@@ -677,31 +680,31 @@ void run(const Call& a) {
         poisoned |= part_m[i] > NEG_INF && std::isnan(part_l[i]);
       }
       if (poisoned) {
-        std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+        std::fill(o, o + DV, std::numeric_limits<float>::quiet_NaN());
         if (a.lse) a.lse[orow] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
       float L = 0.f;
-      std::fill(rot, rot + D, 0.f);
-      std::fill(plain, plain + D, 0.f);
+      std::fill(rot, rot + DV, 0.f);
+      std::fill(plain, plain + DV, 0.f);
       for (int sp = 0; sp < splits; ++sp) {
         const int64_t i = (bh * splits + sp) * R + r;
         if (!(part_m[i] > NEG_INF)) continue;
         const float w = std::exp(part_m[i] - M);
         L += w * part_l[i];
-        const float* pr = part_rot.data() + i * D;
-        for (int c = 0; c < D; ++c) rot[c] += w * pr[c];
+        const float* pr = part_rot.data() + i * DV;
+        for (int c = 0; c < DV; ++c) rot[c] += w * pr[c];
         if (fused) {
-          const float* pp = part_plain.data() + i * D;
-          for (int c = 0; c < D; ++c) plain[c] += w * pp[c];
+          const float* pp = part_plain.data() + i * DV;
+          for (int c = 0; c < DV; ++c) plain[c] += w * pp[c];
         }
       }
       const float inv = L > 0.f ? 1.f / L : 0.f;
       if (a.lse) a.lse[orow] = L > 0.f ? std::log(L) + M : NEG_INF;
       if (a.rot_t) {
-        vec_mat(rot, a.rot_t, chan.data(), D, plain, inv, o);
+        vec_mat(rot, a.rot_t, chan.data(), DV, plain, inv, o);
       } else {
-        for (int i = 0; i < D; ++i) o[chan[i]] = (rot[i] + (fused ? plain[chan[i]] : 0.f)) * inv;
+        for (int i = 0; i < DV; ++i) o[chan[i]] = (rot[i] + (fused ? plain[chan[i]] : 0.f)) * inv;
       }
     }
   };
@@ -742,12 +745,12 @@ void run(const Call& a) {
 
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     std::vector<float> qs((size_t)R * D), s((size_t)R * std::max(G, EB)),
-        tmp((size_t)R * D), bias(R), zsum(R), alpha(R), kfl((size_t)EB * D), vfl((size_t)EB * D);
-    std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(D), ctmp(std::max(G, D));
-    std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
+        tmp((size_t)R * DV), bias(R), zsum(R), alpha(R), kfl((size_t)EB * D), vfl((size_t)EB * DV);
+    std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(DV), ctmp(std::max(G, std::max(D, DV)));
+    std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * DV);
     std::vector<int64_t> lo(TQ), hi(TQ);
     std::vector<char> live(R);
-    std::vector<float> mrot(D), mplain(D);
+    std::vector<float> mrot(DV), mplain(DV);
     int64_t task = -1;
     auto finish = [&]() {
       const int64_t bh = task / splits;
@@ -757,8 +760,8 @@ void run(const Call& a) {
       const int sp = task % splits;
       const int64_t bh = task / splits;
       const int b = bh / H, h = bh % H;
-      float* acc_rot = part_rot.data() + task * R * D;
-      float* acc_plain = fused ? part_plain.data() + task * R * D : nullptr;
+      float* acc_rot = part_rot.data() + task * R * DV;
+      float* acc_plain = fused ? part_plain.data() + task * R * DV : nullptr;
       float* m = part_m.data() + task * R;
       float* l = part_l.data() + task * R;
       const int nt = (int)std::min<int64_t>(std::max<int64_t>(a.n_tiles[b], 0), N);
@@ -840,15 +843,15 @@ void run(const Call& a) {
               for (int i = cnt; i < n16; ++i) v[i] = NEG_INF;
               const float al = softmax_step(v, n16, m[r], l[r]);
               live[r] = al >= 0.f;
-              if (al >= 0.f && al != 1.f) { scale_rows(acc_plain + r * D, D, al); scale_rows(acc_rot + r * D, D, al); }
+              if (al >= 0.f && al != 1.f) { scale_rows(acc_plain + r * DV, DV, al); scale_rows(acc_rot + r * DV, DV, al); }
             }
-            if (run_of_slots) to_float(vb_, a.exact_dt, (row0 + slot[0]) * D, vfl.data(), cnt * D);
-            else for (int i = 0; i < cnt; ++i) to_float(vb_, a.exact_dt, (row0 + slot[i]) * D, vfl.data() + i * D, D);
+            if (run_of_slots) to_float(vb_, a.exact_dt, (row0 + slot[0]) * DV, vfl.data(), cnt * DV);
+            else for (int i = 0; i < cnt; ++i) to_float(vb_, a.exact_dt, (row0 + slot[i]) * DV, vfl.data() + i * DV, DV);
             // (rows that see none of these tokens have all-zero weights: as in p @ V, a
             // NaN value there still reaches them)
             for (int r0 = 0; r0 < R; r0 += MAX_NR) {
               const int nr = std::min(MAX_NR, R - r0);
-              pf[nr](vfl.data(), cnt, D, s.data() + r0 * EB, EB, acc_plain + r0 * D, D);
+              pf[nr](vfl.data(), cnt, DV, s.data() + r0 * EB, EB, acc_plain + r0 * DV, DV);
             }
           }
           continue;
@@ -864,7 +867,7 @@ void run(const Call& a) {
         for (int i = 0; i < G; i += 16) vst(kcs.data() + i, vld(kcs.data() + i) * splat(a.scale));
         to_float_perm(a.vrs, a.scale_dt, tile * G, ctmp.data(), vs.data(), G, kper);
         to_float_perm(a.vrz, a.scale_dt, tile * G, ctmp.data(), vz.data(), G, kper);
-        to_float_perm(a.vcs, a.scale_dt, tile * D, ctmp.data(), vcs.data(), D, vper);
+        to_float_perm(a.vcs, a.scale_dt, tile * DV, ctmp.data(), vcs.data(), DV, vper);
         const bool plain = a.k_plain && a.k_plain[tile];
         const float* qsrc = plain ? qp : qr;
         for (int r = 0; r < R; ++r) {
@@ -930,19 +933,19 @@ void run(const Call& a) {
 #endif
         }
         const uint8_t* vcodes = a.vc + tile * G * vnb_packed;
-        if (!v_native) { unpack_bytes(vcodes, G, D, a.vb, v8.data()); vcodes = v8.data(); }
+        if (!v_native) { unpack_bytes(vcodes, G, DV, a.vb, v8.data()); vcodes = v8.data(); }
         for (int r0 = 0; r0 < R; r0 += MAX_NR) {
           const int nr = std::min(MAX_NR, R - r0);
-          vf[nr](vcodes, vnb, kper, knb, s.data() + r0 * G, G, tmp.data() + r0 * D, D);
+          vf[nr](vcodes, vnb, kper, knb, s.data() + r0 * G, G, tmp.data() + r0 * DV, DV);
         }
         for (int r = 0; r < R; ++r) {
           if (!live[r]) continue;
-          float* o = acc_rot + r * D;
-          const float* t = tmp.data() + r * D;
+          float* o = acc_rot + r * DV;
+          const float* t = tmp.data() + r * DV;
           const v16f al = splat(alpha[r]), z = splat(zsum[r]);
-          for (int c = 0; c < D; c += 16)
+          for (int c = 0; c < DV; c += 16)
             vst(o + c, vld(o + c) * al + vld(vcs.data() + c) * (vld(t + c) + z));
-          if (fused && alpha[r] != 1.f) scale_rows(acc_plain + r * D, D, alpha[r]);
+          if (fused && alpha[r] != 1.f) scale_rows(acc_plain + r * DV, DV, alpha[r]);
         }
       }
     }
@@ -1057,20 +1060,21 @@ inline void row_codes_any(int bits, const uint8_t* p, int nbytes, float* out) {
 }
 
 void run_chunk(const Call& a, int qb_rows) {
-  const int B = a.B, H = a.H, HQ = a.HQ, TQ = a.TQ, D = a.D, N = a.N, G = a.G;
+  // D: scores (q, keys); DV: values and output
+  const int B = a.B, H = a.H, HQ = a.HQ, TQ = a.TQ, D = a.D, DV = a.DV, N = a.N, G = a.G;
   const int grp = HQ / H;
   const int QB = std::max(1, std::min(TQ, qb_rows));
   const int nqb = (TQ + QB - 1) / QB;
   const int RM = grp * QB;                        // rows of a full task
-  const int knb_packed = G * a.kb / 8, vnb_packed = D * a.vb / 8;
+  const int knb_packed = G * a.kb / 8, vnb_packed = DV * a.vb / 8;
   const bool k_native = a.kb == 2 || a.kb == 4 || a.kb == 8;
   const bool v_native = a.vb == 2 || a.vb == 4 || a.vb == 8;
   const int kbits = k_native ? a.kb : 8, vbits = v_native ? a.vb : 8;
   const int kper = 8 / kbits, vper = 8 / vbits;
-  const int knb = G / kper, vnb = D / vper;
+  const int knb = G / kper, vnb = DV / vper;
   const int LS = std::max(G, XB);                 // score row stride
-  std::vector<int> chan(D);                       // value-code order -> channel
-  for (int i = 0; i < D; ++i) chan[i] = (i % vnb) * vper + i / vnb;
+  std::vector<int> chan(DV);                      // value-code order -> channel
+  for (int i = 0; i < DV; ++i) chan[i] = (i % vnb) * vper + i / vnb;
   std::vector<int> tok(G);                        // key-code order -> token of the tile
   for (int i = 0; i < G; ++i) tok[i] = (i % knb) * kper + i / knb;
   const int64_t ntasks = (int64_t)B * H * nqb;
@@ -1079,10 +1083,10 @@ void run_chunk(const Call& a, int qb_rows) {
 
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     std::vector<float> Qp((size_t)RM * D), Qr((size_t)RM * D), S((size_t)RM * LS);
-    std::vector<float> Orot((size_t)RM * D), Opl((size_t)RM * D), m(RM), l(RM);
-    std::vector<float> Kt((size_t)D * LS), V((size_t)LS * D), ctmp(std::max(G, D));
-    std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(D), qtmp(D);
-    std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * D);
+    std::vector<float> Orot((size_t)RM * DV), Opl((size_t)RM * DV), m(RM), l(RM);
+    std::vector<float> Kt((size_t)D * LS), V((size_t)LS * DV), ctmp(std::max(G, DV));
+    std::vector<float> ks(D), kz(D), kcs(G), vs(G), vz(G), vcs(DV), qtmp(D);
+    std::vector<uint8_t> k8(k_native ? 0 : (size_t)D * G), v8(v_native ? 0 : (size_t)G * DV);
     std::vector<int64_t> lo(QB), hi(QB), open_end(RM), pos(XB);
     std::vector<int> slot(XB);
     int64_t task;
@@ -1101,8 +1105,8 @@ void run_chunk(const Call& a, int qb_rows) {
         std::memcpy(Qp.data() + (size_t)r * D, x, sizeof(float) * D);
         vec_mat(x, a.rot, nullptr, D, nullptr, 1.f, Qr.data() + (size_t)r * D);
       }
-      std::fill(Orot.begin(), Orot.begin() + (size_t)R * D, 0.f);
-      std::fill(Opl.begin(), Opl.begin() + (size_t)R * D, 0.f);
+      std::fill(Orot.begin(), Orot.begin() + (size_t)R * DV, 0.f);
+      std::fill(Opl.begin(), Opl.begin() + (size_t)R * DV, 0.f);
       std::fill(m.begin(), m.begin() + R, NEG_INF);
       std::fill(l.begin(), l.begin() + R, 0.f);
       int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = std::numeric_limits<int64_t>::min();
@@ -1149,8 +1153,8 @@ void run_chunk(const Call& a, int qb_rows) {
           for (int i = cnt; i < n; ++i) v[i] = NEG_INF;
           const float al = softmax_step(v, n, m[r], l[r]);
           if (al >= 0.f && al != 1.f) {
-            scale_rows(Orot.data() + (size_t)r * D, D, al);
-            scale_rows(Opl.data() + (size_t)r * D, D, al);
+            scale_rows(Orot.data() + (size_t)r * DV, DV, al);
+            scale_rows(Opl.data() + (size_t)r * DV, DV, al);
           }
         }
       };
@@ -1181,18 +1185,18 @@ void run_chunk(const Call& a, int qb_rows) {
           }
           if (!cnt) continue;
           const int n = (cnt + 15) / 16 * 16;
-          for (int i = 0; i < cnt; ++i) {             // K^T [D, n] and V [n, D], zero padded
+          for (int i = 0; i < cnt; ++i) {             // K^T [D, n] and V [n, DV], zero padded
             to_float(kb_, a.exact_dt, (row0 + slot[i]) * D, qtmp.data(), D);
             for (int c = 0; c < D; ++c) Kt[(size_t)c * n + i] = qtmp[c];
-            to_float(vb_, a.exact_dt, (row0 + slot[i]) * D, V.data() + (size_t)i * D, D);
+            to_float(vb_, a.exact_dt, (row0 + slot[i]) * DV, V.data() + (size_t)i * DV, DV);
           }
           for (int c = 0; c < D; ++c) std::fill(Kt.begin() + (size_t)c * n + cnt, Kt.begin() + (size_t)c * n + n, 0.f);
-          std::fill(V.begin() + (size_t)cnt * D, V.begin() + (size_t)n * D, 0.f);
+          std::fill(V.begin() + (size_t)cnt * DV, V.begin() + (size_t)n * DV, 0.f);
           gemm_scores(Qp.data(), R, D, Kt.data(), n, S.data(), LS);
           softmax_block(n, cnt, pmin, pmax, [&](int i) { return pos[i]; }, [&](int, float* v) {
             for (int i = 0; i < n; ++i) v[i] *= a.scale;
           });
-          gemm_values(S.data(), R, LS, V.data(), D, n, Opl.data());
+          gemm_values(S.data(), R, LS, V.data(), DV, n, Opl.data());
         }
       }
       // ------------------------------------------------ packed tiles
@@ -1206,8 +1210,8 @@ void run_chunk(const Call& a, int qb_rows) {
         for (int i = 0; i < G; ++i) kcs[i] *= a.scale;
         to_float_perm(a.vrs, a.scale_dt, tile * G, ctmp.data(), vs.data(), G, kper);
         to_float_perm(a.vrz, a.scale_dt, tile * G, ctmp.data(), vz.data(), G, kper);
-        to_float_perm(a.vcs, a.scale_dt, tile * D, ctmp.data(), vcs.data(), D, vper);
-        // K^T [D, G] and V [G, D] dequantized once per task (tokens in the key code order,
+        to_float_perm(a.vcs, a.scale_dt, tile * DV, ctmp.data(), vcs.data(), DV, vper);
+        // K^T [D, G] and V [G, DV] dequantized once per task (tokens in the key code order,
         // V's rows too; V's channels in the value code order), the softmax scale folded in:
         // K[c][t] = scale * cs[t] * (rs[c] * code + rz[c]), V[t][c] = cs[c] * (rs[t] * code + rz[t]);
         // the rows then need no per-row fold (its dot products are strict-order reductions)
@@ -1220,32 +1224,32 @@ void run_chunk(const Call& a, int qb_rows) {
           for (int i = 0; i < G; ++i) kt[i] = kcs[i] * (rs * kt[i] + rz);
         }
         const uint8_t* vcodes = a.vc + tile * G * vnb_packed;
-        if (!v_native) { unpack_bytes(vcodes, G, D, a.vb, v8.data()); vcodes = v8.data(); }
+        if (!v_native) { unpack_bytes(vcodes, G, DV, a.vb, v8.data()); vcodes = v8.data(); }
         for (int i = 0; i < G; ++i) {
-          float* vt = V.data() + (size_t)i * D;
+          float* vt = V.data() + (size_t)i * DV;
           row_codes_any(vbits, vcodes + (int64_t)tok[i] * vnb, vnb, vt);
           const float rs = vs[i], rz = vz[i];
-          for (int c = 0; c < D; ++c) vt[c] = vcs[c] * (rs * vt[c] + rz);
+          for (int c = 0; c < DV; ++c) vt[c] = vcs[c] * (rs * vt[c] + rz);
         }
         const float* qsrc = a.k_plain && a.k_plain[tile] ? Qp.data() : Qr.data();
         gemm_scores(qsrc, R, D, Kt.data(), G, S.data(), LS);
         softmax_block(G, G, p0, p1, [&](int i) { return p0 + tok[i]; }, [](int, float*) {});
-        gemm_values(S.data(), R, LS, V.data(), D, G, Orot.data());
+        gemm_values(S.data(), R, LS, V.data(), DV, G, Orot.data());
       }
       // ------------------------------------------------ normalize, rotate back, write
       for (int r = 0; r < R; ++r) {
         const int64_t orow = qrow(r);
-        float* o = a.out + orow * D;
+        float* o = a.out + orow * DV;
         if (!(m[r] > NEG_INF)) {
-          std::fill(o, o + D, 0.f);
+          std::fill(o, o + DV, 0.f);
           a.lse[orow] = NEG_INF;
         } else if (std::isnan(l[r])) {
-          std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+          std::fill(o, o + DV, std::numeric_limits<float>::quiet_NaN());
           a.lse[orow] = std::numeric_limits<float>::quiet_NaN();
         } else {
           const float L = l[r];
           a.lse[orow] = L > 0.f ? std::log(L) + m[r] : NEG_INF;
-          vec_mat(Orot.data() + (size_t)r * D, a.rot_t, chan.data(), D, Opl.data() + (size_t)r * D,
+          vec_mat(Orot.data() + (size_t)r * DV, a.rot_t, chan.data(), DV, Opl.data() + (size_t)r * DV,
                   L > 0.f ? 1.f / L : 0.f, o);
         }
       }
@@ -1276,6 +1280,9 @@ void check_contig(const torch::Tensor& t, const char* name) {
 // tiles only in the rotated frame (kv_start: first visible tile token per (b, tq)).
 // task_rows > 0 (exact mode only): run_chunk, the many-query path, with about that many
 // query rows (query heads x queries) per task; 0: run, the decode step.
+// Keys and values may have different head dims (D from q, Dv from the V column scales):
+// scores run over D (q, sink_k / tail_k, K tiles, rot [D, D]), outputs over Dv (sink_v /
+// tail_v, V tiles, rot_t [Dv, Dv], out [B, HQ, TQ, Dv]).
 std::vector<torch::Tensor> kvarn_attention(
     std::optional<torch::Tensor> q, std::optional<torch::Tensor> q_rot, std::optional<torch::Tensor> rot,
     std::optional<torch::Tensor> rot_t,
@@ -1290,11 +1297,17 @@ std::vector<torch::Tensor> kvarn_attention(
   const torch::Tensor& qref = q.has_value() && q->defined() ? *q : *q_rot;
   a.B = qref.size(0); a.HQ = qref.size(1); a.TQ = qref.size(2); a.D = qref.size(3);
   a.H = kc.size(1); a.N = kc.size(2); a.G = kcs.size(3); a.kb = kb; a.vb = vb;
-  TORCH_CHECK(a.D % 16 == 0 && a.G % 16 == 0 && a.HQ % a.H == 0,
-              "kvarn CPU kernel: expected head_dim and group size multiples of 16 and q heads a multiple of kv heads");
+  TORCH_CHECK(kc.dim() == 5 && vc.dim() == 5 && kcs.dim() == 4 && vcs.dim() == 4,
+              "kvarn CPU kernel: expected the tile buffers of state.py");
+  a.DV = vcs.size(3);   // the values' head dim (the column scales of a V tile): D, or Dv of MLA
+  TORCH_CHECK(a.D % 16 == 0 && a.DV % 16 == 0 && a.G % 16 == 0 && a.HQ % a.H == 0,
+              "kvarn CPU kernel: expected head dims and group size multiples of 16 and q heads a multiple of kv heads");
   TORCH_CHECK(kb == 2 || kb == 3 || kb == 4 || kb == 8, "kvarn CPU kernel: unsupported key bits ", kb);
   TORCH_CHECK(vb == 2 || vb == 3 || vb == 4 || vb == 8, "kvarn CPU kernel: unsupported value bits ", vb);
-  TORCH_CHECK(kc.size(3) == a.D && kc.size(4) * 8 == a.G * kb && vc.size(3) == a.G && vc.size(4) * 8 == a.D * vb,
+  TORCH_CHECK(kc.size(3) == a.D && kc.size(4) * 8 == a.G * kb && vc.size(3) == a.G && vc.size(4) * 8 == a.DV * vb
+              && krs.numel() == kc.numel() / kc.size(4) && kcs.numel() == krs.numel() / a.D * a.G
+              && vrs.numel() == vc.numel() / vc.size(4) && vcs.numel() == vrs.numel() / a.G * a.DV
+              && krz.numel() == krs.numel() && vrz.numel() == vrs.numel(),
               "kvarn CPU kernel: code buffers do not match the tile geometry");
   for (auto* t : {&kc, &krs, &krz, &kcs, &vc, &vrs, &vrz, &vcs, &n_tiles}) check_contig(*t, "the tile buffers");
   a.q = (const float*)ptr_or_null(q);
@@ -1307,6 +1320,12 @@ std::vector<torch::Tensor> kvarn_attention(
       check_contig(**t, "q / rotation");
       TORCH_CHECK((*t)->scalar_type() == torch::kFloat, "kvarn CPU kernel: expected fp32 queries and rotation");
     }
+  // q and q_rot [B, HQ, TQ, D]; rot: the keys' [D, D]; rot_t: the values' [DV, DV] (transposed)
+  if (a.q && a.qrot) TORCH_CHECK(q->sizes() == q_rot->sizes(), "kvarn CPU kernel: expected q and q_rot of one shape");
+  if (a.rot) TORCH_CHECK(rot->dim() == 2 && rot->size(0) == a.D && rot->size(1) == a.D,
+                         "kvarn CPU kernel: expected the keys' rotation [D, D], D = ", a.D);
+  if (a.rot_t) TORCH_CHECK(rot_t->dim() == 2 && rot_t->size(0) == a.DV && rot_t->size(1) == a.DV,
+                           "kvarn CPU kernel: expected the values' rotation [Dv, Dv], Dv = ", a.DV);
   a.kc = kc.data_ptr<uint8_t>(); a.vc = vc.data_ptr<uint8_t>();
   a.krs = krs.data_ptr(); a.krz = krz.data_ptr(); a.kcs = kcs.data_ptr();
   a.vrs = vrs.data_ptr(); a.vrz = vrz.data_ptr(); a.vcs = vcs.data_ptr();
@@ -1323,6 +1342,13 @@ std::vector<torch::Tensor> kvarn_attention(
     TORCH_CHECK(sink_v->scalar_type() == sink_k->scalar_type() && tail_k->scalar_type() == sink_k->scalar_type()
                 && tail_v->scalar_type() == sink_k->scalar_type(), "kvarn CPU kernel: expected one exact dtype");
     a.S = sink_k->size(2); a.W = tail_k->size(2);
+    for (auto* t : {&sink_k, &sink_v, &tail_k, &tail_v})
+      TORCH_CHECK((*t)->dim() == 4 && (*t)->size(0) == a.B && (*t)->size(1) == a.H,
+                  "kvarn CPU kernel: expected sink / tail buffers [B, H, slots, head dim]");
+    TORCH_CHECK(sink_k->size(3) == a.D && tail_k->size(3) == a.D && sink_v->size(3) == a.DV
+                && tail_v->size(3) == a.DV && sink_v->size(2) == a.S && tail_v->size(2) == a.W,
+                "kvarn CPU kernel: sink / tail buffers do not match the head dims (keys ", a.D,
+                ", values ", a.DV, ")");
     a.sink_k = sink_k->data_ptr(); a.sink_v = sink_v->data_ptr();
     a.tail_k = tail_k->data_ptr(); a.tail_v = tail_v->data_ptr();
     if (mask.has_value() && mask->defined()) {
@@ -1350,7 +1376,7 @@ std::vector<torch::Tensor> kvarn_attention(
   for (int b = 0; b < a.B; ++b) units = std::max<int64_t>(units, std::min<int64_t>(std::max<int64_t>(nt[b], 0), a.N));
   units += a.lengths ? 2 : 0;
   a.splits = (int)pick_splits((int64_t)a.B * a.H, units);
-  auto out = torch::empty({a.B, a.HQ, a.TQ, a.D}, qref.options().dtype(torch::kFloat));
+  auto out = torch::empty({a.B, a.HQ, a.TQ, a.DV}, qref.options().dtype(torch::kFloat));
   auto lse = torch::empty({a.B, a.HQ, a.TQ}, qref.options().dtype(torch::kFloat));
   a.out = out.data_ptr<float>(); a.lse = lse.data_ptr<float>();
   if (task_rows > 0) {      // the multi-query path: rows per task ~ task_rows

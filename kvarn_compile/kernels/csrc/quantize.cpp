@@ -395,19 +395,31 @@ std::vector<torch::Tensor> kvarn_quantize(
   return out;
 }
 
-// Freeze K and V [H, n*G, D] of one batch row into tile slots first_tile.. of contiguous
-// destinations [H, N, ...] (k_dst / v_dst = codes, row_scale, row_zero, col_scale; plain_dst
-// [H, N] uint8 for key frames). Returns false, writing nothing, when an input value is not
-// finite or a scale overflows its dtype.
+// Freeze K [H, n*G, D] and V [H, n*G, Dv] of one batch row into tile slots first_tile.. of
+// contiguous destinations [H, N, ...] (k_dst / v_dst = codes, row_scale, row_zero, col_scale;
+// plain_dst [H, N] uint8 for key frames). rot / v_rot: the keys' [D, D] and the values'
+// [Dv, Dv] rotations (both given, or neither: no rotation); Dv may differ from D (MLA).
+// Returns false, writing nothing, when an input value is not finite or a scale overflows
+// its dtype.
 bool kvarn_freeze(torch::Tensor k, torch::Tensor v, std::optional<torch::Tensor> rot,
-                  std::vector<torch::Tensor> k_dst, std::vector<torch::Tensor> v_dst,
+                  std::optional<torch::Tensor> v_rot, std::vector<torch::Tensor> k_dst,
+                  std::vector<torch::Tensor> v_dst,
                   std::optional<torch::Tensor> plain_dst, int64_t first_tile, int64_t kb,
                   int64_t vb, int64_t group, bool normalize, int64_t iters, bool clip,
                   std::vector<double> consts, std::vector<double> ratios) {
   const Consts kc = make_consts(consts, ratios);
   TORCH_CHECK(k_dst.size() == 4 && v_dst.size() == 4, "kvarn_freeze: expected 4 destinations per kind");
   const at::ScalarType st = k_dst[1].scalar_type();
-  Prepared pk = prepare(k, rot), pv = prepare(v, rot);
+  TORCH_CHECK(rot.has_value() == v_rot.has_value(), "kvarn_freeze: expected both rotations or neither");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(0) == v.size(0) && k.size(1) == v.size(1),
+              "kvarn_freeze: expected K [H, T, D] and V [H, T, Dv] of one row");
+  for (const auto* r : {&rot, &v_rot})
+    if (r->has_value()) {
+      const int64_t d = (r == &rot ? k : v).size(-1);
+      TORCH_CHECK((*r)->dim() == 2 && (*r)->size(0) == d && (*r)->size(1) == d,
+                  "kvarn_freeze: expected a [", d, ", ", d, "] rotation");
+    }
+  Prepared pk = prepare(k, rot), pv = prepare(v, v_rot);
   std::vector<Job> jobs{make_job(pk, true, kb, group, normalize, iters, clip, plain_dst.has_value(), st),
                         make_job(pv, false, vb, group, normalize, iters, false, false, st)};
   auto ok = alloc_out(jobs[0]);

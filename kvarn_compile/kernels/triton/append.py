@@ -19,6 +19,11 @@ methods, several new tokens per row, ``hold > 0``, ``check_finite``. A
 non-finite token is stored (the reference stores it as NaN in the tail; a tile holding it
 comes out garbage instead of isolating it) and flagged.
 
+Keys and values may differ in head dim (``allocate_layer(..., value_head_dim=Dv)``, MLA
+decompressed: D = 192, Dv = 128): the kernel reads and writes the values over Dv, and the V
+tiles are quantized in the frame of ``rotation_matrix(Dv)``, the K tiles in that of
+``rotation_matrix(D)``.
+
 Layout and semantics: :mod:`kvarn_compile.state`; math of the tiles:
 :mod:`kvarn_compile.kernels.triton.quantize`.
 """
@@ -72,19 +77,24 @@ def rotation(d: int, device: torch.device) -> torch.Tensor:
 
 
 def applies(f: StateFields[torch.Tensor], k: torch.Tensor, method: str, hold: int,
-            check_finite: bool) -> bool:
-    """Static (shape / dtype / option) conditions of :func:`append_decode`: no tensor is read."""
+            check_finite: bool, v: torch.Tensor | None = None) -> bool:
+    """Static (shape / dtype / option) conditions of :func:`append_decode`: no tensor is read.
+    ``v`` (optional, for callers that have it): the values, [B, H, 1, Dv] like the keys but
+    for the state's value head dim."""
     return (k.dim() == 4 and k.shape[2] == 1 and hold == 0 and not check_finite
             and method in ("kvarn", "hadamard") and not f.layout.fp8_factors
             and f.sink_k.shape[2] + f.tail_k.shape[2] > 0
             and f.tail_k.shape[2] >= f.k.col_scale.shape[-1] - 1 and k.shape[:2] == f.sink_k.shape[:2]
             and k.shape[-1] == f.sink_k.shape[-1] and k.device == f.sink_k.device
+            and (v is None or (v.dim() == 4 and v.shape[:3] == k.shape[:3]
+                               and v.shape[-1] == f.sink_v.shape[-1] and v.device == k.device))
             and all(t.is_contiguous() for t in (f.sink_k, f.sink_v, f.tail_k, f.tail_v)))
 
 
 def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                   start_pos: torch.Tensor, *, method: str, iters: int, recent: int) -> None:
-    """Append one token per row (k, v [B, H, 1, D] at start_pos [B]) with ``hold == 0``.
+    """Append one token per row (k [B, H, 1, D], v [B, H, 1, Dv] at start_pos [B]) with
+    ``hold == 0``.
 
     Per row b, as the reference: start_pos[b] == 0 restarts the row; otherwise the token
     goes at start_pos[b] in [committed[b], lengths[b]]. It lands in the sink (position < S)
@@ -105,10 +115,11 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     geo = Geometry.of(f)
     s, g, n_max, w = geo.sink, geo.group, geo.max_tiles, geo.tail
     bsz, heads, _, d = f.sink_k.shape
+    dv = geo.value_head_dim
     dev = k.device
     exact = f.tail_k.dtype
     stage_k = torch.empty(bsz, heads, g if n_max else 1, d, dtype=exact, device=dev)
-    stage_v = torch.empty_like(stage_k)
+    stage_v = torch.empty(bsz, heads, g if n_max else 1, dv, dtype=exact, device=dev)
     dst = torch.empty(bsz, 1, dtype=torch.int64, device=dev)
     frames = f.k_plain is not None and n_max > 0
     # per-tile key frames: the kernel chooses each completing K tile's frame (the reference's
@@ -123,7 +134,8 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             f.n_tiles, f.capacity, stage_k, stage_v, dst, error_flags(dev), int(recent),
             f.k_plain if frames else dst, dst_plain, dst_rot,
             heads, H_P2=triton.next_power_of_2(heads), D=d, BLOCK_D=triton.next_power_of_2(d),
-            S=s, W=w, G=g, N_MAX=n_max, BLOCK_T=min(g, 32),
+            DV=dv, BLOCK_DV=triton.next_power_of_2(dv), S=s, W=w, G=g, N_MAX=n_max,
+            BLOCK_T=min(g, 32),
             CHECK_RANGE=exact == torch.float16 and k.dtype != torch.float16, FRAMES=frames,
             DOMINANCE=DOMINANCE_THRESHOLD, ERR_POS=ERR_POSITION, ERR_CAP=ERR_CAPACITY,
             ERR_TL=ERR_TAIL, ERR_RNG=ERR_RANGE, ERR_NF=ERR_NONFINITE, ERR_MANY=ERR_UNSUPPORTED)
@@ -132,7 +144,8 @@ def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
     normalize = method == "kvarn"
     rot = rotation(d, dev)
     quantize_tiles_into(stage_v, *f.v.core, kind="v", bits=geo.value_bits, rotate=True,
-                        normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
+                        normalize=normalize, iters=iters, dst_tile=dst,
+                        rotation=rot if dv == d else rotation(dv, dev))
     if not frames:
         quantize_tiles_into(stage_k, *f.k.core, kind="k", bits=geo.key_bits, rotate=True,
                             normalize=normalize, iters=iters, dst_tile=dst, rotation=rot)
@@ -174,11 +187,11 @@ def _where_also(mask, cond):
 
 @triton.jit
 def _append_decode_kernel(
-    k_ptr, v_ptr, s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,   # new tokens [B, H, 1, D], any strides
+    k_ptr, v_ptr, s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,   # new tokens [B, H, 1, D | DV], any strides
     start_ptr,                        # int32/int64 [B]: the position each row writes at
-    sink_k, sink_v, tail_k, tail_v,   # [B, H, S, D], [B, H, W, D], contiguous, exact dtype
+    sink_k, sink_v, tail_k, tail_v,   # [B, H, S, D | DV], [B, H, W, D | DV], contiguous, exact dtype
     len_ptr, done_ptr, tiles_ptr, cap_ptr,   # int64 [B] counters (lengths, committed, n_tiles, capacity)
-    stage_k, stage_v,                 # [B, H, G, D] exact dtype: the completing tile's tokens (out)
+    stage_k, stage_v,                 # [B, H, G, D | DV] exact dtype: the completing tile's tokens (out)
     dst_ptr,                          # int64 [B]: the tile slot it goes to, -1 if none (out)
     flags_ptr,                        # int32 []: error bits, OR-ed
     recent,                           # tokens kept exact past the last complete tile
@@ -186,7 +199,8 @@ def _append_decode_kernel(
     dst_plain_ptr, dst_rot_ptr,       # int64 [B * H]: the tile slot per (row, head) for the
                                       # plain / rotated K quantizer, -1 if none (FRAMES, out)
     H,                                # kv heads
-    H_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, S: tl.constexpr,
+    H_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, S: tl.constexpr,
     W: tl.constexpr, G: tl.constexpr, N_MAX: tl.constexpr, BLOCK_T: tl.constexpr,
     CHECK_RANGE: tl.constexpr, FRAMES: tl.constexpr, DOMINANCE: tl.constexpr,
     ERR_POS: tl.constexpr, ERR_CAP: tl.constexpr,
@@ -200,7 +214,8 @@ def _append_decode_kernel(
     is the tile's first token's. FRAMES: each head's copy also gives its K tile's frame by
     the reference's rule (``quant.quantize.choose_key_frame``: max |k| >= DOMINANCE x the
     median over channels of the per-channel range), stored in k_plain and as the
-    destinations of the plain / rotated quantizer launches."""
+    destinations of the plain / rotated quantizer launches. D / BLOCK_D: the keys' head dim
+    (padded to a power of two); DV / BLOCK_DV: the values' (DV = D but for MLA-style caches)."""
     b = tl.program_id(0).to(tl.int64)
     p0 = tl.load(start_ptr + b).to(tl.int64)
     restart = p0 == 0
@@ -223,15 +238,21 @@ def _append_decode_kernel(
 
     offs_h = tl.arange(0, H_P2)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     hd = (offs_h < H)[:, None] & (offs_d < D)[None, :]
+    hdv = (offs_h < H)[:, None] & (offs_dv < DV)[None, :]
     kx = tl.load(k_ptr + b * s_kb + offs_h[:, None] * s_kh + offs_d[None, :] * s_kd, mask=hd,
                  other=0.0).to(tl.float32)
-    vx = tl.load(v_ptr + b * s_vb + offs_h[:, None] * s_vh + offs_d[None, :] * s_vd, mask=hd,
+    vx = tl.load(v_ptr + b * s_vb + offs_h[:, None] * s_vh + offs_dv[None, :] * s_vd, mask=hdv,
                  other=0.0).to(tl.float32)
     ka, va = tl.abs(kx), tl.abs(vx)
     k_fin = ka < float("inf")          # False for NaN and +-inf (padding loads 0)
     v_fin = va < float("inf")
-    finite = tl.sum(tl.sum((~k_fin | ~v_fin).to(tl.int32), axis=1), axis=0) == 0
+    if BLOCK_DV == BLOCK_D:
+        finite = tl.sum(tl.sum((~k_fin | ~v_fin).to(tl.int32), axis=1), axis=0) == 0
+    else:                              # [H, BLOCK_D] and [H, BLOCK_DV]: reduced one by one
+        finite = (tl.sum(tl.sum((~k_fin).to(tl.int32), axis=1), axis=0)
+                  + tl.sum(tl.sum((~v_fin).to(tl.int32), axis=1), axis=0)) == 0
     bad_range = p0 < p0                # False
     if CHECK_RANGE:
         peak = tl.maximum(tl.max(tl.max(tl.where(k_fin, ka, 0.0), axis=1), axis=0),
@@ -257,10 +278,11 @@ def _append_decode_kernel(
         if stage:
             offs_t = tl.arange(0, BLOCK_T)
             d_ok = offs_d < D
+            dv_ok = offs_dv < DV
             for h in range(H):
                 kh = tl.load(k_ptr + b * s_kb + h * s_kh + offs_d * s_kd, mask=d_ok,
                              other=0.0).to(tail_k.dtype.element_ty)
-                vh = tl.load(v_ptr + b * s_vb + h * s_vh + offs_d * s_vd, mask=d_ok,
+                vh = tl.load(v_ptr + b * s_vb + h * s_vh + offs_dv * s_vd, mask=dv_ok,
                              other=0.0).to(tail_v.dtype.element_ty)
                 hi = tl.full([BLOCK_D], float("-inf"), tl.float32)    # per-channel max, min
                 lo = tl.full([BLOCK_D], float("inf"), tl.float32)
@@ -271,11 +293,15 @@ def _append_decode_kernel(
                     m = d_ok[None, :] & (offs_t < BLOCK_T)[:, None]
                     src = ((b * H + h) * W + slot)[:, None] * D + offs_d[None, :]
                     out = ((b * H + h) * G + t0 + offs_t)[:, None] * D + offs_d[None, :]
+                    # the values' addresses (the same as the keys' when DV == D)
+                    mv = dv_ok[None, :] & (offs_t < BLOCK_T)[:, None]
+                    src_v = ((b * H + h) * W + slot)[:, None] * DV + offs_dv[None, :]
+                    out_v = ((b * H + h) * G + t0 + offs_t)[:, None] * DV + offs_dv[None, :]
                     is_new = (pos == p0)[:, None]
                     tk = tl.where(is_new, kh[None, :], tl.load(tail_k + src, mask=m, other=0.0))
-                    tv = tl.load(tail_v + src, mask=m, other=0.0)
+                    tv = tl.load(tail_v + src_v, mask=mv, other=0.0)
                     tl.store(stage_k + out, tk, mask=m)
-                    tl.store(stage_v + out, tl.where(is_new, vh[None, :], tv), mask=m)
+                    tl.store(stage_v + out_v, tl.where(is_new, vh[None, :], tv), mask=mv)
                     if FRAMES:
                         x = tk.to(tl.float32)
                         hi = tl.maximum(hi, tl.max(x, axis=0))
@@ -295,13 +321,15 @@ def _append_decode_kernel(
         into = ok & (p0 < S)
         ptrs = (row * S + at)[:, None] * D + offs_d[None, :]
         tl.store(sink_k + ptrs, k_new, mask=_where_also(hd, into))
-        tl.store(sink_v + ptrs, v_new, mask=_where_also(hd, into))
+        ptrs_v = (row * S + at)[:, None] * DV + offs_dv[None, :]
+        tl.store(sink_v + ptrs_v, v_new, mask=_where_also(hdv, into))
     at = (p0 - S) % W
     at = tl.where(at < 0, at + W, at)
     into = ok & (p0 >= S) & ~frozen_new
     ptrs = (row * W + at)[:, None] * D + offs_d[None, :]
     tl.store(tail_k + ptrs, k_new, mask=_where_also(hd, into))
-    tl.store(tail_v + ptrs, v_new, mask=_where_also(hd, into))
+    ptrs_v = (row * W + at)[:, None] * DV + offs_dv[None, :]
+    tl.store(tail_v + ptrs_v, v_new, mask=_where_also(hdv, into))
     tl.store(len_ptr + b, tl.where(ok, end, length))
     tl.store(done_ptr + b, tl.where(ok, end, done))
     tl.store(tiles_ptr + b, tl.where(ok, tiles_after, tiles))

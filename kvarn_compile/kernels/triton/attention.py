@@ -6,11 +6,14 @@ Covers the *quantized region only*: the caller attends over the exact sink and t
     M = max(lse_a, lse_b)
     out = (exp(lse_a - M) * out_a + exp(lse_b - M) * out_b) / (exp(lse_a - M) + exp(lse_b - M))
 
-Math, in the rotated frame (q_rot = q @ H; the output is rotated back by the caller with
-out @ H^T). For one query row q [D] and one tile (the dual-scale fold of :mod:`kvarn_compile.ops.attention`)::
+Math, in the rotated frames (q_rot = q @ H_D; the output is rotated back by the caller with
+out @ H_Dv^T, where H_Dv is the values' own rotation: ``rotation_matrix(Dv)``). Keys and
+values may have different head dims (multi-head latent attention decompressed: D = 192,
+Dv = 128): the scores run over D, the values and the output over Dv. For one query row
+q [D] and one tile (the dual-scale fold of :mod:`kvarn_compile.ops.attention`)::
 
     K̂[c, t] = (code_k[c, t] * rs_k[c] + rz_k[c]) * cs_k[t]          K tile [D, G]
-    V̂[t, c] = (code_v[t, c] * rs_v[t] + rz_v[t]) * cs_v[c]          V tile [G, D]
+    V̂[t, c] = (code_v[t, c] * rs_v[t] + rz_v[t]) * cs_v[c]          V tile [G, Dv]
 
     s[t]    = scale * cs_k[t] * ( sum_c (q[c] * rs_k[c]) * code_k[c, t] + sum_c q[c] * rz_k[c] )
     acc[c] += cs_v[c] * ( sum_t (p[t] * rs_v[t]) * code_v[t, c] + sum_t p[t] * rz_v[t] )
@@ -129,7 +132,8 @@ def _accumulate_v_tile(acc, p, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale
 
     acc[m, c] += cs[c] * ( (p[m, :] * rs) @ code[:, c] + p[m, :] @ rz )
 
-    The pointers address this tile: codes [G, D * BITS / 8], rs/rz [G], cs [D].
+    The pointers address this tile: codes [G, D * BITS / 8], rs/rz [G], cs [D]. D (and
+    offs_d, d_mask, BLOCK_D) is the *values'* head dim, Dv, which may differ from the keys'.
     """
     rs = tl.load(row_scale_ptr + offs_g).to(tl.float32)
     rz = tl.load(row_zero_ptr + offs_g).to(tl.float32)
@@ -204,26 +208,30 @@ def _packed_dot(a, byte, zero_terms, R: tl.constexpr, NC: tl.constexpr, BITS: tl
 @triton.jit
 def _load_chunk(kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                 s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp, it, ok,
-                D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                G: tl.constexpr, BLOCK_N: tl.constexpr,
                 K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr):
     """Issue every load of chunk ``it``: tokens (it % CH) * BLOCK_N + [0, BLOCK_N) of tile
     it // CH (CH = G // BLOCK_N), K and V sides. ``ok`` (0/1 int) = 0 reads nothing (zeros).
 
     Returns (K bytes [BLOCK_D, BLOCK_N * K_BITS / 8], K rs [BLOCK_D], K rz [BLOCK_D], K cs
-    [BLOCK_N], V bytes [BLOCK_N, BLOCK_D * V_BITS / 8], V rs [BLOCK_N], V rz [BLOCK_N],
-    V cs [BLOCK_D], key frame flag), as stored (uint8 codes, scales in their dtype). Each
-    row of codes is one contiguous run of bytes (16-byte vector loads)."""
+    [BLOCK_N], V bytes [BLOCK_N, BLOCK_DV * V_BITS / 8], V rs [BLOCK_N], V rz [BLOCK_N],
+    V cs [BLOCK_DV], key frame flag), as stored (uint8 codes, scales in their dtype). Each
+    row of codes is one contiguous run of bytes (16-byte vector loads). D / BLOCK_D: the
+    keys' head dim; DV / BLOCK_DV: the values' (equal to D / BLOCK_D unless they differ)."""
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
     K_ROW: tl.constexpr = G * K_BITS // 8
-    V_ROW: tl.constexpr = D * V_BITS // 8
+    V_ROW: tl.constexpr = DV * V_BITS // 8
     j = (it // CH).to(tl.int64)
     c0 = (it % CH) * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     offs_kb = tl.arange(0, BLOCK_N // KPER)
-    offs_vb = tl.arange(0, BLOCK_D * V_BITS // 8)
+    offs_vb = tl.arange(0, BLOCK_DV * V_BITS // 8)
     d_ok = offs_d < D * ok
+    dv_ok = offs_dv < DV * ok
     n_ok = offs_n < BLOCK_N * ok
     kbyte = tl.load(kc + j * s_kc + offs_d[:, None] * K_ROW + (c0 // KPER + offs_kb)[None, :],
                     mask=d_ok[:, None], other=0)
@@ -231,13 +239,13 @@ def _load_chunk(kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     k_rz = tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0)
     k_cs = tl.load(kcs + j * s_kcs + c0 + offs_n, mask=n_ok, other=0.0)
     v_ptrs = vc + j * s_vc + (c0 + offs_n)[:, None] * V_ROW + offs_vb[None, :]
-    if BLOCK_D == D:
+    if BLOCK_DV == DV:
         vbyte = tl.load(v_ptrs, mask=n_ok[:, None], other=0)
     else:
         vbyte = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_vb < V_ROW)[None, :], other=0)
     v_rs = tl.load(vrs + j * s_vrs + c0 + offs_n, mask=n_ok, other=0.0)
     v_rz = tl.load(vrz + j * s_vrz + c0 + offs_n, mask=n_ok, other=0.0)
-    v_cs = tl.load(vcs + j * s_vcs + offs_d, mask=d_ok, other=0.0)
+    v_cs = tl.load(vcs + j * s_vcs + offs_dv, mask=dv_ok, other=0.0)
     if HAS_K_PLAIN:
         plain = tl.load(kp + j * s_kp * ok).to(tl.int32) * ok
     else:
@@ -253,9 +261,12 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+                  INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online-softmax attention of the query block q [BLOCK_M, BLOCK_D] (rotated, fp32) over
-    packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units.
+    packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units,
+    acc [BLOCK_M, BLOCK_DV]. D / BLOCK_D: the keys' (and queries') head dim, padded;
+    DV / BLOCK_DV: the values' (and the output's), padded (DV = D but for MLA-style caches).
 
     The per-tile pointers (kc .. vcs, kp) address tile 0 of this (batch row, kv head); s_*
     are their tile strides. The range is walked BLOCK_N tokens ("a chunk") at a time, and
@@ -276,14 +287,14 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     it0 = start * CH
     it1 = end * CH
     if PREFETCH:
         kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs, plain = _load_chunk(
             kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs,
-            s_vrz, s_vcs, s_kp, it0, (it0 < it1).to(tl.int32), D, BLOCK_D, G, BLOCK_N, K_BITS,
-            V_BITS, HAS_K_PLAIN)
+            s_vrz, s_vcs, s_kp, it0, (it0 < it1).to(tl.int32), D, BLOCK_D, DV, BLOCK_DV, G,
+            BLOCK_N, K_BITS, V_BITS, HAS_K_PLAIN)
     for it in range(it0, it1):
         if PREFETCH:
             c_kbyte, c_k_rs, c_k_rz, c_k_cs = kbyte, k_rs, k_rz, k_cs
@@ -292,12 +303,12 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
             kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs, plain = _load_chunk(
                 kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs,
                 s_vrz, s_vcs, s_kp, tl.minimum(it + 1, it1 - 1), (it < it1).to(tl.int32), D,
-                BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_K_PLAIN)
+                BLOCK_D, DV, BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS, HAS_K_PLAIN)
         else:
             c_kbyte, c_k_rs, c_k_rz, c_k_cs, c_vbyte, c_v_rs, c_v_rz, c_v_cs, c_plain = _load_chunk(
                 kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs,
-                s_vrz, s_vcs, s_kp, tl.minimum(it, it1 - 1), (it < it1).to(tl.int32), D, BLOCK_D, G, BLOCK_N,
-                K_BITS, V_BITS, HAS_K_PLAIN)
+                s_vrz, s_vcs, s_kp, tl.minimum(it, it1 - 1), (it < it1).to(tl.int32), D, BLOCK_D,
+                DV, BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS, HAS_K_PLAIN)
         q_t = q
         if HAS_K_PLAIN:
             q_t = tl.where(c_plain != 0, q_plain, q)
@@ -317,7 +328,7 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
         p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
         v_rs_f = c_v_rs.to(tl.float32)
         acc += _packed_dot(p * v_rs_f[None, :], c_vbyte, p * c_v_rz.to(tl.float32)[None, :],
-                           BLOCK_N, BLOCK_D, V_BITS, INPUT_PRECISION) \
+                           BLOCK_N, BLOCK_DV, V_BITS, INPUT_PRECISION) \
             * c_v_cs.to(tl.float32)[None, :]
     return m_i, l_i, acc
 
@@ -335,10 +346,10 @@ def _kvarn_decode_attn_kernel(
     k_row_scale_ptr,  # [B, H, N, D] per-channel scale s_ch (rs_k), contiguous
     k_row_zero_ptr,   # [B, H, N, D] per-channel zero z_ch (rz_k), contiguous
     k_col_scale_ptr,  # [B, H, N, G] per-token scale s_tok (cs_k), contiguous
-    v_codes_ptr,      # uint8 [B, H, N, G, D * V_BITS / 8], contiguous
+    v_codes_ptr,      # uint8 [B, H, N, G, DV * V_BITS / 8], contiguous
     v_row_scale_ptr,  # [B, H, N, G] per-token scale s_tok (rs_v), contiguous
     v_row_zero_ptr,   # [B, H, N, G] per-token zero z_tok (rz_v), contiguous
-    v_col_scale_ptr,  # [B, H, N, D] per-channel scale s_ch (cs_v), contiguous
+    v_col_scale_ptr,  # [B, H, N, DV] per-channel scale s_ch (cs_v), contiguous
     n_tiles_ptr,      # int32/int64 [B]: valid tiles of each batch row (clamped to [0, N])
     kv_start_ptr,     # int32/int64 [B, Tq]: first visible quantized token per query (HAS_KV_START)
     kv_end_ptr,       # int32/int64 [B, Tq]: one past the last visible quantized token (HAS_KV_END)
@@ -348,15 +359,17 @@ def _kvarn_decode_attn_kernel(
     stride_bt,        # bias.stride(2); the token stride is 1
     q_plain_ptr,      # un-rotated queries, same strides as q (HAS_K_PLAIN)
     k_plain_ptr,      # uint8 [B, H, N]: 1 = that K tile is stored un-rotated (HAS_K_PLAIN)
-    o_ptr,            # fp32 [B, Hq, Tq, SPLIT, D]: per-split output, normalized by its own l
+    o_ptr,            # fp32 [B, Hq, Tq, SPLIT, DV]: per-split output, normalized by its own l
     lse_ptr,          # fp32 [B, Hq, Tq, SPLIT]: per-split natural-log lse (-inf when empty)
     qk_scale,         # softmax scale * log2(e)
     H,                # kv heads
     N,                # tile capacity of the cache tensors
     Tq,               # query rows per head
     GROUP_Q: tl.constexpr,          # g = Hq // H query heads per kv head (any int >= 1)
-    D: tl.constexpr,                # head dim
+    D: tl.constexpr,                # keys' (and queries') head dim
     BLOCK_D: tl.constexpr,          # D rounded up to a power of two >= 16
+    DV: tl.constexpr,               # values' (and the output's) head dim (D but for MLA-style caches)
+    BLOCK_DV: tl.constexpr,         # DV rounded up to a power of two >= 16
     G: tl.constexpr,                # tokens per tile (power of two >= 16)
     K_BITS: tl.constexpr,           # K code width (2, 4, 8)
     V_BITS: tl.constexpr,           # V code width (2, 4, 8)
@@ -420,7 +433,7 @@ def _kvarn_decode_attn_kernel(
     end = tl.minimum(start + per_split, last)
 
     K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
-    V_ROW_BYTES: tl.constexpr = D * V_BITS // 8
+    V_ROW_BYTES: tl.constexpr = DV * V_BITS // 8
     head = (b.to(tl.int64) * H + h) * N  # flat index of tile 0 of (b, h)
     if not HAS_KV_START:
         kv_lo = tq
@@ -434,19 +447,20 @@ def _kvarn_decode_attn_kernel(
         q, q_plain, k_codes_ptr + head * (D * K_ROW_BYTES), k_row_scale_ptr + head * D,
         k_row_zero_ptr + head * D, k_col_scale_ptr + head * G,
         v_codes_ptr + head * (G * V_ROW_BYTES), v_row_scale_ptr + head * G,
-        v_row_zero_ptr + head * G, v_col_scale_ptr + head * D, k_plain_ptr + head,
-        D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, D, 1,
+        v_row_zero_ptr + head * G, v_col_scale_ptr + head * DV, k_plain_ptr + head,
+        D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1,
         start, end, m_valid, kv_lo, kv_hi, bias_rows, 1, qk_scale,
         BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_KV_START, HAS_KV_END, HAS_BIAS,
-        HAS_K_PLAIN, INPUT_PRECISION, PREFETCH)
+        HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV)
 
     # ---- store this split's normalized partial and its lse (natural log)
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
     row = ((b.to(tl.int64) * (H * GROUP_Q) + hq) * Tq + tq) * SPLIT + split
-    tl.store(o_ptr + row[:, None] * D + offs_d[None, :], out,
-             mask=m_valid[:, None] & d_mask[None, :])
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(o_ptr + row[:, None] * DV + offs_dv[None, :], out,
+             mask=m_valid[:, None] & (offs_dv < DV)[None, :])
     tl.store(lse_ptr + row, lse, mask=m_valid)
 
 
@@ -562,8 +576,11 @@ def kvarn_decode_attention(
         q_rot: fp32 [B, Hq, Tq, D], already rotated (q @ H), not pre-scaled.
         k_codes, k_row_scale, k_row_zero, k_col_scale: K tiles, uint8 [B, H, N, D, G*kb/8],
             [B, H, N, D], [B, H, N, D], [B, H, N, G] (fp16/bf16/fp32 scales), contiguous.
-        v_codes, v_row_scale, v_row_zero, v_col_scale: V tiles, uint8 [B, H, N, G, D*vb/8],
-            [B, H, N, G], [B, H, N, G], [B, H, N, D], contiguous.
+        v_codes, v_row_scale, v_row_zero, v_col_scale: V tiles, uint8 [B, H, N, G, Dv*vb/8],
+            [B, H, N, G], [B, H, N, G], [B, H, N, Dv], contiguous. Dv, the values' head dim,
+            is read from v_col_scale; it may differ from D (MLA-style caches: D = 192,
+            Dv = 128): the V tiles are then in the frame of ``rotation_matrix(Dv)``, and the
+            caller rotates the output back with that matrix.
         n_tiles: int32/int64 [B], valid tiles per batch row (values are clamped to [0, N]).
         scale: softmax scale (e.g. D ** -0.5).
         k_bits, v_bits: optional; inferred from the packed row lengths and checked if given.
@@ -576,7 +593,7 @@ def kvarn_decode_attention(
         input_precision: "ieee" (exact fp32 dots), "tf32" or "fp16" (fp16 operands, fp32
             sums: tf32's significand with fp16's range, fewer instructions; see
             ``_packed_dot``); default: :data:`CUDA_PRECISION` on a GPU, "ieee" otherwise.
-        return_partials: also return the per-split (o [B, Hq, Tq, SPLIT, D], lse [..., SPLIT]).
+        return_partials: also return the per-split (o [B, Hq, Tq, SPLIT, Dv], lse [..., SPLIT]).
         q_plain, k_plain: per-tile key frames (``key_frame="auto"`` caches): k_plain uint8
             [B, H, N], 1 where a K tile is stored un-rotated; those tiles are scored with
             q_plain (the un-rotated queries, fp32, same shape and strides as q_rot). Values
@@ -590,7 +607,8 @@ def kvarn_decode_attention(
         prefetch: issue the next step's loads before this step's math (default True).
 
     Returns:
-        (out_rot fp32 [B, Hq, Tq, D] normalized over the quantized region only,
+        (out_rot fp32 [B, Hq, Tq, Dv] normalized over the quantized region only (in the
+         values' rotated frame),
          lse fp32 [B, Hq, Tq] natural log of sum exp(scale * q·k)); rows with no visible
         token give out = 0 and lse = -inf. With ``return_partials``, (out, lse, o_part, lse_part).
     """
@@ -610,14 +628,18 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected the query heads Hq={hq} to be a multiple of the kv heads "
                          f"H={heads}, but got Hq % H = {hq % max(heads, 1)}.")
     kb = _bits_of(k_codes, group, "K code") if group > 0 else 0
-    vb = _bits_of(v_codes, d, "V code")
+    dv = v_col_scale.shape[-1] if v_col_scale.dim() == 4 else d
+    if dv < 1:
+        raise ValueError(f"Expected v_col_scale [B, H, N, Dv] with Dv >= 1, but got "
+                         f"{list(v_col_scale.shape)}.")
+    vb = _bits_of(v_codes, dv, "V code")
     expected = {
         "k_codes": (bsz, heads, cap, d, group * kb // 8),
         "k_row_scale": (bsz, heads, cap, d), "k_row_zero": (bsz, heads, cap, d),
         "k_col_scale": (bsz, heads, cap, group),
-        "v_codes": (bsz, heads, cap, group, d * vb // 8),
+        "v_codes": (bsz, heads, cap, group, dv * vb // 8),
         "v_row_scale": (bsz, heads, cap, group), "v_row_zero": (bsz, heads, cap, group),
-        "v_col_scale": (bsz, heads, cap, d),
+        "v_col_scale": (bsz, heads, cap, dv),
     }
     tensors = {"k_codes": k_codes, "k_row_scale": k_row_scale, "k_row_zero": k_row_zero,
                "k_col_scale": k_col_scale, "v_codes": v_codes, "v_row_scale": v_row_scale,
@@ -625,7 +647,7 @@ def kvarn_decode_attention(
     for name, t in tensors.items():
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"Expected {name} of shape {list(expected[name])} (B={bsz}, H={heads}, "
-                             f"N={cap}, D={d}, G={group}), but got {list(t.shape)}.")
+                             f"N={cap}, D={d}, Dv={dv}, G={group}), but got {list(t.shape)}.")
         if t.device != q_rot.device:
             raise ValueError(f"Expected {name} on {q_rot.device}, but got {t.device}.")
         if not t.is_contiguous():
@@ -709,7 +731,7 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
 
     dev = q_rot.device
-    o_part = torch.empty(bsz, hq, tq, split, d, dtype=torch.float32, device=dev)
+    o_part = torch.empty(bsz, hq, tq, split, dv, dtype=torch.float32, device=dev)
     lse_part = torch.empty(bsz, hq, tq, split, dtype=torch.float32, device=dev)
     if o_part.numel() or lse_part.numel():
         grid = (bsz * heads, split, triton.cdiv(rows, block_m))
@@ -725,7 +747,8 @@ def kvarn_decode_attention(
             q_plain if q_plain is not None else q_rot, k_plain if k_plain is not None else n_tiles,
             o_part, lse_part,
             float(scale) * math.log2(math.e), heads, cap, tq,
-            GROUP_Q=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), G=group,
+            GROUP_Q=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
+            BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=group,
             K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=bool(prefetch),
             HAS_KV_START=kv_start is not None, HAS_KV_END=kv_end is not None,
             HAS_BIAS=bias is not None, HAS_K_PLAIN=k_plain is not None,

@@ -16,6 +16,10 @@ So that::
 
     X̂[r, c] = (code[r, c] * row_scale[r] + row_zero[r]) * col_scale[c]
 
+D is the head dim of the tokens given: the keys' for K tiles, the values' for V tiles. A
+cache whose keys and values differ in width (MLA decompressed: D = 192, Dv = 128) quantizes
+each side in the frame of its own rotation, ``rotation_matrix(D)`` and ``rotation_matrix(Dv)``.
+
 Launchers:
 
 * :func:`quantize_tiles_into` - the runtime entry: token-major x [B, H, n_src * G, D] is cut
@@ -225,6 +229,8 @@ def _kvarn_quantize_tiles_kernel(
     BITS: tl.constexpr,       # code width, 2, 4 or 8
     ROTATE: tl.constexpr,     # rotate by H first (kvarn, hadamard); a constexpr so kivi skips the matmul
     NORMALIZE: tl.constexpr,  # run the variance normalization (kvarn); else c* = r* = 1 exactly
+    ROT_CHUNK: tl.constexpr = 0,  # rotate in chunks of this many input channels read from
+                                  # memory (0: one dot over the whole tile; see below)
 ):
     """Quantize one tile of one (batch row, kv head) and store it packed, in place.
 
@@ -271,13 +277,34 @@ def _kvarn_quantize_tiles_kernel(
         x_offs = offs_c[None, :] * stride_xt + offs_r[:, None]
     else:     # X[r = token, c = channel]
         x_offs = offs_r[:, None] * stride_xt + offs_c[None, :]
-    x = tl.load(x_base + x_offs, mask=mask, other=0.0).to(tl.float32)
-
     # ---- rotate: token rows times H. K: X = H^T X_tok^T; V: X = X_tok H. "tf32x3" (three
     # tf32 products, fp32-level accuracy on tensor cores), never plain tf32 (its 10-bit
     # mantissa would change many codes); "ieee" is an FMA dot that holds both 128 x 128
     # operands in registers and spills ~40 KB per thread on sm_90 at D = G = 128.
-    if ROTATE:
+    # ROT_CHUNK > 0 (BLOCK_D > 128, e.g. MLA keys, D = 192 -> 256): the whole-tile dot would
+    # stage a 256 x 256 fp32 rotation in shared memory (256 KiB, more than an sm_90 SM has),
+    # so the product is summed over chunks of ROT_CHUNK input channels, each chunk of the
+    # tile and of H read from memory (the same sum, in another order).
+    if ROTATE and ROT_CHUNK > 0:
+        x = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for e0 in tl.static_range(0, BLOCK_D, ROT_CHUNK):
+            offs_e = e0 + tl.arange(0, ROT_CHUNK)
+            e_valid = offs_e < D
+            if IS_K:  # Ht[r, e] @ X_tok^T[e, c]
+                rot = tl.load(rot_ptr + offs_e[None, :] * D + offs_r[:, None],
+                              mask=row_valid[:, None] & e_valid[None, :], other=0.0)
+                part = tl.load(x_base + offs_c[None, :] * stride_xt + offs_e[:, None],
+                               mask=e_valid[:, None] & col_valid[None, :], other=0.0)
+                x += tl.dot(rot, part.to(tl.float32), input_precision="tf32x3")
+            else:     # X_tok[r, e] @ H[e, c]
+                part = tl.load(x_base + offs_r[:, None] * stride_xt + offs_e[None, :],
+                               mask=row_valid[:, None] & e_valid[None, :], other=0.0)
+                rot = tl.load(rot_ptr + offs_e[:, None] * D + offs_c[None, :],
+                              mask=e_valid[:, None] & col_valid[None, :], other=0.0)
+                x += tl.dot(part.to(tl.float32), rot, input_precision="tf32x3")
+    else:
+        x = tl.load(x_base + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if ROTATE and ROT_CHUNK == 0:
         offs_e = tl.arange(0, BLOCK_D)
         e_valid = offs_e < D
         if IS_K:  # Ht[r, e] = H[e, r]
@@ -346,6 +373,20 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _rot_chunk(d: int) -> int:
+    """ROT_CHUNK of the kernel: 0 (one dot) up to BLOCK_D = 128, else chunks of 64 channels,
+    so the rotation's operands fit an sm_90 SM's shared memory (228 KiB)."""
+    return 0 if _block_d(d) <= 128 else 64
+
+
+def _num_warps(d: int, group: int) -> int:
+    """8 warps from a 128 x 128 tile on (4 below); 16 where BLOCK_D > 128 (the tile alone is
+    128 fp32 registers per thread at 8 warps)."""
+    if _block_d(d) > 128:
+        return 16
+    return 8 if group * _block_d(d) >= 128 * 128 else 4
+
+
 def quantize_tiles_into(
     x: torch.Tensor,
     dst_codes: torch.Tensor,
@@ -375,7 +416,9 @@ def quantize_tiles_into(
     ``dst_tile[b, i]`` (int32/int64 [B, n_src], or [B] when n_src == 1; default: tile i);
     an index outside [0, N) writes nothing, so -1 marks "no complete tile in this row".
     ``rotate``/``normalize``: (True, True) kvarn, (True, False) hadamard, (False, False) kivi.
-    ``rotation`` overrides H (fp32 [D, D]); default ``rotation_matrix(D)``.
+    ``rotation`` overrides H (fp32 [D, D]); default ``rotation_matrix(D)``. D is x's last
+    size: for values of another width than the keys (Dv), pass Dv-wide tokens and
+    destinations and the Dv rotation (or none: the default is then the right one).
     ``x`` may be any float dtype and any strides with a unit last stride. Non-finite input
     is not handled (see the module docstring); ``check_finite`` raises instead (host sync).
     """
@@ -479,8 +522,8 @@ def quantize_tiles_into(
         iters if normalize else 0,
         heads, cap, n_src,
         D=d, G=group, BLOCK_D=_block_d(d), IS_K=kind == "k", BITS=bits,
-        ROTATE=bool(rotate), NORMALIZE=bool(normalize) and iters > 0,
-        num_warps=8 if group * _block_d(d) >= 128 * 128 else 4,
+        ROTATE=bool(rotate), NORMALIZE=bool(normalize) and iters > 0, ROT_CHUNK=_rot_chunk(d),
+        num_warps=_num_warps(d, group),
     )
 
 
