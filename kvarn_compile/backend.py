@@ -96,7 +96,7 @@ class KVarNBackend:
     # ------------------------------------------------------------------ states
     def _get_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
                    dtype: torch.dtype, device: torch.device, tokens: Any = None,
-                   fresh: bool = False) -> LayerState:
+                   fresh: bool = False, value_head_dim: int | None = None) -> LayerState:
         """The state compiled with site ``name`` (by name and batch size), allocated when
         missing or of another geometry. At run time each cache gets its own state
         (:mod:`kvarn_compile.cache_book`); this one serves the first cache of the site and
@@ -106,21 +106,25 @@ class KVarNBackend:
         key = (name, batch)
         growable = tokens is not None and self.context_parallel is None
         state = self.states.get(key)
+        dv = head_dim if value_head_dim is None else value_head_dim
         if state is None or state.max_len != max_len or state.head_dim != head_dim \
+                or state.value_head_dim != dv \
                 or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device) \
                 or state.growable != growable:
             state = self._allocate(name, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
-                                   max_len=max_len, dtype=dtype, device=device, tokens=tokens)
+                                   max_len=max_len, dtype=dtype, device=device, tokens=tokens,
+                                   value_head_dim=dv)
             self.states[key] = state
         return state
 
     def _allocate(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
                   dtype: torch.dtype, device: torch.device, tokens: Any = None,
-                  fresh: bool = False) -> LayerState:
+                  fresh: bool = False, value_head_dim: int | None = None) -> LayerState:
         """A new packed state for site ``name`` (growable for cat caches, ``tokens`` given)."""
         growable = tokens is not None and self.context_parallel is None
         kw = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
-                  dtype=dtype, device=device, spec_tokens=self.spec_tokens, name=name)
+                  dtype=dtype, device=device, spec_tokens=self.spec_tokens, name=name,
+                  value_head_dim=value_head_dim)
         if self.context_parallel is not None:
             from kvarn_compile.ops import context_parallel as cp
 
@@ -270,7 +274,8 @@ class KVarNBackend:
                       and self.context_parallel is None and cuda_checks_deferred())
         _mark_added_inputs(new_gm, len(extra), capturable)
         if capturable:
-            prepare_device(extra[0].device, [kw["head_dim"] for _, kw in sites])
+            prepare_device(extra[0].device, [kw[d] or kw["head_dim"] for _, kw in sites
+                                             for d in ("head_dim", "value_head_dim")])
 
         def compile_with(g: fx.GraphModule, inputs: list[Any]):
             # inputs[n_args:] are the states' current buffers (the knob tuner recompiles later)

@@ -351,7 +351,8 @@ def _refuse_stacked(t: Any, graph: int, why: str) -> None:
 
 def _fits(state: LayerState, g: dict[str, Any]) -> bool:
     return state.batch == g["batch"] and state.kv_heads == g["kv_heads"] \
-        and state.head_dim == g["head_dim"] and state.max_len == g["max_len"]
+        and state.head_dim == g["head_dim"] and state.max_len == g["max_len"] \
+        and state.value_head_dim == (g.get("value_head_dim") or g["head_dim"])
 
 
 def _row_tags(past: torch.Tensor, axis: int, batch_axis: int) -> bool:

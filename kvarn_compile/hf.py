@@ -48,6 +48,22 @@ def _handle(like: torch.Tensor, length: int, state: LayerState) -> torch.Tensor:
     return out
 
 
+#: Bits of the shared RoPE key of a multi-head latent attention cache (stored as the values of
+#: its layer state; the latent, stored as the keys, takes the preset's key bits).
+LATENT_ROPE_BITS = 8
+
+
+def _mla_latents(model_config) -> tuple[int, int] | None:
+    """(latent rank, RoPE key dim) of a model whose cache holds multi-head latent attention
+    latents (transformers' DeepSeek-V2/V3 family: ``kv_lora_rank``, ``qk_rope_head_dim``)."""
+    if model_config is None:
+        return None
+    text = (model_config.get_text_config(decoder=True)
+            if hasattr(model_config, "get_text_config") else model_config)
+    rank, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
+    return (rank, rope) if isinstance(rank, int) and isinstance(rope, int) else None
+
+
 class KVarNLayer(CacheLayerMixin):
     """One attention layer's packed KVarN cache (allocated on the first update)."""
 
@@ -67,6 +83,9 @@ class KVarNLayer(CacheLayerMixin):
         self._fused = fused
         self._model_config = model_config
         self.state: LayerState | None = None
+        #: a multi-head latent attention cache (latent as keys, RoPE key as values at
+        #: ``LATENT_ROPE_BITS``), set on the first update
+        self.latent = False
 
     @property
     def fused(self) -> bool:
@@ -83,10 +102,18 @@ class KVarNLayer(CacheLayerMixin):
     # -------------------------------------------------------------- CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        if value_states.shape[-1] != d:
-            raise ValueError(f"KVarN needs equal key and value head dims, but got {d} and "
-                             f"{value_states.shape[-1]}.")
-        kw = dict(batch=b, kv_heads=h, head_dim=d, max_len=self.max_cache_len,
+        dv = value_states.shape[-1]
+        if _mla_latents(self._model_config) == (d, dv) and h == 1:
+            # multi-head latent attention (transformers' DeepSeek-V2/V3 family): the "keys" are
+            # the normed latent (read through the model's own up-projections as keys and
+            # values), packed at the preset's key bits; the "values" are the shared RoPE key,
+            # packed at LATENT_ROPE_BITS (2-bit values would wreck its positions)
+            if self.context_parallel is not None:
+                raise NotImplementedError("KVarNCache(context_parallel=...) does not split "
+                                          "multi-head latent attention caches.")
+            self.latent = True
+            self.config = self.config.replace(value_bits=LATENT_ROPE_BITS)
+        kw = dict(batch=b, kv_heads=h, head_dim=d, value_head_dim=dv, max_len=self.max_cache_len,
                   dtype=key_states.dtype, device=key_states.device, spec_tokens=self.spec_tokens,
                   name=self.name)
         if self.context_parallel is not None:
@@ -115,6 +142,10 @@ class KVarNLayer(CacheLayerMixin):
             ops.cp_append_(*args, self.context_parallel.key)
         else:
             ops.append_(*args)
+        if self.latent:
+            # the model projects what the cache holds before any attention: the latents
+            # themselves, dequantized for this layer's step (transient)
+            return materialize(state.buffers, dtype=key_states.dtype)
         if self.fused:
             return (_handle(key_states, self.max_cache_len, state),
                     _handle(value_states, self.max_cache_len, state))
@@ -289,6 +320,8 @@ def kvarn_attention_forward(module, query, key, value, attention_mask, scaling=N
                                       dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("KVarN attention does not support attention logit soft-capping.")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("KVarN attention does not support attention sinks (s_aux).")
     if dropout and module.training:
         raise NotImplementedError("KVarN attention is inference-only (dropout must be 0).")
     window = kwargs.get("sliding_window") or 0
@@ -306,6 +339,11 @@ def use_kvarn_attention(model) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    if _mla_latents(model.config) is not None:
+        raise ValueError(
+            f"use_kvarn_attention: {type(model).__name__} attends over keys and values it projects "
+            "from a multi-head latent attention cache, not over the cache; keep its own attention "
+            "and pass cache=KVarNCache(model.config, ...), which packs the latents.")
     AttentionInterface.register("kvarn", kvarn_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register("kvarn", sdpa_mask)
     model.set_attn_implementation("kvarn")
@@ -344,7 +382,18 @@ def static_cache_for(model, max_cache_len: int, *, batch: int = 1):
     heads, head_dim = kv_geometry(model)
     param = next(model.parameters())
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    cache.early_initialization(batch, heads, head_dim, param.dtype, param.device)
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+        else model.config
+    v_dim = getattr(text, "v_head_dim", None)
+    if not isinstance(v_dim, int) or v_dim == head_dim or _mla_latents(model.config) is not None:
+        cache.early_initialization(batch, heads, head_dim, param.dtype, param.device)
+        return cache
+    # values of another head dim (MiMo-V2-Flash: K 192, V 128): StaticCache.early_initialization
+    # gives every layer one head dim; its layers size K and V from what they are handed
+    keys = torch.zeros(batch, heads, 0, head_dim, dtype=param.dtype, device=param.device)
+    values = torch.zeros(batch, heads, 0, v_dim, dtype=param.dtype, device=param.device)
+    for layer in cache.layers:
+        layer.lazy_initialization(keys, values)
     return cache
 
 

@@ -84,13 +84,14 @@ class KVarNInductorPass(custom_graph_pass_base()):
     # ------------------------------------------------------------------ states
     def _size_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
                     dtype: torch.dtype, device: torch.device, tokens: Any = None,
-                    fresh: bool = False) -> LayerState:
+                    fresh: bool = False, value_head_dim: int | None = None) -> LayerState:
         # the report's state size; the real state is allocated by the first append (a cat
         # cache's grows with the sequence: sized here for this graph's tokens when known)
         grow_from = None if tokens is None else tokens if isinstance(tokens, int) else 0
         return allocate_layer(self.config, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                               max_len=max_len, dtype=dtype, device="meta",
-                              spec_tokens=self.spec_tokens, name=name, grow_from=grow_from)
+                              spec_tokens=self.spec_tokens, name=name, grow_from=grow_from,
+                              value_head_dim=value_head_dim)
 
     max_cache_len = property(lambda self: self.options.max_cache_len)
     release_buffers = property(lambda self: self.options.release_buffers)

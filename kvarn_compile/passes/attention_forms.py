@@ -206,11 +206,42 @@ def _fill_mask(cond: fx.Node, value: float, scale_after: float, hide: str, fill:
         return MaskSpec(fill, cond, value)
     return None
 
+def _row_max_shift(s: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``x - x.max(dim=-1, keepdim=True).values`` (or ``torch.amax(x, -1, keepdim=True)``,
+    ``.detach()`` optional): the softmax's own stabilization, which does not change it. Returns
+    (x, the shift's nodes) when ``s`` is one over the last axis of x, read by nothing else."""
+    if not is_op(s, "sub") or len(s.args) != 2 or s.kwargs:
+        return None
+    x, m = s.args
+    if not isinstance(x, fx.Node):
+        return None
+    nodes = [s]
+    while is_op(m, "detach") and single_user(m):
+        nodes.append(m)
+        m = m.args[0]
+    if is_op(m, "getitem") and single_user(m) and len(m.args) == 2 and m.args[1] == 0 \
+            and is_op(m.args[0], "max"):
+        nodes.append(m)
+        m = m.args[0]
+    elif not is_op(m, "amax"):
+        return None
+    dim, keep = arg(m, 1, "dim"), arg(m, 2, "keepdim", False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    xv = example(x)
+    if not isinstance(m, fx.Node) or m.args[0] is not x or keep is not True \
+            or not isinstance(dim, int) or isinstance(dim, bool) or xv is None \
+            or dim % xv.dim() != xv.dim() - 1 or not single_user(m) or set(x.users) != {s, m}:
+        return None
+    return x, nodes + [m]
+
+
 def _eager_chain(n: fx.Node) -> AttentionSite | None:
     # transformers eager_attention_forward / nanoGPT / llama reference code:
     #   w = matmul(q, k.transpose(2, 3)) * scale      [or / sqrt(d), scale * s, q @ k.mT,
     #                                                  einsum("bhqd,bhkd->bhqk", q, k)]
     #   w = w + mask   |  w.masked_fill(mask == 0, -inf)  |  torch.where(mask, w, -inf)  (optional)
+    #   w = w - w.max(dim=-1, keepdim=True).values    [torch.amax; optional: MiMo-V2-Flash]
     #   w = softmax(w.float(), dim=-1).type_as(q)     [softmax(w, -1), dtype=torch.float32,
     #                                                  .to(q.dtype); casts optional]
     #   w = dropout(w, p=0.0, training=False)         (optional)
@@ -238,7 +269,14 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
     s = w.args[0]
     mask: MaskSpec | None = None
     scale_after, scale_before = 1.0, 1.0
-    while isinstance(s, fx.Node) and single_user(s):
+    shifted: fx.Node | None = None        # the scores a row-max shift read (two readers)
+    while isinstance(s, fx.Node) and (single_user(s) or s is shifted):
+        shift = _row_max_shift(s) if shifted is None else None
+        if shift is not None:
+            shifted, nodes = shift
+            chain.extend(nodes)
+            s = shifted
+            continue
         if s.op == "call_method" and s.target in _CASTS:
             sv, src = example(s), example(s.args[0])
             if sv is None or src is None or (sv.dtype != src.dtype
@@ -297,7 +335,7 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
             s = x
             continue
         break
-    if not isinstance(s, fx.Node) or not single_user(s):
+    if not isinstance(s, fx.Node) or not (single_user(s) or s is shifted):
         return None
     qk = _qk_product(s)
     if qk is None:

@@ -27,6 +27,10 @@ _ALIASES: dict[str, tuple[Any, ...]] = {
     "mul": (operator.mul, torch.mul),
     "truediv": (operator.truediv, torch.div),
     "add": (operator.add, torch.add),
+    "sub": (operator.sub, torch.sub),
+    "max": (torch.max,),
+    "amax": (torch.amax,),
+    "detach": (torch.detach,),
     "iadd": (operator.iadd,),
     "cat": (torch.cat,),
     "reshape": (torch.reshape,),
@@ -48,7 +52,8 @@ _ALIASES: dict[str, tuple[Any, ...]] = {
     "where": (torch.where,),
     "swapaxes": (torch.swapaxes, torch.swapdims),
 }
-_METHOD_NAMES = {"truediv": ("div",), "mul": ("mul",), "add": ("add",), "swapaxes": ("swapdims",)}
+_METHOD_NAMES = {"truediv": ("div",), "mul": ("mul",), "add": ("add",), "sub": ("sub",),
+                 "swapaxes": ("swapdims",)}
 
 
 def is_op(node: Any, *names: str) -> bool:

@@ -90,6 +90,15 @@ def _cache_upstream(node: fx.Node, writes: dict[fx.Node, list[CacheWrite]]) -> f
     return None
 
 
+#: tensors a graph makes itself (scratch buffers, not caches the model keeps between steps)
+_FRESH = {"new_empty", "new_zeros", "new_full", "empty", "zeros", "full", "empty_like", "zeros_like"}
+
+
+def _made_here(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_function", "call_method") and name in _FRESH
+
+
 _NO_CACHE = ("its keys/values do not come from a recognized KV-cache update "
              "(attention without a cache, e.g. an encoder or a cache-less forward)")
 
@@ -116,6 +125,18 @@ def _trace(operand: Any, labels: list[str], which: str,
             raise Unsupported("the cache is written more than once in one step")
         return read, found[0]
     unknown = _inplace_writes(src)
+    if unknown and _made_here(src):
+        # a scratch tensor of this step filled in place (new_empty + copy_): its values come
+        # from whatever the writes copy in, e.g. a projection of what a cache holds
+        fed = [a for w in unknown for a in w.args[1:] if isinstance(a, fx.Node)]
+        cache = next((c for c in map(lambda a: _cache_upstream(a, writes), fed) if c is not None), None)
+        if cache is None:
+            raise Unsupported(_NO_CACHE)
+        raise Unsupported(f"its {which} are assembled in a tensor made in this step ({describe(src)}, "
+                          f"filled by {describe(unknown[0])}) from what the KV cache written by "
+                          f"{describe(cache)} holds, not read from that cache (e.g. a multi-head "
+                          "latent attention cache decompressed on read); the pass rewrites "
+                          "attention over cached keys and values themselves")
     if unknown:
         raise Unsupported(f"its {which[:-2] if which == 'values' else which[:-1]} cache is written by "
                           f"{describe(unknown[0])}, which the pass does not recognize as a KV-cache "
@@ -160,11 +181,14 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
             raise Unsupported(f"keys and values are written at positions the pass cannot prove equal{why}")
     qv, kraw, vraw = example(site.q), example(wk.new), example(wv.new)
     if qv is None or kraw is None or vraw is None or kraw.dim() != 4 or qv.dim() != 4 \
-            or tuple(kraw.shape) != tuple(vraw.shape):
-        raise Unsupported("the new keys/values are not [batch, kv_heads, tokens, head_dim] of one shape")
+            or vraw.dim() != 4 \
+            or tuple(kraw.shape[a] for a in perm[:3]) != tuple(vraw.shape[a] for a in perm[:3]):
+        raise Unsupported("the new keys/values are not [batch, kv_heads, tokens, head_dim] of one "
+                          "batch, head and token count")
     kn = [kraw.shape[a] for a in perm]                  # [B, H, T, D]
+    dv = vraw.shape[perm[3]]                            # Dv (multi-head latent attention: not D)
     qs = [qv.shape[a] for a in site.q_perm] if site.q_perm else list(qv.shape)
-    if any(not isinstance(x, int) for x in (kn[0], kn[1], kn[3], qs[1])):
+    if any(not isinstance(x, int) for x in (kn[0], kn[1], kn[3], qs[1], dv)):
         raise Unsupported("dynamic batch, head or head_dim sizes (e.g. the same compiled model ran "
                           "with a second batch size); this graph runs in full precision - compile "
                           "a fresh model per batch size to keep the cache compressed")
@@ -174,9 +198,13 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
     if rk.repeat != rv.repeat or qs[1] % (kn[1] * rk.repeat):
         raise Unsupported(f"the keys are expanded to {kn[1] * rk.repeat} heads and the values to "
                           f"{kn[1] * rv.repeat}, for {qs[1]} query heads")
-    if kn[-1] % 16:
-        raise Unsupported(f"head_dim {kn[-1]} is not a multiple of 16")
+    if kn[-1] % 16 or dv % 16:
+        raise Unsupported(f"head_dim {kn[-1]} (keys) / {dv} (values) is not a multiple of 16")
     out = example(site.out)
+    if out is not None and all(isinstance(x, int) for x in (*out.shape, *qs)) \
+            and out.numel() != qs[0] * qs[1] * qs[2] * dv:
+        raise Unsupported(f"the attention output {tuple(out.shape)} is not [batch, query heads, "
+                          f"queries, {dv}] (the values' head dim)")
     if out is None or out.dtype != qv.dtype:
         raise Unsupported(f"the attention output is {getattr(out, 'dtype', None)}, the queries "
                           f"{qv.dtype} (kvarn::attention returns the queries' dtype)")

@@ -92,8 +92,8 @@ class CacheLocation:
 class RewriteContext:
     """What the pass needs from the backend: states, options, the graph's inputs.
 
-    ``get_state(name, *, batch, kv_heads, head_dim, max_len, dtype, device[, tokens, fresh])``
-    returns a site's state; ``tokens``/``fresh`` come only for caches the model does not
+    ``get_state(name, *, batch, kv_heads, head_dim, value_head_dim, max_len, dtype, device[,
+    tokens, fresh])`` returns a site's state; ``tokens``/``fresh`` come only for caches the model does not
     preallocate (``cat``): the tokens the site holds after this graph's append (an int, or a
     SymInt of the graph's inputs) and whether the graph starts a new sequence, so that a
     growable state can be sized before each call.
@@ -321,7 +321,9 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             tokens = example(m.wk.full).shape[m.wk.axis]
             past = tokens - example(m.wk.new).shape[m.wk.axis]
             growth = dict(tokens=tokens, fresh=_statically_zero(past))
-        state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim, max_len=max_len,
+        dv = example(m.wv.new).shape[m.perm[3]]       # the values' head dim (MLA: not dim)
+        state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim,
+                              value_head_dim=dv, max_len=max_len,
                               dtype=raw.dtype, device=raw.device, **growth)
         loc = _location(m, name, placeholders)
         new_tokens = raw.shape[m.perm[2]]
@@ -394,7 +396,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                     tags = graph.call_function(torch.arange, (batch,),
                                                {"dtype": raw.dtype, "device": raw.device})
                     zero = graph.call_method("view", (tags, batch, 1, 1, 1))
-                    shape[w.axis] = _key_length(graph, m, w, heads * dim)
+                    shape[w.axis] = _key_length(graph, m, w, heads * (dim if w is m.wk else dv))
                     handle = graph.call_method("expand", (zero, *shape))
                 handles[w is m.wk] = handle
                 for user in list(cat.users):

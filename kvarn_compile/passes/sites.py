@@ -182,8 +182,9 @@ def _unrecognized_attention(node: fx.Node, seen: set[fx.Node], covered: set[fx.N
             blocker = _blocker(node, cur, list(reversed(nodes)))
             return (f"not recognized: softmax over a q·kᵀ product ({chain}){': ' + blocker if blocker else ''}"
                     "; the pass rewrites "
-                    "q·kᵀ (matmul or einsum) [* or / scale] [+ mask | masked_fill | where] -> "
-                    "softmax [fp32 and back] -> ·v and scaled_dot_product_attention only, so this "
+                    "q·kᵀ (matmul or einsum) [* or / scale] [+ mask | masked_fill | where] "
+                    "[- row max] -> softmax [fp32 and back] -> ·v and scaled_dot_product_attention "
+                    "only, so this "
                     "attention keeps its full-precision cache")
         if name not in _SCORE_OPS:
             return None
@@ -195,8 +196,8 @@ def _unrecognized_attention(node: fx.Node, seen: set[fx.Node], covered: set[fx.N
     return None
 
 
-_FOLLOWED = {"mul", "truediv", "div", "add", "iadd", "masked_fill", "where", "to", "float", "type",
-             "type_as", "half", "bfloat16", "contiguous"}
+_FOLLOWED = {"mul", "truediv", "div", "add", "iadd", "sub", "masked_fill", "where", "to", "float",
+             "type", "type_as", "half", "bfloat16", "contiguous"}
 _CASTS = {"to", "float", "type", "type_as", "half", "bfloat16"}
 _ROLE_NAMES = {"b": "batch", "h": "heads", "t": "queries", "k": "keys"}
 
@@ -207,7 +208,8 @@ def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
     "" when none of the checks below finds it."""
     import torch
 
-    from kvarn_compile.passes.attention_forms import _einsum, _pv_product, _qk_product, _softmax_dim_ok
+    from kvarn_compile.passes.attention_forms import (_einsum, _pv_product, _qk_product,
+                                                      _row_max_shift, _softmax_dim_ok)
     from kvarn_compile.passes.fx_utils import arg, example, describe
 
     other = [n for n in steps if _op_name(n) not in _FOLLOWED]
@@ -215,6 +217,15 @@ def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
         n = other[0]
         return (f"{describe(n)} between the product and the softmax is not one of the steps "
                 "the pass follows")
+    shifted = set()
+    for n in steps:
+        if _op_name(n) == "sub":
+            shift = _row_max_shift(n)
+            if shift is None:
+                return (f"{describe(n)} subtracts from the scores something other than their own "
+                        "max over the keys (x - x.max(dim=-1, keepdim=True)), which changes the "
+                        "softmax")
+            shifted.add(shift[0])
     qk = _qk_product(product)
     if qk is None:
         spec = _einsum(product)
@@ -228,7 +239,7 @@ def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
     if not _softmax_dim_ok(softmax):
         return f"the softmax is not over the last (keys) axis (dim={arg(softmax, 1, 'dim')})"
     for n in [product, *steps]:
-        if len(n.users) != 1:
+        if len(n.users) != 1 and n not in shifted:
             return f"the scores ({describe(n)}) are also used elsewhere"
     adds, fills = 0, 0
     for n in steps:

@@ -26,7 +26,7 @@ __all__ = [
     "no_graph_caches", "packed_cache", "shared_decomposition_case",
     # tiny models
     "TINY_PRESET", "TINY_MAX_LEN", "TINY_PROMPT", "TINY_NEW", "TINY_NEW_SHORT", "TINY_WINDOW",
-    "TINY_VOCAB", "TINY_FAMILIES", "EAGER_RTOL", "INDUCTOR_RTOL", "FLIP_RTOL",
+    "TINY_VOCAB", "TINY_FAMILIES", "family_attentions", "EAGER_RTOL", "INDUCTOR_RTOL", "FLIP_RTOL",
     "tiny_config_kwargs", "build_tiny", "tiny_model", "sliding_layers", "tiny_static_cache",
     "tiny_prompt", "tiny_generate", "EagerOracle", "flipped_codes", "assert_same_generation",
     "check_sites", "fp_prefill_then_kvarn",

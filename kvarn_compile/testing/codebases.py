@@ -23,7 +23,11 @@ drives its model. Spellings (item letters of the "real model code" issue):
     deepseek     deepseek-ai/DeepSeek-V3 (naive)     (d) ``einsum("bshd,bthd->bsht")`` scores,
                                                      ``scores += mask.unsqueeze(1)``,
                                                      ``softmax(-1, dtype=float32)``,
-                                                     ``einsum("bsht,bthd->bshd")``
+                                                     ``einsum("bsht,bthd->bshd")``; with ``mla``
+                                                     its latent attention decompressed: K =
+                                                     cat(k_nope, k_pe.expand(heads)) and V from
+                                                     one up-projection of the normed latent, K
+                                                     and V of different head dims
     window       per-layer windows (gpt-oss,         (c) ``k_cache[:, :, max(0, end - W):end]`` with W per
                  Gemma 3 style local layers)         layer (None: a full layer)
 
@@ -91,6 +95,9 @@ class CodebaseConfig:
     write: str = "setitem"           # "torchtune": "setitem" | "index_copy" | "late_v" (twin:
     #                                  V written one position later, after cache_pos moved on)
     twin: bool = False               # the must-not-match spelling of a codebase
+    #: "deepseek" as multi-head latent attention, decompressed ("naive" mode): (kv_lora_rank,
+    #: qk_nope_head_dim, qk_rope_head_dim, v_head_dim); K has nope + rope channels, V v_head_dim
+    mla: tuple | None = None
 
     @property
     def head_dim(self) -> int:
@@ -404,26 +411,55 @@ class _DeepSeekAttention(nn.Module):
     def __init__(self, cfg: CodebaseConfig, idx: int):
         super().__init__()
         self.cfg = cfg
-        hd = cfg.head_dim
+        hd = vd = cfg.head_dim
+        if cfg.mla is not None:
+            rank, nope, rope, vd = cfg.mla
+            hd = nope + rope
+            self.wkv_a = nn.Linear(cfg.dim, rank + rope, bias=False)
+            self.kv_norm = _Norm(rank)
+            self.wkv_b = nn.Linear(rank, cfg.n_heads * (nope + vd), bias=False)
+        else:
+            self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_heads * hd, bias=False)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_heads * hd, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * vd, cfg.dim, bias=False)
         self.softmax_scale = hd ** -0.5
-        shape = (cfg.max_batch, cfg.max_len, cfg.n_heads, hd)
-        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("k_cache", torch.zeros(cfg.max_batch, cfg.max_len, cfg.n_heads, hd),
+                             persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cfg.max_batch, cfg.max_len, cfg.n_heads, vd),
+                             persistent=False)
+
+    def _latent_qkv(self, x, pos):
+        """Queries, keys, values of the decompressed latent attention ([B, S, H, D|Dv])."""
+        bsz, seqlen, _ = x.shape
+        rank, nope, rope, vd = self.cfg.mla
+        heads = self.cfg.n_heads
+        q_nope, q_pe = self.wq(x).view(bsz, seqlen, heads, nope + rope).split([nope, rope], -1)
+        q = torch.cat([q_nope, _rope(q_pe, pos)], dim=-1)
+        latent, k_pe = self.wkv_a(x).split([rank, rope], dim=-1)
+        k_pe = _rope(k_pe.unsqueeze(2), pos)                        # one RoPE key for all heads
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, heads, nope + vd)
+        k_nope, v = kv.split([nope, vd], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, heads, -1)], dim=-1)
+        return q, k, v
 
     def forward(self, x, start_pos: int, pos, mask):
         bsz, seqlen, _ = x.shape
         c = self.cfg
         end_pos = start_pos + seqlen
-        q = _rope(self.wq(x).view(bsz, seqlen, c.n_heads, c.head_dim), pos)
-        k, v = self.wkv(x).view(bsz, seqlen, c.n_heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
-        k = _rope(k, pos)
+        if c.mla is not None:
+            q, k, v = self._latent_qkv(x, pos)
+        else:
+            q = _rope(self.wq(x).view(bsz, seqlen, c.n_heads, c.head_dim), pos)
+            k, v = self.wkv(x).view(bsz, seqlen, c.n_heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
+            k = _rope(k, pos)
         self.k_cache[:bsz, start_pos:end_pos] = k
         self.v_cache[:bsz, start_pos:end_pos] = v
         keys, values = _ref_kv(self.k_cache[:bsz, :end_pos], self.v_cache[:bsz, :end_pos], end_pos, 1)
-        if c.twin:      # weights over the heads axis: not an attention over the cache
+        if c.twin and c.mla is not None:
+            # twin: values read from the key cache's first channels (what the absorbed form
+            # does with its one latent cache), not from the value cache written above
+            values = keys[..., :self.v_cache.shape[-1]]
+        elif c.twin:    # weights over the heads axis: not an attention over the cache
             scores = torch.einsum("bshd,bthd->bsth", q, keys) * self.softmax_scale
             scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
             out = torch.einsum("bsth,bthd->bshd", scores, values)

@@ -48,6 +48,11 @@ def _tiny_families() -> dict:
                                        n_positions=512, initializer_range=0.15, bos_token_id=1,
                                        eos_token_id=1, pad_token_id=0), tf.GPT2LMHeadModel),
         "phi3": (phi3, tf.Phi3ForCausalLM),                                                  # fused qkv
+        # keys and values of different head dims (K 48, V 32), a max-shifted eager softmax;
+        # full-attention layers only (its sliding layers add attention sinks)
+        "mimo": (lambda: tf.MiMoV2FlashConfig(**tiny_config_kwargs(
+            head_dim=48, v_head_dim=32, layer_types=["full_attention"] * 2,
+            mlp_layer_types=["dense"] * 2)), tf.MiMoV2FlashForCausalLM),
         # layer 0 full attention, layer 1 sliding window (max_window_layers=1)
         "qwen2-swa": (lambda: tf.Qwen2Config(**tiny_config_kwargs(
             use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1)),
@@ -56,7 +61,13 @@ def _tiny_families() -> dict:
 
 
 #: the families :func:`tiny_model` builds
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "phi3", "qwen2-swa")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "phi3", "mimo", "qwen2-swa")
+
+
+def family_attentions(family: str) -> tuple[str, ...]:
+    """The attention implementations transformers offers for ``family`` (MiMo-V2-Flash: eager
+    only, for its attention sinks)."""
+    return ("eager",) if family == "mimo" else ("sdpa", "eager")
 
 
 def build_tiny(cls, config, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:

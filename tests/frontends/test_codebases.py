@@ -19,6 +19,8 @@ error (+ ``RTOL`` of the largest logit) of the uncompressed ones.
     gemma_pytorch (index_copy_(1, ...), list    rewritten          Gemma 2 soft-capping (tanh)
       of caches, q.mul_, local mask)
     DeepSeek-V3 naive (einsum bshd,bthd->bsht)  rewritten          softmax over the heads axis
+      also as latent attention decompressed     rewritten          values read as the key cache's
+      (K 48 = nope + rope channels, V 32)                            first 32 channels
     per-layer windows k[:, :, max(0, e-W):e]    rewritten          newest W by a negative slice
       (also a sequence shorter than the window
       that grows past it while decoding)
@@ -54,6 +56,9 @@ CASES = {
               r"matmul-softmax-matmul over index_copy_ via repeat_interleave\(2, dim=2\) \+ transpose\(1, 2\)"),
     "deepseek": (dict(name="deepseek"), PROMPT, NEW,
                  r"einsum-softmax-einsum over setitem\[a:b\] via positions \[:(66|n)\]"),
+    # multi-head latent attention decompressed: K = nope 32 + rope 16 = 48 channels, V 32
+    "deepseek-mla": (dict(name="deepseek", mla=(64, 32, 16, 32)), PROMPT, NEW,
+                     r"einsum-softmax-einsum over setitem\[a:b\] via positions \[:(66|n)\]"),
     "window": (dict(name="window"), PROMPT, NEW,
                r"scaled_dot_product_attention over setitem\[a:b\] via positions \[(18|lo)?:(66|n)\]"),
     "window-short": (dict(name="window"), 44, 24,
@@ -76,6 +81,10 @@ TWINS = {
                  {i: r"^not recognized: softmax over a q·kᵀ product \(einsum -> mul -> softmax\): "
                      r"the softmax runs over the heads axis of the scores \(einsum "
                      r"'bshd,bthd->bsth'\), not over the keys; " for i in (0, 1)}),
+    "deepseek-mla": (dict(name="deepseek", mla=(64, 32, 16, 32), twin=True),
+                     {i: r"^its values come from the KV cache written by x\[\.\.\.\] = \.\.\. "
+                         r"\(codebases\.py:\d+\), but reach the attention through x\[\.\.\.\] "
+                         r"\(codebases\.py:\d+\), which reads part of the heads or head dim" for i in (0, 1)}),
     "window": (dict(name="window", twin=True),
                {1: r"^its keys come from the KV cache written by x\[\.\.\.\] = \.\.\. \(codebases\.py:"
                    r"\d+\), but reach the attention through x\[\.\.\.\] \(codebases\.py:\d+\), which "

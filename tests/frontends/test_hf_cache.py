@@ -49,9 +49,14 @@ def build(kind="llama", **overrides):
         cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=192, n_head=6, n_layer=2, n_positions=256,
                            bos_token_id=0, eos_token_id=1, **overrides)
         cls = T.GPT2LMHeadModel
+    elif kind == "mimo":                        # K 48 / V 32 channels; eager attention only
+        cfg = T.MiMoV2FlashConfig(**{**LLAMA, "head_dim": 48}, v_head_dim=32,
+                                  layer_types=["full_attention"] * 2,
+                                  mlp_layer_types=["dense"] * 2, **overrides)
+        cls = T.MiMoV2FlashForCausalLM
     else:
         raise ValueError(kind)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "eager" if kind == "mimo" else "sdpa"
     model = cls(cfg).eval()
     model.generation_config.eos_token_id = None           # always generate max_new_tokens
     return model
@@ -61,7 +66,7 @@ def fused_copy(model):
     """The same weights with its own config object, switched to the fused kvarn attention."""
     other = copy.deepcopy(model)
     use_kvarn_attention(other)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation in ("sdpa", "eager")   # the original keeps its own
     return other
 
 
@@ -456,10 +461,63 @@ def test_unsupported_configs_raise():
         KVarNCache(T.LlamaConfig(**LLAMA), max_cache_len=64, method="kivi")
 
 
+def _deepseek_v3():
+    """A tiny DeepSeek-V3 (multi-head latent attention: a 64-channel latent and a 16-channel
+    RoPE key cached per token, 4 heads of 48-channel keys and 32-channel values)."""
+    cfg = T.DeepseekV3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                             moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64,
+                             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+                             max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = T.DeepseekV3ForCausalLM(cfg).eval()
+    for p in model.parameters():            # sharper logits than the default init
+        if p.dim() == 2:
+            p.data.mul_(2.0)
+    return model
+
+
+def test_latent_attention_cache_packs_the_latent_and_keeps_the_model_close():
+    """transformers' DeepSeek-V3 caches the normed MLA latent as keys and the shared RoPE key
+    as values: the latent packed at the preset's key bits, the RoPE key at 8 bits (never the
+    preset's 2-bit values); the model reads them back through its own up-projections. Teacher
+    forced over 200 tokens after a 300-token prompt, it stays close to the uncompressed model."""
+    model = _deepseek_v3()
+    ids = prompt(500)
+    cache = new_cache(model, max_len=512)
+    with torch.no_grad():
+        ref = model(ids).logits[0, 299:499]
+        got = [model(ids[:, :300], cache=cache).logits[0, -1:]]
+        for t in range(300, 499):
+            got.append(model(ids[:, t:t + 1], cache=cache).logits[0])
+        plain = T.DynamicCache(config=model.config)
+        model(ids[:, :499], cache=plain)                     # the latents, uncompressed
+    got = torch.cat(got)
+    for layer in cache.layers:
+        st = layer.state
+        assert layer.latent and (st.head_dim, st.value_head_dim, st.kv_heads) == (64, 16, 1)
+        assert (st.geometry.key_bits, st.geometry.value_bits) == (4, 8)
+        assert int(st.n_tiles[0]) == (499 - G) // G         # most of the latent is packed
+    # layer 0 caches what the uncompressed model caches (later layers see quantized inputs)
+    latent, rope = (x[:, :, :499].float() for x in materialize(cache.layers[0].state.buffers))
+    rel = [((a - b.float()).norm() / b.float().norm()).item()
+           for a, b in ((latent, plain.layers[0].keys), (rope, plain.layers[0].values))]
+    assert 0 < rel[0] < 0.15 and 0 < rel[1] < 0.01, rel      # 4-bit latent, 8-bit RoPE key
+    lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean().item()
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert top1 >= 0.9 and kl < 1e-3, (top1, kl)
+    assert kl > 0, "nothing was quantized: the comparison would be vacuous"
+    with pytest.raises(ValueError, match="attends over keys and values it projects from a multi-head"):
+        use_kvarn_attention(copy.deepcopy(model))
+
+
 @pytest.mark.parametrize("kind, extra", [
     ("qwen2", {}),                              # q/k/v bias, GQA
     ("mistral", {"sliding_window": 24}),        # GQA + a window shorter than the sequence
     ("gpt2", {}),                               # MHA, Conv1D projections, learned positions
+    ("mimo", {}),                               # values of another head dim than the keys
 ])
 def test_other_architectures_generate_the_same_on_both_paths(kind, extra, checked_attention):
     sdpa = build(kind, **extra)

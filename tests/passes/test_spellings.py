@@ -31,6 +31,9 @@ plain eager computes.
                         torch.softmax(s.float(), dim=-1).type_as(q)
     CatSeqMajor         torch.cat([past, k], dim=1) on [B, S, H, D], transpose,   reads the newest 4 positions
                         mask-free sdpa(enable_gqa=True)
+    ShiftedValueDim     MiMo-V2-Flash eager: values of another head dim (DV),     the max taken over the
+                        repeat_kv, (q @ kᵀ) * scale + mask, w - w.max(dim=-1,     queries axis (dim=-2)
+                        keepdim=True).values, softmax(dtype=w.dtype), @ v
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from kvarn_compile.ops.buffers import is_freed
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 B_MAX, B, H, HQ, D = 2, 1, 2, 4, 16
+DV = 32                 # ShiftedValueDim's values: another head dim than the keys' D
 G = 32
 CAP = 80
 PREFILL = 66            # sink 0..31, tile 32..63 frozen (quantized) by the prefill, tail 64..
@@ -63,12 +67,12 @@ def _backend(**kw):
                                        **kw))
 
 
-def _qkv(t, seed, *, seq_major=False, dtype=torch.float32):
-    """q [B, HQ, t, D], k/v [B, H, t, D] (seq_major: [B, t, heads, D])."""
+def _qkv(t, seed, *, seq_major=False, dtype=torch.float32, dv=D):
+    """q [B, HQ, t, D], k [B, H, t, D], v [B, H, t, dv] (seq_major: [B, t, heads, D])."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HQ, t, D, generator=g)
     k = torch.randn(B, H, t, D, generator=g) * (1 + torch.arange(D) / 8)   # uneven channels
-    v = torch.randn(B, H, t, D, generator=g)
+    v = torch.randn(B, H, t, dv, generator=g)
     if seq_major:
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     return q.to(dtype), k.to(dtype), v.to(dtype)
@@ -235,6 +239,27 @@ class CatSeqMajor(nn.Module):
         return out.transpose(1, 2), keys, values
 
 
+class ShiftedValueDim(nn.Module):
+    """MiMo-V2-Flash's eager attention: values of another head dim than the keys ([B, H, S,
+    DV] cache), and the softmax's own shift written out, ``w - w.max(dim=-1, keepdim=True)
+    .values``; the twin takes that max over the queries axis (which changes the softmax)."""
+
+    def __init__(self, query_axis: bool = False):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(B, H, CAP, D))
+        self.register_buffer("v_cache", torch.zeros(B, H, CAP, DV))
+        self.dim = -2 if query_axis else -1
+
+    def forward(self, q, k, v, input_pos, mask):
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        keys = self.k_cache.repeat_interleave(HQ // H, dim=1)
+        values = self.v_cache.repeat_interleave(HQ // H, dim=1)
+        w = torch.matmul(q, keys.transpose(2, 3)) * D ** -0.5 + mask
+        w = w - w.max(dim=self.dim, keepdim=True).values
+        return torch.matmul(F.softmax(w, dim=-1, dtype=w.dtype), values)
+
+
 # ----------------------------------------------------------------------------- steps
 def _steps(kind):
     """Per step: (model args builder, oracle q [B, HQ, T, D], k, v [B, H, T, D], oracle
@@ -243,7 +268,8 @@ def _steps(kind):
     dtype = torch.bfloat16 if kind == "WhereMT" else torch.float32
     for step, t in enumerate(STEPS):
         seq_major = kind in ("LlamaReference", "SeqMajorSdpa", "CatSeqMajor")
-        q, k, v = _qkv(t, step, seq_major=seq_major, dtype=dtype)
+        q, k, v = _qkv(t, step, seq_major=seq_major, dtype=dtype,
+                       dv=DV if kind == "ShiftedValueDim" else D)
         qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v)) if seq_major else (q, k, v)
         pos = torch.arange(p0, p0 + t)
         full = _causal(p0, t, CAP)
@@ -258,6 +284,9 @@ def _steps(kind):
         elif kind in ("TorchChat", "SeqMajorSdpa", "WhereMT"):
             out.append(((q, k, v, pos, full), qs, ks, vs, full, True, D ** -0.5
                         if kind != "WhereMT" else 0.25))
+        elif kind == "ShiftedValueDim":
+            additive = torch.zeros(full.shape).masked_fill(~full, float("-inf"))
+            out.append(((q, k, v, pos, additive), qs, ks, vs, additive, True, D ** -0.5))
         elif kind == "EinsumMaskedFill":
             out.append(((q, k, v, pos, full.int()), qs, ks, vs, full, True, D ** -0.5))
         else:
@@ -268,11 +297,11 @@ def _steps(kind):
 
 SUBJECTS = {"LlamaReference": LlamaReference, "LitGPT": LitGPT, "TorchChat": TorchChat,
             "SeqMajorSdpa": SeqMajorSdpa, "EinsumMaskedFill": EinsumMaskedFill,
-            "WhereMT": WhereMT, "CatSeqMajor": CatSeqMajor}
+            "WhereMT": WhereMT, "CatSeqMajor": CatSeqMajor, "ShiftedValueDim": ShiftedValueDim}
 TWINS = {"LlamaReference": dict(step=2), "LitGPT": dict(masked=False),
          "TorchChat": dict(accumulate=True), "SeqMajorSdpa": dict(tiled=True),
          "EinsumMaskedFill": dict(runtime_fill=True), "WhereMT": dict(fp16_scores=True),
-         "CatSeqMajor": dict(window=True)}
+         "CatSeqMajor": dict(window=True), "ShiftedValueDim": dict(query_axis=True)}
 
 
 def _call(module, compiled, args, caches):
@@ -388,6 +417,14 @@ v1 = kvarn.append_from_([<17 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, Fa
 v2 = kvarn.attention(in5, [<17 state buffers>], in6, 0.25, True, 0)
 return (v2,)""")
 
+    def test_shifted_value_dim(self):
+        self.assertExpectedInline(self._check_rewritten("ShiftedValueDim"), """\
+# 7 inputs + 17 kvarn state buffers
+v0 = kvarn.positions_start(in1, 1)
+v1 = kvarn.append_from_([<17 state buffers>], in2, in4, v0, 'kvarn', 8, 0, 0, False, 'forward', in0, in3, True)
+v2 = kvarn.attention(in5, [<17 state buffers>], in6, 0.25, True, 0)
+return (v2,)""")
+
     def test_cat_seq_major(self):
         self.assertExpectedInline(self._check_rewritten("CatSeqMajor"), """\
 # 7 inputs + 17 kvarn state buffers
@@ -436,6 +473,9 @@ TWIN_REASONS = {
                r"before the softmax; ",
     "CatSeqMajor": r"reach the attention through x\[\.\.\.\] \(test_spellings\.py:\d+\), which reads "
                    r"the newest positions \(-4:\) of an axis, not a prefix",
+    "ShiftedValueDim": r"not recognized: softmax over a q·kᵀ product \(matmul -> mul -> add -> sub -> "
+                       r"softmax\): sub \(test_spellings\.py:\d+\) subtracts from the scores something "
+                       r"other than their own max over the keys",
 }
 
 
