@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t0 = time.perf_counter()
     for a, b in zip(cuts, cuts[1:]):
-        model(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, a:b], cache=cache, use_cache=True)
         states = list(backend.states.values())
         used = sum(sum(s.used_bytes().values()) for s in states)
         fp16 = layers * fp16_cache_bytes(batch=1, kv_heads=heads, head_dim=dim, tokens=b)

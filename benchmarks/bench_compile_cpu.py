@@ -92,13 +92,13 @@ def _child(args) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, c.vocab_size, (1, args.prompt), generator=g)
     t0 = time.perf_counter()
-    model(input_ids=ids, past_key_values=cache, use_cache=True,
+    model(input_ids=ids, cache=cache, use_cache=True,
           cache_position=torch.arange(args.prompt))
     prefill_s = time.perf_counter() - t0
     steps = []
     for i in range(args.steps):
         t0 = time.perf_counter()
-        model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True,
+        model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True,
               cache_position=torch.tensor([args.prompt + i]))
         steps.append(time.perf_counter() - t0)
     metrics = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}

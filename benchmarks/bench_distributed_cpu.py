@@ -84,7 +84,7 @@ def _rank_main(opts) -> int:
     prompt = text_windows(AutoTokenizer.from_pretrained(path), 1, opts.prompt)  # news text
 
     def step(ids, start):
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+        out = model(input_ids=ids, cache=cache, use_cache=True,
                     cache_position=torch.arange(start, start + ids.shape[1]))
         return out.logits[:, -1:].argmax(-1)
 

@@ -53,7 +53,7 @@ def _prefill(model, length: int, steps: int, chunk: int, seed: int):
     t0 = time.perf_counter()
     for start in range(0, length, chunk):
         ids = prompt[:, start:start + chunk]
-        model(input_ids=ids, past_key_values=cache, use_cache=True,
+        model(input_ids=ids, cache=cache, use_cache=True,
               cache_position=torch.arange(start, start + ids.shape[1]))
     tokens = torch.randint(2, c.vocab_size, (steps, 1, 1), generator=g)
     return cache, tokens, time.perf_counter() - t0
@@ -61,7 +61,7 @@ def _prefill(model, length: int, steps: int, chunk: int, seed: int):
 
 def _step(model, cache, token: torch.Tensor, position: int) -> float:
     t0 = time.perf_counter()
-    model(input_ids=token, past_key_values=cache, use_cache=True,
+    model(input_ids=token, cache=cache, use_cache=True,
           cache_position=torch.tensor([position]))
     return (time.perf_counter() - t0) * 1e3
 

@@ -67,7 +67,7 @@ def _chunked(model, prompt: torch.Tensor, chunk: int, max_len: int) -> tuple[flo
     for start in range(0, length, chunk):
         ids = prompt[:, start:start + chunk]
         t1 = time.perf_counter()
-        model(input_ids=ids, past_key_values=cache, use_cache=True,
+        model(input_ids=ids, cache=cache, use_cache=True,
               cache_position=torch.arange(start, start + ids.shape[1]))
         last = time.perf_counter() - t1
     return time.perf_counter() - t0, last

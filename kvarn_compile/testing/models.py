@@ -260,7 +260,7 @@ def fp_prefill_then_kvarn(model, ids, new: int):
     use_kvarn_attention(kv)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = fp(ids, past_key_values=DynamicCache(config=fp.config), use_cache=True)
+        out = fp(ids, cache=DynamicCache(config=fp.config), use_cache=True)
         cache = KVarNCache(kv.config, max_cache_len=TINY_MAX_LEN, **TINY_PRESET)
         for layer, fp_layer in zip(cache.layers, out.past_key_values.layers):
             layer.update(fp_layer.keys, fp_layer.values)
@@ -268,7 +268,7 @@ def fp_prefill_then_kvarn(model, ids, new: int):
         for _ in range(new - 1):
             tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
             pos = tokens.shape[1] - 1
-            step = kv(tokens[:, -1:], past_key_values=cache, cache_position=torch.tensor([pos]))
+            step = kv(tokens[:, -1:], cache=cache, cache_position=torch.tensor([pos]))
             logits.append(step.logits[:, -1])
         tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
     return tokens, logits

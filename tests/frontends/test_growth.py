@@ -209,7 +209,7 @@ def _decode(model, ids, new):
     x = ids
     with torch.no_grad():
         for _ in range(new):
-            step = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]
+            step = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
             logits.append(step)
             x = step.argmax(-1, keepdim=True)
             out.append(int(x))

@@ -256,7 +256,7 @@ def test_check_finite_in_compiled_model_names_layer_and_position():
     with pytest.raises(NonFiniteError, match=r"model\.layers\.0\.self_attn: NaN/inf in the new keys/values "
                                              r"at batch row 0, kv head \d, token position 25"):
         with torch.no_grad():
-            model(ids, past_key_values=tf.DynamicCache(config=model.config))
+            model(ids, cache=tf.DynamicCache(config=model.config))
     for (name, _), state in backend.states.items():
         assert state.lengths.tolist() == [0], name                   # nothing written
     # without the check: NaN logits exactly where the full-precision model has them
@@ -269,7 +269,7 @@ def test_check_finite_in_compiled_model_names_layer_and_position():
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=128)
     model.compile(backend=backend)
     with torch.no_grad():
-        got = model(ids, past_key_values=tf.DynamicCache(config=model.config)).logits
+        got = model(ids, cache=tf.DynamicCache(config=model.config)).logits
     # (full precision poisons the earlier queries of the prompt too: 0 * NaN in weights @ V)
     assert torch.isnan(want[0, 25:]).all()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
@@ -288,7 +288,7 @@ def test_check_finite_in_kvarn_cache():
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad():
-            model(ids, past_key_values=cache)
+            model(ids, cache=cache)
     assert cache.layers[0].state.lengths.tolist() == [0]
 
 
@@ -755,7 +755,7 @@ def test_softcap_kvarn_cache_fused_path_refuses():
     use_kvarn_attention(model)
     cache = KVarNCache(model.config, max_cache_len=128, **PRESET)
     with pytest.raises(NotImplementedError, match="soft-capping"), torch.no_grad():
-        model(tiny_prompt(1), past_key_values=cache)
+        model(tiny_prompt(1), cache=cache)
 
 
 def _bloom():
@@ -1090,13 +1090,13 @@ def test_one_backend_two_models_interleaved(fresh_dynamo):
         m.compile(backend=backend)
     caches = [tf.DynamicCache(config=m.config) for m in models]
     with torch.no_grad():
-        logits = [m(p, past_key_values=c).logits[:, -1:] for m, p, c in zip(models, prompts, caches)]
+        logits = [m(p, cache=c).logits[:, -1:] for m, p, c in zip(models, prompts, caches)]
         tokens = [[], []]
         for _ in range(6):
             for i, m in enumerate(models):
                 nxt = logits[i].argmax(-1)
                 tokens[i].append(nxt.item())
-                logits[i] = m(nxt, past_key_values=caches[i]).logits[:, -1:]
+                logits[i] = m(nxt, cache=caches[i]).logits[:, -1:]
     assert tokens == wants
 
 
