@@ -14,6 +14,14 @@ attention depends on the attention implementation:
   so that unmodified models still produce correct results. It is freed after the layer;
   a one-time warning says how to avoid it. Under ``kvarn_backend`` the compiler pass
   rewrites the attention to the fused op instead.
+
+Keys and values may have different head dims (MiMo-V2-Flash: 192 and 128). Multi-head latent
+attention as transformers' DeepSeek-V2/V3 family caches it (the normed latent as "keys", the
+shared RoPE key as "values", one head) is packed as a latent cache: the latent at the preset's
+key bits, the RoPE key at :data:`LATENT_ROPE_BITS`. Its model up-projects what the cache hands
+back before any attention, so ``update`` always returns the latents dequantized (transient,
+for this layer's step; each step dequantizes the whole cache, as the sdpa hand-off does), and
+``use_kvarn_attention`` refuses such models.
 """
 
 from __future__ import annotations
