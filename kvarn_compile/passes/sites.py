@@ -212,6 +212,12 @@ def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
                                                       _row_max_shift, _softmax_dim_ok)
     from kvarn_compile.passes.fx_utils import arg, example, describe
 
+    for n in steps:
+        if _op_name(n) in ("add", "iadd") and len(n.args) >= 2 \
+                and all(isinstance(a, fx.Node) and _leads_to_product(a) for a in n.args[:2]):
+            return (f"the scores add two q·kᵀ products ({describe(n)}; multi-head latent attention "
+                    "in its absorbed form: a latent part and a RoPE part, over caches without a "
+                    "heads axis), which the pass does not rewrite yet")
     other = [n for n in steps if _op_name(n) not in _FOLLOWED]
     if other:
         n = other[0]

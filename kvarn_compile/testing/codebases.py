@@ -27,7 +27,9 @@ drives its model. Spellings (item letters of the "real model code" issue):
                                                      its latent attention decompressed: K =
                                                      cat(k_nope, k_pe.expand(heads)) and V from
                                                      one up-projection of the normed latent, K
-                                                     and V of different head dims
+                                                     and V of different head dims; with
+                                                     ``absorb`` the absorbed form (the latent
+                                                     and the RoPE key cached, no heads axis)
     window       per-layer windows (gpt-oss,         (c) ``k_cache[:, :, max(0, end - W):end]`` with W per
                  Gemma 3 style local layers)         layer (None: a full layer)
 
@@ -98,6 +100,9 @@ class CodebaseConfig:
     #: "deepseek" as multi-head latent attention, decompressed ("naive" mode): (kv_lora_rank,
     #: qk_nope_head_dim, qk_rope_head_dim, v_head_dim); K has nope + rope channels, V v_head_dim
     mla: tuple | None = None
+    #: with ``mla``: the absorbed form (DeepSeek's default): the up-projection folded into the
+    #: queries and the output, the normed latent and the RoPE key cached per token (no heads axis)
+    absorb: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -427,6 +432,33 @@ class _DeepSeekAttention(nn.Module):
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(cfg.max_batch, cfg.max_len, cfg.n_heads, vd),
                              persistent=False)
+        if cfg.absorb:
+            self.register_buffer("kv_cache", torch.zeros(cfg.max_batch, cfg.max_len, cfg.mla[0]),
+                                 persistent=False)
+            self.register_buffer("pe_cache", torch.zeros(cfg.max_batch, cfg.max_len, cfg.mla[2]),
+                                 persistent=False)
+
+    def _absorbed(self, x, start_pos: int, pos, mask):
+        """Attention over the latent itself: q_nope @ W_uk against the cached latent plus q_pe
+        against the cached RoPE key, and p @ latent @ W_uv; equal to the decompressed form."""
+        bsz, seqlen, _ = x.shape
+        rank, nope, rope, vd = self.cfg.mla
+        heads, end = self.cfg.n_heads, start_pos + seqlen
+        q_nope, q_pe = self.wq(x).view(bsz, seqlen, heads, nope + rope).split([nope, rope], -1)
+        q_pe = _rope(q_pe, pos)
+        latent, k_pe = self.wkv_a(x).split([rank, rope], dim=-1)
+        w = self.wkv_b.weight.view(heads, nope + vd, rank)
+        q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w[:, :nope])
+        self.kv_cache[:bsz, start_pos:end] = self.kv_norm(latent)
+        self.pe_cache[:bsz, start_pos:end] = _rope(k_pe.unsqueeze(2), pos).squeeze(2)
+        scores = (torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz, :end])
+                  + torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])) * self.softmax_scale
+        if mask is not None:
+            scores += mask.unsqueeze(1)
+        scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
+        out = torch.einsum("bsht,btc->bshc", scores, self.kv_cache[:bsz, :end])
+        out = torch.einsum("bshc,hdc->bshd", out, w[:, -vd:])
+        return self.wo(out.flatten(2))
 
     def _latent_qkv(self, x, pos):
         """Queries, keys, values of the decompressed latent attention ([B, S, H, D|Dv])."""
@@ -446,6 +478,8 @@ class _DeepSeekAttention(nn.Module):
         bsz, seqlen, _ = x.shape
         c = self.cfg
         end_pos = start_pos + seqlen
+        if c.absorb:
+            return self._absorbed(x, start_pos, pos, mask)
         if c.mla is not None:
             q, k, v = self._latent_qkv(x, pos)
         else:
@@ -488,8 +522,8 @@ class DeepSeekModel(_LM):
 
     def reset(self):
         for layer in self.layers:
-            layer.attn.k_cache.zero_()
-            layer.attn.v_cache.zero_()
+            for buf in layer.attn.buffers():
+                buf.zero_()
 
     generate = StackedModel.generate
 

@@ -21,6 +21,7 @@ error (+ ``RTOL`` of the largest logit) of the uncompressed ones.
     DeepSeek-V3 naive (einsum bshd,bthd->bsht)  rewritten          softmax over the heads axis
       also as latent attention decompressed     rewritten          values read as the key cache's
       (K 48 = nope + rope channels, V 32)                            first 32 channels
+      absorbed (q·latentᵀ + q_pe·peᵀ)           left unchanged (not rewritten yet), exact
     per-layer windows k[:, :, max(0, e-W):e]    rewritten          newest W by a negative slice
       (also a sequence shorter than the window
       that grows past it while decoding)
@@ -160,6 +161,30 @@ def test_twin_is_left_unchanged_with_the_true_reason(twin):
             torch.testing.assert_close(g, f, rtol=1e-5, atol=1e-5)
     else:
         _errors(got, fp, quantized)
+
+
+def test_absorbed_latent_attention_is_left_unchanged_with_the_true_reason():
+    """DeepSeek's default latent attention, absorbed: the up-projection folded into the
+    queries and the output, scores = q_lat·latentᵀ + q_pe·peᵀ over caches with no heads axis.
+    It computes what the decompressed form computes (same weights); the pass does not rewrite
+    it yet: every site left unchanged with that reason, and exactly the uncompressed model."""
+    ids = _prompt(PROMPT)
+    absorbed = build("deepseek", mla=(64, 32, 16, 32), absorb=True)
+    tokens, fp = run_generate(copy.deepcopy(absorbed), ids, NEW)
+    _, naive = run_generate(build("deepseek", mla=(64, 32, 16, 32)), ids, NEW, forced=tokens)
+    for a, b in zip(fp, naive):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    backend = kvarn_backend("k4v2", group_size=32, compiler="eager")
+    m = copy.deepcopy(absorbed)
+    _, got = run_generate(m, ids, NEW, step=torch.compile(m, backend=backend), forced=tokens)
+    report = backend.report
+    assert report.sites and not report.rewritten and not backend.states, str(report)
+    for site in report.sites:
+        assert re.search(r"the scores add two q·kᵀ products \(add \(codebases\.py:\d+\); "
+                         r"multi-head latent attention in its absorbed form", site.reason), site.line()
+    for g, f in zip(got, fp):
+        assert torch.equal(g, f)
 
 
 def test_einsum_bsht_mask_is_permuted_for_the_queries():
