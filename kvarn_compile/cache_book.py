@@ -32,7 +32,7 @@ import torch
 
 from kvarn_compile.ops.append import crop_, materialize
 from kvarn_compile.passes.rewrite import CacheLocation
-from kvarn_compile.state import LayerState
+from kvarn_compile.state import LayerState, field_indices
 
 __all__ = ["CacheBook", "CacheToken", "TOKEN", "LAYER_TOKENS", "token_of"]
 
@@ -350,9 +350,12 @@ def _refuse_stacked(t: Any, graph: int, why: str) -> None:
 
 
 def _fits(state: LayerState, g: dict[str, Any]) -> bool:
-    return state.batch == g["batch"] and state.kv_heads == g["kv_heads"] \
-        and state.head_dim == g["head_dim"] and state.max_len == g["max_len"] \
-        and state.value_head_dim == (g.get("value_head_dim") or g["head_dim"])
+    # (the shapes read once: this runs per site and call)
+    at = field_indices(state.buffers)
+    b, h, _, d = state.buffers[at["sink_k"]].shape
+    return b == g["batch"] and h == g["kv_heads"] and d == g["head_dim"] \
+        and state.max_len == g["max_len"] \
+        and state.buffers[at["sink_v"]].shape[-1] == (g.get("value_head_dim") or d)
 
 
 def _row_tags(past: torch.Tensor, axis: int, batch_axis: int) -> bool:
