@@ -274,7 +274,7 @@ class KVarNBackend:
                       and self.context_parallel is None and cuda_checks_deferred())
         _mark_added_inputs(new_gm, len(extra), capturable)
         if capturable:
-            prepare_device(extra[0].device, [kw[d] or kw["head_dim"] for _, kw in sites
+            prepare_device(extra[0].device, [kw.get(d) or kw["head_dim"] for _, kw in sites
                                              for d in ("head_dim", "value_head_dim")])
 
         def compile_with(g: fx.GraphModule, inputs: list[Any]):
