@@ -230,9 +230,13 @@ class CacheBook:
             return token.state
         if isinstance(past, torch.Tensor) and past.numel():
             last = self._last_chain.get(site.name)
-            if _row_tags(past, axis, loc.perm[0]):
-                if last is not None and _fits(last.state, site.geometry):
+            tags = _row_tags(past, axis, loc.perm[0])
+            if tags is not None:
+                if last is not None and _fits(last.state, site.geometry) \
+                        and max(tags) < last.state.batch:
                     return last.state         # the handle, reordered along the batch (beam search)
+                if last is not None and self._regroup(site, args, last, tags, past):
+                    return self._last_chain[site.name].state
                 raise RuntimeError(
                     f"kvarn_backend: {site.name} got a cache handle changed along the batch in a "
                     "way the packed state cannot follow (batch_repeat_interleave, "
@@ -253,6 +257,38 @@ class CacheBook:
         token = self._new_token(site)
         self._last_chain[site.name] = token
         return token.state
+
+    def _regroup(self, site: _Site, args: list[Any], last: CacheToken, tags: list[int],
+                 past: torch.Tensor) -> bool:
+        """A handle whose batch rows were selected or repeated (``batch_select_indices``,
+        ``batch_repeat_interleave``): row i holds the tag of the packed row it continues. A new
+        packed state of this call's batch takes those rows of ``last``'s state, and the
+        handles passed in are re-tagged 0..B-1 in place, so the graph's own reorder (beam
+        search) finds nothing left to do. False when this cannot be done faithfully."""
+        loc, old = site.loc, last.state
+        pv = args[loc.v_input] if loc.v_input is not None else None
+        g = site.geometry
+        handles = [t for t in (past, pv) if isinstance(t, torch.Tensor)]
+        if old.context_parallel or max(tags) >= old.batch or len(tags) != g["batch"] \
+                or not _fits(old, dict(g, batch=old.batch)) \
+                or any(0 in t.stride() for t in handles):
+            return False
+        idx = torch.tensor(tags, device=old.sink_k.device)
+        state = dataclasses.replace(old, buffers=[b.index_select(0, idx) for b in old.buffers])
+        token = CacheToken(self, state, loc, site.graph)
+        token.length = past.shape[loc.perm[2]]
+        self._keep(site.name, state)
+        self.bind(state, token)
+        batch_axis = loc.perm[0]
+        for t in handles:                      # the rows now are in order: tags 0..B-1
+            shape = [1] * t.dim()
+            shape[batch_axis] = t.shape[batch_axis]
+            t.copy_(torch.arange(t.shape[batch_axis], dtype=t.dtype, device=t.device).view(shape)
+                    .expand_as(t))
+        self._last_chain[site.name] = token
+        self._note(f"{token.site}: the cache's batch rows were selected or repeated "
+                   f"({old.batch} -> {len(tags)} rows); the packed rows followed")
+        return True
 
     def _adopt_past(self, token: CacheToken, pk: torch.Tensor, pv: torch.Tensor) -> None:
         state, perm = token.state, token.perm
@@ -295,6 +331,13 @@ class CacheBook:
             _refuse_stacked(args[i], graph, why)
             ref = token_of(args[i])
             if ref is None:
+                if self._last_chain and _holds_row_tags(args[i]):
+                    raise RuntimeError(
+                        f"kvarn_backend: graph {graph} reads in full precision ({why}) a cache "
+                        "tensor that holds the batch-row tags of a packed cache (a handle "
+                        "reordered, selected or repeated along the batch), not keys or values; "
+                        "compile the model so that every forward's attention is rewritten, or "
+                        "start a new cache.")
                 continue
             token, role = ref
             t = args[i]
@@ -358,10 +401,27 @@ def _fits(state: LayerState, g: dict[str, Any]) -> bool:
         and state.buffers[at["sink_v"]].shape[-1] == (g.get("value_head_dim") or d)
 
 
-def _row_tags(past: torch.Tensor, axis: int, batch_axis: int) -> bool:
-    """``past`` holds batch-row tags (a handle the compiled model returned, reordered along
-    the batch or copied): its first positions hold one whole number in [0, B) per row."""
-    head = past.narrow(axis, 0, min(4, past.shape[axis])).movedim(batch_axis, 0).flatten(1).float()
+def _holds_row_tags(t: Any) -> bool:
+    """``t`` (no token of its own) looks like a chain handle the compiled model returned,
+    derived along the batch (index_select, repeat_interleave, indexing): every batch row one
+    whole number >= 0 at its first and last elements. Real keys and values never are."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 3 or not t.numel() or not t.is_floating_point():
+        return False
+    rows = t.reshape(t.shape[0], -1)
+    ends = torch.cat([rows[:, :256], rows[:, -256:]], 1).float()
+    first = ends[:, :1]
+    return bool((ends == first).all() & (first == first.round()).all() & (first >= 0).all())
+
+
+def _row_tags(past: torch.Tensor, axis: int, batch_axis: int) -> list[int] | None:
+    """The batch-row tags ``past`` holds (a handle the compiled model returned, reordered,
+    selected or repeated along the batch, or copied: its first positions hold one whole
+    number >= 0 per row, as does its newest position), else None (real keys or values; a
+    left-padded prompt's zero pad keys are constant too, but not its newest token)."""
+    n = past.shape[axis]
+    ends = torch.cat([past.narrow(axis, 0, min(4, n)), past.narrow(axis, n - 1, 1)], axis)
+    head = ends.movedim(batch_axis, 0).flatten(1).float()
     first = head[:, :1]
-    return bool((head == first).all() & (first == first.round()).all()
-                & (first >= 0).all() & (first < head.shape[0]).all())
+    if not bool((head == first).all() & (first == first.round()).all() & (first >= 0).all()):
+        return None
+    return [int(x) for x in first.flatten().tolist()]

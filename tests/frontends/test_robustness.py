@@ -1221,3 +1221,55 @@ def test_nested_compile_region_is_reported():
     assert not backend.report.rewritten and len(sites) == 2, backend.report
     assert all("nested_compile_region" in s.reason and "full precision" in s.reason for s in sites)
     assert {s.name.split(" ")[0] for s in sites} == {"layers.0", "layers.1"}, sites
+
+
+def _handle_flow():
+    """A tiny Llama compiled with kvarn_backend over transformers' DynamicCache (cat caches:
+    the compiled model hands back row-tagged handles), and its uncompiled twin."""
+    import transformers as tf
+
+    model = tiny_model("llama")
+    twin = copy.deepcopy(model)
+    backend = kvarn_backend("k4v2", group_size=32, compiler="eager")
+    model.forward = torch.compile(model.forward, backend=backend)
+    return tf, model, twin, backend
+
+
+def test_batch_select_indices_on_handles_continues_the_selected_packed_rows(fresh_dynamo):
+    """DynamicCache.batch_select_indices on the handles of a batch-2 sequence: the next step
+    continues the selected row's packed state, exactly as a batch-1 run of that row. (The
+    selected handle holds the tag 1 in a batch of 1; it was once taken for real keys and
+    values and packed, with logits off by more than their own size and no error.)"""
+    tf, model, twin, _ = _handle_flow()
+    ids = tiny_prompt(45, batch=2, length=66)
+    one = tiny_prompt(47, length=1)
+    cache = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        cache.batch_select_indices(torch.tensor([1]))
+        got = model(one, cache=cache).logits[0, -1]
+    torch._dynamo.reset()
+    tf, direct, _, backend = _handle_flow()
+    direct.load_state_dict(twin.state_dict())
+    cache = tf.DynamicCache(config=direct.config)
+    with torch.no_grad():
+        direct(ids[1:], cache=cache)
+        want = direct(one, cache=cache).logits[0, -1]
+    assert torch.equal(got, want)
+
+
+def test_a_handle_read_in_full_precision_is_refused_not_read_as_keys(fresh_dynamo):
+    """batch_repeat_interleave, then a call whose graph keeps one layer in full precision
+    (the batch size changed; Dynamo made it dynamic there): that layer would read the
+    repeated tags as its keys and values. The call stops with a one-line error instead."""
+    tf, model, _, _ = _handle_flow()
+    ids = tiny_prompt(45, length=66)
+    cache = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        cache.batch_repeat_interleave(2)
+        two = tiny_prompt(46, batch=2, length=1)
+        with pytest.raises(RuntimeError, match=r"^kvarn_backend: graph \d+ reads in full precision "
+                                               r"\(model\.layers\.0\.self_attn: dynamic batch.*holds "
+                                               r"the batch-row tags of a packed cache"):
+            model(two, cache=cache)
