@@ -408,9 +408,7 @@ def _holds_row_tags(t: Any) -> bool:
     if not isinstance(t, torch.Tensor) or t.dim() < 3 or not t.numel() or not t.is_floating_point():
         return False
     rows = t.reshape(t.shape[0], -1)
-    ends = torch.cat([rows[:, :256], rows[:, -256:]], 1).float()
-    first = ends[:, :1]
-    return bool((ends == first).all() & (first == first.round()).all() & (first >= 0).all())
+    return _tags(torch.cat([rows[:, :256], rows[:, -256:]], 1)) is not None
 
 
 def _row_tags(past: torch.Tensor, axis: int, batch_axis: int) -> list[int] | None:
@@ -420,8 +418,13 @@ def _row_tags(past: torch.Tensor, axis: int, batch_axis: int) -> list[int] | Non
     left-padded prompt's zero pad keys are constant too, but not its newest token)."""
     n = past.shape[axis]
     ends = torch.cat([past.narrow(axis, 0, min(4, n)), past.narrow(axis, n - 1, 1)], axis)
-    head = ends.movedim(batch_axis, 0).flatten(1).float()
-    first = head[:, :1]
-    if not bool((head == first).all() & (first == first.round()).all() & (first >= 0).all()):
+    return _tags(ends.movedim(batch_axis, 0).flatten(1))
+
+
+def _tags(rows: torch.Tensor) -> list[int] | None:
+    """The whole number >= 0 each row of ``rows`` [B, n] holds throughout, else None."""
+    rows = rows.float()
+    first = rows[:, :1]
+    if not bool((rows == first).all() & (first == first.round()).all() & (first >= 0).all()):
         return None
     return [int(x) for x in first.flatten().tolist()]

@@ -61,13 +61,17 @@ def _handle(like: torch.Tensor, length: int, state: LayerState) -> torch.Tensor:
 LATENT_ROPE_BITS = 8
 
 
+def _text_config(config):
+    """The decoder's config of a (possibly multimodal) transformers config."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def _mla_latents(model_config) -> tuple[int, int] | None:
     """(latent rank, RoPE key dim) of a model whose cache holds multi-head latent attention
     latents (transformers' DeepSeek-V2/V3 family: ``kv_lora_rank``, ``qk_rope_head_dim``)."""
     if model_config is None:
         return None
-    text = (model_config.get_text_config(decoder=True)
-            if hasattr(model_config, "get_text_config") else model_config)
+    text = _text_config(model_config)
     rank, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
     return (rank, rope) if isinstance(rank, int) and isinstance(rope, int) else None
 
@@ -263,7 +267,7 @@ class KVarNCache(Cache):
 
             cp = cp_module.register(context_parallel)
         self.kvarn_config = get_config(preset, **overrides)
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = _text_config(config)
         n_layers = text.num_hidden_layers
         if getattr(text, "layer_types", None) and any(t != "full_attention" for t in text.layer_types):
             kinds = sorted(set(text.layer_types))
@@ -361,7 +365,7 @@ def kv_geometry(model) -> tuple[int, int]:
     """(KV heads, head dim) of a transformers model's attention layers, from its config;
     for a tensor-parallel model (``tp_plan``) the KV heads of this rank."""
     config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     tp = getattr(model, "_tp_size", None) or 1
@@ -390,9 +394,7 @@ def static_cache_for(model, max_cache_len: int, *, batch: int = 1):
     heads, head_dim = kv_geometry(model)
     param = next(model.parameters())
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
-        else model.config
-    v_dim = getattr(text, "v_head_dim", None)
+    v_dim = getattr(_text_config(model.config), "v_head_dim", None)
     if not isinstance(v_dim, int) or v_dim == head_dim or _mla_latents(model.config) is not None:
         cache.early_initialization(batch, heads, head_dim, param.dtype, param.device)
         return cache

@@ -24,7 +24,7 @@ import functools
 import importlib.resources
 
 __all__ = ["template_source", "decode_template", "prefill_template", "TEMPLATE_FILES",
-           "render_standalone", "launch_standalone"]
+           "render_standalone", "launch_standalone", "standalone_tensors"]
 
 TEMPLATE_FILES = ("kvarn_decode.py.jinja", "kvarn_prefill.py.jinja")
 
@@ -125,6 +125,23 @@ def render_standalone(name: str, tensors: dict, constexprs: dict, directory, out
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.kvarn_kernel
+
+
+def standalone_tensors(inputs, split_max: int) -> dict:
+    """The tensor arguments of a :func:`render_standalone` kernel, by template name, from
+    ``ops.attention.tile_inputs`` (the per-tile key frames and the bias only where present),
+    and an lse buffer [B, Hq, Tq, split_max] of -inf."""
+    import torch
+
+    q_rot, qp, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, nt, lo, hi, bias = inputs
+    frames = kp is not None
+    tensors = dict(Q=q_rot, **({"QP": qp} if frames else {}), KC=kc, KRS=krs, KRZ=krz, KCS=kcs,
+                   VC=vc, VRS=vrs, VRZ=vrz, VCS=vcs, **({"KP": kp} if frames else {}),
+                   NT=nt, KVLO=lo, KVHI=hi)
+    if bias is not None:
+        tensors["BIAS"] = bias.contiguous()
+    tensors["LSE"] = torch.full((*q_rot.shape[:3], split_max), float("-inf"), device=q_rot.device)
+    return tensors
 
 
 def launch_standalone(kernel, tensors: dict, out, grid, constexprs: dict) -> None:

@@ -281,7 +281,8 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
     """The template text itself (rendered standalone, see templates.render_standalone)."""
     import triton
 
-    from kvarn_compile.lowering.tile_templates import launch_standalone, render_standalone
+    from kvarn_compile.lowering.tile_templates import (launch_standalone, render_standalone,
+                                                       standalone_tensors)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     st = packed_cache(prompt=170, new=tq, device=device, frames=frames)
@@ -295,12 +296,7 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
         vcs = vcs[:, :, :1].expand_as(vcs)
         ins = (q_rot, qp, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, nt, lo, hi, bias)
     split_max = split + 1
-    tensors = dict(Q=q_rot, **({"QP": qp} if frames else {}), KC=kc, KRS=krs, KRZ=krz, KCS=kcs,
-                   VC=vc, VRS=vrs, VRZ=vrz, VCS=vcs, **({"KP": kp} if frames else {}),
-                   NT=nt, KVLO=lo, KVHI=hi)
-    if bias is not None:
-        tensors["BIAS"] = bias.contiguous()
-    tensors["LSE"] = torch.full((b, 2 * h, tq, split_max), float("-inf"), device=device)
+    tensors = standalone_tensors(ins, split_max)
     out = torch.full((b, 2 * h, tq, split_max, d), float("nan"), device=device)
     block_m = 16
     ce = dict(GROUP_Q=2, D=d, BLOCK_D=16, G=kcs.shape[-1], BLOCK_N=block_n, K_BITS=4, V_BITS=2,

@@ -305,7 +305,8 @@ def test_template_texts_with_value_head_dims_match_the_reference_tiles(name, tmp
     by lse equal the reference tile partials; split slots no program owns stay -inf."""
     import triton
 
-    from kvarn_compile.lowering.tile_templates import launch_standalone, render_standalone
+    from kvarn_compile.lowering.tile_templates import (launch_standalone, render_standalone,
+                                                       standalone_tensors)
 
     template, st, q, mask = _dv_case(name)
     d, dv = st.head_dim, st.value_head_dim
@@ -317,12 +318,7 @@ def test_template_texts_with_value_head_dims_match_the_reference_tiles(name, tmp
     decode = template == "decode"
     split = 2 if decode else 1
     split_max = split + 1
-    tensors = dict(Q=q_rot, **({"QP": qp} if frames else {}), KC=kc, KRS=krs, KRZ=krz, KCS=kcs,
-                   VC=vc, VRS=vrs, VRZ=vrz, VCS=vcs, **({"KP": kp} if frames else {}),
-                   NT=nt, KVLO=lo, KVHI=hi)
-    if bias is not None:
-        tensors["BIAS"] = bias.contiguous()
-    tensors["LSE"] = torch.full((b, hq, tq, split_max), float("-inf"))
+    tensors = standalone_tensors(ins, split_max)
     out = torch.full((b, hq, tq, split_max, dv), float("nan"))
     block_m = 16
     ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
