@@ -290,6 +290,20 @@ class CacheBook:
                    f"({old.batch} -> {len(tags)} rows); the packed rows followed")
         return True
 
+    def _derived_handle(self, t: Any) -> bool:
+        """``t`` is shaped like a cat-cache handle of a packed chain (its heads, head dim and
+        length, any batch) and holds row tags naming rows of that chain's state: a handle
+        the compiled model returned, reordered, selected or repeated along the batch."""
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not _holds_row_tags(t):
+            return False
+        for token in self._last_chain.values():
+            p, st = token.perm, token.state
+            if t.shape[p[1]] == st.kv_heads and t.shape[p[2]] == token.length \
+                    and t.shape[p[3]] in (st.head_dim, st.value_head_dim) \
+                    and int(t.reshape(t.shape[0], -1)[:, 0].max()) < st.batch:
+                return True
+        return False
+
     def _adopt_past(self, token: CacheToken, pk: torch.Tensor, pv: torch.Tensor) -> None:
         state, perm = token.state, token.perm
         k, v = (x.permute(perm) for x in (pk, pv))
@@ -331,7 +345,7 @@ class CacheBook:
             _refuse_stacked(args[i], graph, why)
             ref = token_of(args[i])
             if ref is None:
-                if self._last_chain and _holds_row_tags(args[i]):
+                if self._derived_handle(args[i]):
                     raise RuntimeError(
                         f"kvarn_backend: graph {graph} reads in full precision ({why}) a cache "
                         "tensor that holds the batch-row tags of a packed cache (a handle "
