@@ -26,9 +26,14 @@ __all__ = ["TESTED_TORCH", "check_torch_version", "compile_fx_with_pass", "kvarn
            "lazy_graph_module", "refuse_eager_fallback", "EagerFallbackRefused",
            "KVarNUUIDPass", "custom_graph_pass_base", "inductor", "triton_version",
            "device_identity", "triton_templates_available", "register_cache_salt", "cache_salt",
-           "tag_inductor_caches", "triton_cpu_mode", "triton_cpu_requested"]
+           "tag_inductor_caches", "triton_cpu_mode", "triton_cpu_requested",
+           "plain_tensor_functions"]
 
 TESTED_TORCH = ((2, 13), (2, 14))   # inclusive range of minor versions
+
+#: a context inside which tensor subclasses' ``__torch_function__`` does not run (their
+#: instances act as plain tensors): the cache book's own runtime around a compiled call
+plain_tensor_functions = torch._C.DisableTorchFunctionSubclass
 
 
 def _torch_minor() -> tuple[int, int]:

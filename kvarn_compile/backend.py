@@ -17,6 +17,7 @@ why. For ``backend="inductor"`` the same pass runs as an Inductor pre-grad pass:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,8 +29,9 @@ import torch
 import torch.fx as fx
 
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
-from kvarn_compile._torch_compat import lazy_graph_module, refuse_eager_fallback
-from kvarn_compile.cache_book import CacheBook, _Site
+from kvarn_compile._torch_compat import lazy_graph_module, plain_tensor_functions as _internal, \
+    refuse_eager_fallback
+from kvarn_compile.cache_book import CacheBook, _Site, plain_inputs
 from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
 from kvarn_compile.ops.buffers import claim, mark_seen, releasable, release_storage
 from kvarn_compile.ops.dispatch import cuda_checks_deferred, deferred_checks, prepare_device
@@ -73,6 +75,8 @@ class KVarNBackend:
         self.report = Report(states=self.all_states)
         #: names of sites in graphs the backend traced again (see ``_per_batch``)
         self._site_names: dict[str, str] = {}
+        #: what each graph compiled to, by its code and inputs (:func:`_graph_key`)
+        self._compiled: dict[tuple, Any] = {}
         #: ``on_graph(stage, gm)``, stage "before"/"after" the rewrite: a test's graph recorder
         #: (:func:`kvarn_compile.testing.record_graphs`); None in production
         self.on_graph: Callable[[str, fx.GraphModule], None] | None = None
@@ -188,6 +192,18 @@ class KVarNBackend:
             self.report.note(f"mode={mode!r} is ignored on CPU (it only selects CUDA-graph/"
                              "autotune options)")
             mode = None
+        key = _graph_key(gm, example_inputs, mode,
+                         self._model_tag([t for t in example_inputs if isinstance(t, torch.nn.Parameter)]))
+        if key is not None and key in self._compiled:
+            # the same graph again: Dynamo traced it once more because a cache tensor's type
+            # changed (a packed buffer or handle, cache_book) - run the one compiled before
+            return self._compiled[key]
+        out = self._compile_graph(gm, example_inputs, mode)
+        if key is not None:
+            self._compiled[key] = out
+        return out
+
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None):
         with self._lock:
             new_gm = _copy_graph_module(gm)
             param_at = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
@@ -247,7 +263,8 @@ class KVarNBackend:
                 return compiled
 
             def run_unchanged(*args: Any) -> Any:
-                return compiled(*self.book.guard(list(args), candidates, graph_id, why))
+                with _internal():
+                    return compiled(*self.book.guard(list(args), candidates, graph_id, why))
             return run_unchanged
         # this frame may no longer run uncompiled (its model's caches are released)
         refuse_eager_fallback()
@@ -304,7 +321,13 @@ class KVarNBackend:
                     models[model] = [self._get_state(model + name, **kw) for name, kw in sites]
                 return models[model][i]
 
+        cache_inputs = tuple(sorted(consumed))
+
         def run(*call_args: Any) -> Any:
+            with _internal(), plain_inputs(call_args, cache_inputs):
+                return run_packed(call_args)
+
+        def run_packed(call_args: tuple[Any, ...]) -> Any:
             args = self.book.guard(list(call_args), candidates, graph_id, why)
             for i, _ in released:
                 claim(args[i])
@@ -324,7 +347,7 @@ class KVarNBackend:
                 out = compiled(*args, *flat.buffers(states))
             for i, _, _ in growth:          # the tail slots this call's frozen tiles freed
                 states[i].trim()
-            self.book.after(list(zip(book_sites, states)), out)
+            self.book.after(list(zip(book_sites, states)), out, args)
             # The model's own cache tensors this graph no longer reads: freed after the
             # call (kvarn::append_from_ has taken over any prompt written there before), on
             # every call, so a new cache passed in their place (a second StaticCache) or a
@@ -405,6 +428,22 @@ _DYNAMIC_BATCH = "dynamic batch"
 #: ``torch.sym_*`` would be a torch function returning a non-tensor, which it refuses)
 _SIZE_OPS = {torch.sym_sum: sum, torch.sym_max: max, torch.sym_min: min, torch.sym_float: float,
              torch.sym_int: int, torch.sym_not: operator.not_}
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
+               tag: str) -> tuple | None:
+    """What makes two of Dynamo's graphs the same compiled graph: their code and their inputs'
+    shapes, strides, dtypes and devices, not the inputs' Python types (a cache tensor typed
+    between calls, :mod:`kvarn_compile.cache_book`, makes Dynamo trace the graph again).
+    None for a graph holding attributes (constants the code does not show)."""
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None
+    inputs = tuple((str(tuple(t.shape)), str(t.stride()), t.dtype, t.device.type,
+                    isinstance(t, torch.nn.Parameter), t.requires_grad)
+                   if isinstance(t, torch.Tensor) else str(t) for t in example_inputs)
+    # (the code's signature annotates each input with its type: left out)
+    code = re.sub(r" : [\w.]+(?=[,)])", "", gm.code)
+    return code, inputs, mode, tag
 
 
 def _plain_size_ops(graph: fx.Graph) -> None:

@@ -18,11 +18,19 @@ storage too, so a ``crop`` view keeps it), so
   (:meth:`CacheBook.guard`): the cache is materialized back — dequantized into the model's
   own buffer (the next rewritten call adopts it again), or passed dequantized in place of a
   handle — and the report says so; where that is impossible it stops with a one-line error
-  before anything is computed. A cache is packed everywhere or nowhere.
+  before anything is computed. A cache is packed everywhere or nowhere;
+* plain PyTorch between compiled calls (an uncompiled forward, ``force_eager``, a helper
+  run outside ``torch.compile``) is held to the same rule: between calls a handle is a
+  :class:`PackedHandle` and a model-owned buffer whose tokens are packed a
+  :class:`PackedBuffer`, whose ``__torch_function__`` gives such code the packed tokens
+  dequantized (the next compiled call packs the cache again), or stops it with a one-line
+  error. Compiled graphs see plain tensors (Dynamo traces through the type; the backend's
+  runtime passes them to the compiled code untyped, :class:`plain_inputs`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -30,11 +38,13 @@ from typing import Any
 
 import torch
 
+from kvarn_compile._torch_compat import plain_tensor_functions
 from kvarn_compile.ops.append import crop_, materialize
 from kvarn_compile.passes.rewrite import CacheLocation
 from kvarn_compile.state import LayerState, field_indices
 
-__all__ = ["CacheBook", "CacheToken", "TOKEN", "LAYER_TOKENS", "token_of"]
+__all__ = ["CacheBook", "CacheToken", "TOKEN", "LAYER_TOKENS", "token_of", "PackedHandle",
+           "PackedBuffer", "plain_inputs"]
 
 #: the attribute naming a packed cache's :class:`CacheToken` on its tensors and storages
 TOKEN = "_kvarn_cache"
@@ -80,6 +90,251 @@ class CacheToken:
 def _no_token() -> None:
     return None
 
+
+class PackedHandle(torch.Tensor):
+    """The type of a ``cat`` cache's handle once a compiled call returned it.
+
+    A handle holds batch-row tags, not keys or values (the packed state holds the tokens).
+    Compiled graphs only ask its shape; plain PyTorch may move it around (``crop`` slices,
+    beam-search ``index_select``, ``repeat_interleave``, ``copy.deepcopy``, ``.to()``: the
+    results are handles again). Plain PyTorch that combines it with real data — an uncompiled
+    forward's ``torch.cat([past, new])``, its attention — gets the packed tokens dequantized
+    in its place (the next compiled call packs that cache again), or, where the handle no
+    longer names its packed rows, a one-line error before anything is computed."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            with plain_tensor_functions():
+                return func(*args, **kwargs)
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and not isinstance(t, PackedHandle)
+               and t.is_floating_point() for t in flat):
+            # real data meets a handle: the handle's tokens, dequantized, in its place
+            dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            flat = [_dequantized_handle(t, func, dense) if isinstance(t, PackedHandle) else t
+                    for t in flat]
+            args, kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+            with plain_tensor_functions():
+                return func(*args, **kwargs)
+        with plain_tensor_functions():
+            out = _along_batch(func, args, kwargs)
+            if out is None:
+                out = func(*args, **kwargs)
+            source = next((r for r in map(_source_of, flat) if r is not None), None)
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: _derived(t, source) if t.is_floating_point() else t, out)
+
+    def __deepcopy__(self, memo: dict) -> "PackedHandle":
+        # a plain tensor's deep copy (its storage, its token: the packed state copied), typed
+        self.__class__ = torch.Tensor
+        try:
+            new = copy.deepcopy(self, memo)
+        finally:
+            self.__class__ = PackedHandle
+        return _as_handle(new)
+
+
+class PackedBuffer(torch.Tensor):
+    """The type of a model-owned cache tensor (a preallocated buffer, a ``StaticCache``
+    layer) whose tokens a packed state holds, between compiled calls.
+
+    The rewritten graphs neither read nor write it (on CPU its memory is given back and reads
+    zeros). Plain PyTorch touching it — an uncompiled forward's write or read, a reset —
+    first gets the packed tokens dequantized into it (the buffer is a plain tensor again, and
+    the next compiled call packs what it holds then); a whole-tensor ``zero_()``/``fill_()``
+    skips the dequantization. Where the compiled graph cannot take the buffer's tokens back,
+    a one-line error comes before anything is computed. Shape, dtype, device and storage
+    queries pass through."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.compiler.is_compiling() and func not in _METADATA:
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, PackedBuffer):
+                    _unpack_buffer(t, func, args)
+        with plain_tensor_functions():
+            return func(*args, **kwargs)
+
+
+#: tensor queries that read no data (they pass a packed buffer through)
+_METADATA = frozenset(
+    [getattr(torch.Tensor, n) for n in (
+        "size", "dim", "stride", "numel", "nelement", "ndimension", "storage_offset",
+        "is_contiguous", "element_size", "data_ptr", "untyped_storage", "get_device",
+        "is_pinned", "__len__", "__hash__")]
+    + [getattr(torch.Tensor, n).__get__ for n in (
+        "shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "layout",
+        "requires_grad", "is_leaf", "grad_fn", "grad", "_version", "is_sparse", "is_quantized",
+        "is_nested", "_base") if hasattr(torch.Tensor, n)])
+
+
+def _unpack_buffer(t: torch.Tensor, func: Any, args: Any) -> None:
+    ref = token_of(t)
+    if ref is not None and ref[0].kind == "buffer" and ref[1] not in ref[0].materialized:
+        token, role = ref
+        name = getattr(func, "__name__", str(func))
+        if not token.adopts:
+            raise RuntimeError(
+                f"kvarn_backend: {name}() outside the compiled model touches the KV cache of "
+                f"{token.site}, but graph {token.graph} keeps that cache packed and cannot take "
+                "tokens written there back; run this call compiled, or leave the model "
+                "uncompiled.")
+        t.__class__ = torch.Tensor
+        whole = func in (torch.Tensor.zero_, torch.Tensor.fill_) and args and args[0] is t
+        token.materialized.add(role)
+        if not whole:        # (a reset needs none of the packed tokens)
+            _materialize_buffer(token, role, t, {})
+            token.book._note(f"{token.site}: a call outside the compiled model touched its "
+                             "packed KV cache: it was dequantized into the model's buffer "
+                             "first, and the next compiled call packs what the buffer holds then")
+    t.__class__ = torch.Tensor
+
+
+def _materialize_buffer(token: "CacheToken", role: str, t: torch.Tensor, dense: dict) -> None:
+    """Write ``token``'s packed tokens, dequantized, into the model's buffer ``t``."""
+    if id(token) not in dense:
+        dense[id(token)] = materialize(token.state.buffers, dtype=t.dtype)
+    full = dense[id(token)][0 if role == "k" else 1]                         # [B, H, cap, D]
+    view = t.permute(token.perm)[:token.batch]
+    n = min(view.shape[2], full.shape[2])
+    with torch.no_grad():
+        view[:, :, :n].copy_(full[:, :, :n])
+
+
+class plain_inputs:
+    """Around a compiled call: the packed cache tensors among ``args[indices]`` are plain
+    tensors while it runs (its runtime dispatches them to custom ops, which take no
+    subclass), typed again afterwards, also when it raises."""
+
+    def __init__(self, args: list[Any], indices: tuple[int, ...]):
+        self.typed = [(args[i], type(args[i])) for i in indices
+                      if type(args[i]) in (PackedBuffer, PackedHandle)]
+
+    def __enter__(self) -> None:
+        for t, _ in self.typed:
+            t.__class__ = torch.Tensor
+
+    def __exit__(self, *exc: Any) -> None:
+        for t, cls in self.typed:
+            if type(t) is torch.Tensor:
+                if cls is PackedHandle:
+                    t.__class__ = PackedHandle
+                else:
+                    _as_packed_buffer(t)
+
+
+def _as_packed_buffer(t: Any) -> None:
+    if type(t) is torch.Tensor:
+        ref = token_of(t)
+        if ref is not None and ref[0].kind == "buffer" and not ref[0].materialized:
+            t.__class__ = PackedBuffer
+
+
+#: ops that pick or repeat a handle's batch rows (beam search's reorder, batch selection)
+_BATCH_OPS = (torch.Tensor.index_select, torch.index_select, torch.Tensor.repeat_interleave,
+              torch.repeat_interleave, torch.Tensor.__getitem__)
+
+
+def _along_batch(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``func`` (one of :data:`_BATCH_OPS`) picking or repeating the batch rows (dim 0) of a
+    handle that holds one value per row (stride 0 elsewhere), done on those values only: the
+    result is again a handle of one value per row, not a full-size tensor. None: any other
+    call (done as it is)."""
+    if func not in _BATCH_OPS or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    t, rest = args[0], list(args[1:])
+    if t.dim() < 2 or any(t.stride(d) for d in range(1, t.dim())):
+        return None
+    rows = t[(slice(None),) + (slice(0, 1),) * (t.dim() - 1)]                # [B, 1, ..]
+    if func is torch.Tensor.__getitem__:
+        index = rest[0] if rest else None
+        if isinstance(index, tuple):
+            if any(i is not Ellipsis and i != slice(None) for i in index[1:]):
+                return None
+            index = index[0] if index else None
+        if not isinstance(index, (torch.Tensor, list)):
+            return None
+        out = rows[index]
+    else:
+        dim = kwargs.get("dim", rest[0] if func in (torch.Tensor.index_select, torch.index_select)
+                         else (rest[1] if len(rest) > 1 else None))
+        if dim not in (0, -t.dim()):
+            return None
+        out = func(rows, *rest, **kwargs)
+    if out.dim() != t.dim():
+        return None
+    return out.expand(out.shape[0], *t.shape[1:])
+
+
+def _source_of(t: Any) -> tuple["CacheToken", str] | None:
+    """The chain ``t`` (a handle, or one moved in plain torch) belongs to, else None."""
+    if not isinstance(t, PackedHandle):
+        return None
+    return token_of(t) or t.__dict__.get(DERIVED)
+
+
+def _derived(t: torch.Tensor, source: tuple["CacheToken", str] | None) -> torch.Tensor:
+    """A handle made from another in plain torch (a reorder, a selection, a copy): typed, and
+    naming the chain it came from unless it is a view that carries the chain's token."""
+    _as_handle(t)
+    if source is not None and token_of(t) is None:
+        t.__dict__.setdefault(DERIVED, source)
+    return t
+
+
+def _as_handle(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is torch.Tensor:
+        t.__class__ = PackedHandle
+    return t
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` seen as a plain tensor (the book's own reads of a handle's tags)."""
+    return t.as_subclass(torch.Tensor) if isinstance(t, PackedHandle) else t
+
+
+def _dequantized_handle(t: torch.Tensor, func: Any, dense: dict) -> torch.Tensor:
+    name = getattr(func, "__name__", str(func))
+    ref = token_of(t)
+    if ref is None or ref[0].kind != "chain":
+        raise RuntimeError(
+            f"kvarn_backend: {name}() outside the compiled model read a KV cache handle that "
+            "no longer names its packed rows (reordered or selected along the batch in plain "
+            "PyTorch): it holds no keys or values; run this forward compiled, or start a new "
+            "cache.")
+    token, role = ref
+    out = _dequantized(token, role, t, dense)
+    if out is None:
+        raise RuntimeError(
+            f"kvarn_backend: {name}() outside the compiled model read the KV cache of "
+            f"{token.site} with shape {tuple(t.shape)}, but its packed state holds another "
+            "shape (a view of the handle); run this forward compiled, or start a new cache.")
+    token.book._note(f"{token.site}: a call outside the compiled model read its packed KV "
+                     "cache: it was passed dequantized, and the next compiled call packs the "
+                     "cache it made again")
+    return out
+
+
+def _dequantized(token: "CacheToken", role: str, t: torch.Tensor,
+                 dense: dict) -> torch.Tensor | None:
+    """The first ``len(t)`` tokens of ``token``'s state, dequantized in ``t``'s layout and
+    dtype (``dense`` caches one materialization per state and call); None when ``t`` is not
+    shaped like them."""
+    if id(token) not in dense:
+        dense[id(token)] = materialize(token.state.buffers, dtype=t.dtype)
+    full = dense[id(token)][0 if role == "k" else 1]                         # [B, H, cap, D]
+    n = t.shape[token.perm[2]]
+    inverse = [token.perm.index(a) for a in range(4)]
+    value = full[:, :, :n].permute(inverse).contiguous()
+    return value if value.shape == t.shape else None
+
+
+#: the attribute naming the chain ``(token, role)`` a handle moved in plain torch came from
+#: (its batch rows reordered, selected or repeated: it holds their tags, not the chain's token)
+DERIVED = "_kvarn_derived_from"
 
 #: the attribute of a cache stacked over layers: layer -> ``(token, role)``
 LAYER_TOKENS = "_kvarn_layer_caches"
@@ -229,11 +484,14 @@ class CacheBook:
             self._last_chain[site.name] = token
             return token.state
         if isinstance(past, torch.Tensor) and past.numel():
-            last = self._last_chain.get(site.name)
-            tags = _row_tags(past, axis, loc.perm[0])
+            # the chain a handle moved in plain torch came from (else this site's newest)
+            source = past.__dict__.get(DERIVED)
+            last = source[0] if source is not None else self._last_chain.get(site.name)
+            tags = _row_tags(_plain(past), axis, loc.perm[0])
             if tags is not None:
                 if last is not None and _fits(last.state, site.geometry) \
                         and max(tags) < last.state.batch:
+                    self._last_chain[site.name] = last
                     return last.state         # the handle, reordered along the batch (beam search)
                 if last is not None and self._regroup(site, args, last, tags, past):
                     return self._last_chain[site.name].state
@@ -270,8 +528,7 @@ class CacheBook:
         g = site.geometry
         handles = [t for t in (past, pv) if isinstance(t, torch.Tensor)]
         if old.context_parallel or max(tags) >= old.batch or len(tags) != g["batch"] \
-                or not _fits(old, dict(g, batch=old.batch)) \
-                or any(0 in t.stride() for t in handles):
+                or not _fits(old, dict(g, batch=old.batch)):
             return False
         idx = torch.tensor(tags, device=old.sink_k.device)
         state = dataclasses.replace(old, buffers=[b.index_select(0, idx) for b in old.buffers])
@@ -283,8 +540,11 @@ class CacheBook:
         for t in handles:                      # the rows now are in order: tags 0..B-1
             shape = [1] * t.dim()
             shape[batch_axis] = t.shape[batch_axis]
-            t.copy_(torch.arange(t.shape[batch_axis], dtype=t.dtype, device=t.device).view(shape)
-                    .expand_as(t))
+            tags = torch.arange(t.shape[batch_axis], dtype=t.dtype, device=t.device).view(shape)
+            if 0 in t.stride():                # one value per row (a reorder in plain torch)
+                t.set_(tags.expand_as(t))
+            else:
+                t.copy_(tags.expand_as(t))
         self._last_chain[site.name] = token
         self._note(f"{token.site}: the cache's batch rows were selected or repeated "
                    f"({old.batch} -> {len(tags)} rows); the packed rows followed")
@@ -294,7 +554,12 @@ class CacheBook:
         """``t`` is shaped like a cat-cache handle of a packed chain (its heads, head dim and
         length, any batch) and holds row tags naming rows of that chain's state: a handle
         the compiled model returned, reordered, selected or repeated along the batch."""
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not _holds_row_tags(t):
+        if isinstance(t, PackedHandle):       # moved in plain torch after a compiled call
+            return True
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return False
+        t = _plain(t)
+        if not _holds_row_tags(t):
             return False
         for token in self._last_chain.values():
             p, st = token.perm, token.state
@@ -318,11 +583,16 @@ class CacheBook:
         self._note(f"{token.site}: a cache a full-precision forward filled ({n} tokens) was "
                    "adopted into the packed state")
 
-    def after(self, sites: list[tuple[_Site, LayerState]], out: Any) -> None:
-        """Tag the handles a call returned with their chain's token."""
+    def after(self, sites: list[tuple[_Site, LayerState]], out: Any, args: list[Any]) -> None:
+        """Tag the handles a call returned with their chain's token; type the model-owned
+        buffers it packed (:class:`PackedHandle`, :class:`PackedBuffer`)."""
         values = out if isinstance(out, (tuple, list)) else (out,)
         for site, state in sites:
             loc = site.loc
+            if loc.kind == "buffer" and loc.layer is None:
+                for i in (loc.k_input, loc.v_input):
+                    if i is not None:
+                        _as_packed_buffer(args[i])
             if loc.kind != "chain" or not (loc.k_outputs or loc.v_outputs):
                 continue
             token = self._last_chain.get(site.name)
@@ -334,6 +604,7 @@ class CacheBook:
                     if isinstance(h, torch.Tensor):
                         _stamp(h, token, role, True)
                         token.length = h.shape[loc.perm[2]]
+                        _as_handle(h)
 
     # ------------------------------------------------------------------ the invariant
     def guard(self, args: list[Any], candidates: list[int], graph: int, why: str) -> list[Any]:
@@ -363,28 +634,20 @@ class CacheBook:
                     "forward's attention is rewritten, or leave it uncompiled.")
             if token.kind == "buffer" and role in token.materialized:
                 continue
-            if id(token) not in dense:
-                dense[id(token)] = materialize(token.state.buffers, dtype=t.dtype)
-            k, v = dense[id(token)]
-            full = k if role == "k" else v                                   # [B, H, cap, D]
             if token.kind == "buffer":
-                view = t.permute(token.perm)[:token.batch]
-                n = min(view.shape[2], full.shape[2])
-                with torch.no_grad():
-                    view[:, :, :n].copy_(full[:, :, :n])
+                _materialize_buffer(token, role, t, dense)
                 token.materialized.add(role)
+                t.__class__ = torch.Tensor if type(t) is PackedBuffer else type(t)
                 self._note(f"graph {graph} reads the packed KV cache of {token.site} in full "
                            f"precision ({why}): it is dequantized into the model's buffer before "
                            "such a call and packed again by the next rewritten one")
             else:
-                n = t.shape[token.perm[2]]
-                inverse = [token.perm.index(a) for a in range(4)]
-                value = full[:, :, :n].permute(inverse).contiguous()
-                if value.shape != t.shape:
+                value = _dequantized(token, role, _plain(t), dense)
+                if value is None:
                     raise RuntimeError(
                         f"kvarn_backend: graph {graph} reads the KV cache of {token.site} in full "
-                        f"precision ({why}) with shape {tuple(t.shape)}, but its packed state "
-                        f"holds {tuple(value.shape)}; start a new cache for this call.")
+                        f"precision ({why}) with shape {tuple(t.shape)}, which is not the shape "
+                        "of the tokens its packed state holds; start a new cache for this call.")
                 out = list(args) if out is None else out
                 out[i] = value
                 self._note(f"graph {graph} reads the packed KV cache of {token.site} in full "

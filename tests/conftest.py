@@ -36,6 +36,15 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def many_recompiles(fresh_dynamo):
+    """A reset Dynamo with room for the many graphs a flow of generate/forward calls on one
+    compiled model makes (call signatures, cache types, batch sizes: Dynamo's default limit
+    of 8 per function would end the flow, with or without kvarn)."""
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -15,6 +15,9 @@ change), every element reads 0 afterwards, and a write simply commits fresh page
 non-CPU (CUDA) buffers are kept as they are: CUDA cannot free device memory under a live
 tensor without making its next access an illegal memory access.
 
+Between compiled calls the front-end types such a buffer (``cache_book.PackedBuffer``): plain
+PyTorch that touches it first gets the packed tokens dequantized into it, never zeros.
+
 A released storage is marked; ``unwritten_since_release`` tells the adoption step
 (kvarn::adopt_) whether an uncompiled forward wrote a new prompt there since: its first
 token row is no longer all zeros.

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-__all__ = ["is_op", "is_size_query", "example", "arg", "module_path", "dce", "single_user", "source_line", "describe",
+__all__ = ["is_op", "is_size_query", "example", "arg", "module_path", "dce", "single_user", "source_line", "model_frames", "concrete", "describe",
            "SDPA", "Unsupported", "same_size", "sizes_equal"]
 
 
@@ -102,11 +103,19 @@ def single_user(node: fx.Node) -> bool:
     return len(node.users) == 1
 
 
+def model_frames(node: fx.Node) -> list[str]:
+    """The ``File "...", line N, in f`` lines of the stack Dynamo recorded for ``node``,
+    outermost first, without the frames of a tensor subclass's ``__torch_function__`` (a
+    packed cache's type runs the op there; the model's own line is the one that asked)."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return [line.strip() for line in trace if line.strip().startswith("File ")
+            and not line.strip().endswith("in __torch_function__")]
+
+
 def source_line(node: fx.Node) -> str:
     """``file.py:LINE`` of the model code that produced ``node`` (its innermost frame), or
     "" when Dynamo recorded no stack trace."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    frames = model_frames(node)
     if not frames:
         return ""
     loc = frames[-1].split(",")
@@ -242,3 +251,9 @@ def _noop_cast(n: fx.Node) -> bool:
     if n.target == "contiguous":
         return src.is_contiguous()
     return src.dtype == out.dtype and src.device == out.device
+
+
+def concrete(n: Any) -> Any:
+    """``n``, or its value when it is a symbolic size whose value is known (Dynamo made the
+    size dynamic, then a guard fixed it: no free symbols left)."""
+    return int(n) if isinstance(n, torch.SymInt) and is_concrete_int(n) else n

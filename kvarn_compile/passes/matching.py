@@ -21,7 +21,7 @@ import torch.fx as fx
 from kvarn_compile.passes.attention_forms import AttentionSite
 from kvarn_compile.passes.cache_writes import CacheWrite, resolve_write
 from kvarn_compile.passes.fx_utils import (
-    Unsupported, _noop_cast, describe, example, is_op, is_size_query, same_size,
+    Unsupported, _noop_cast, concrete, describe, example, is_op, is_size_query, same_size,
 )
 from kvarn_compile.passes.reads import ChainBroken, KVRead, trace_kv
 from kvarn_compile.passes.stacked_caches import LAYER_VIEW, is_layer_view
@@ -185,9 +185,11 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
             or tuple(kraw.shape[a] for a in perm[:3]) != tuple(vraw.shape[a] for a in perm[:3]):
         raise Unsupported("the new keys/values are not [batch, kv_heads, tokens, head_dim] of one "
                           "batch, head and token count")
-    kn = [kraw.shape[a] for a in perm]                  # [B, H, T, D]
-    dv = vraw.shape[perm[3]]                            # Dv (multi-head latent attention: not D)
-    qs = [qv.shape[a] for a in site.q_perm] if site.q_perm else list(qv.shape)
+    # (a size Dynamo made symbolic but knows the value of counts as that value)
+    kn = [concrete(kraw.shape[a]) for a in perm]       # [B, H, T, D]
+    dv = concrete(vraw.shape[perm[3]])                 # Dv (multi-head latent attention: not D)
+    qs = [concrete(x) for x in ([qv.shape[a] for a in site.q_perm] if site.q_perm
+                                  else list(qv.shape))]
     if any(not isinstance(x, int) for x in (kn[0], kn[1], kn[3], qs[1], dv)):
         raise Unsupported("dynamic batch, head or head_dim sizes (e.g. the same compiled model ran "
                           "with a second batch size); this graph runs in full precision - compile "

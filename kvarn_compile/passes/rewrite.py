@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from kvarn_compile.passes.cache_writes import CacheWrite
-from kvarn_compile.passes.fx_utils import _noop_cast, dce, example, is_op, is_size_query
+from kvarn_compile.passes.fx_utils import _noop_cast, concrete, dce, example, is_op, is_size_query
 from kvarn_compile.passes.matching import _key_len, _Match, _view_path
 from kvarn_compile.passes.sites import SiteReport, find_sites, site_name
 from kvarn_compile.passes.stacked_caches import LAYER_VIEW, is_layer_view, split_layer_views
@@ -309,7 +309,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     for m in matches:
         name = site_name(m.site.out)
         raw = example(m.wk.new)
-        batch, heads, _, dim = (raw.shape[a] for a in m.perm)
+        batch, heads, _, dim = (concrete(raw.shape[a]) for a in m.perm)
         growth = {}
         if m.wk.cache is not None:
             max_len = int(example(m.wk.cache).shape[m.perm[2]])
@@ -321,12 +321,12 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             tokens = example(m.wk.full).shape[m.wk.axis]
             past = tokens - example(m.wk.new).shape[m.wk.axis]
             growth = dict(tokens=tokens, fresh=_statically_zero(past))
-        dv = example(m.wv.new).shape[m.perm[3]]       # the values' head dim (MLA: not dim)
+        dv = concrete(example(m.wv.new).shape[m.perm[3]])   # the values' head dim (MLA: not dim)
         state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim,
                               value_head_dim=dv, max_len=max_len,
                               dtype=raw.dtype, device=raw.device, **growth)
         loc = _location(m, name, placeholders)
-        new_tokens = raw.shape[m.perm[2]]
+        new_tokens = concrete(raw.shape[m.perm[2]])
         loc.new_tokens = new_tokens if isinstance(new_tokens, int) else None
         ctx.locations.append(loc)
         # 1. the state's buffers become graph inputs (keyed mode: a constant key instead)

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from kvarn_compile.passes.attention_forms import ATTENTIONS
 from kvarn_compile.passes.cache_writes import CACHE_WRITES, CacheWrite
-from kvarn_compile.passes.fx_utils import Unsupported, module_path
+from kvarn_compile.passes.fx_utils import Unsupported, model_frames, module_path
 from kvarn_compile.passes.matching import _Match, _pair
 
 __all__ = ["SiteReport", "find_sites", "site_name"]
@@ -52,8 +52,7 @@ def site_name(node: fx.Node) -> str:
     path = module_path(node)
     if path:
         return path
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    frames = model_frames(node)
     if frames:
         loc = frames[-1].split(",")
         file = loc[0].split('"')[1].rsplit("/", 1)[-1] if '"' in loc[0] else loc[0]

@@ -3,8 +3,9 @@
 Each flow runs a few steps on a model compiled with ``kvarn_backend`` — ``generate`` with a
 dynamic or a static cache, chunked forwards, single-token decoding, a second request, a
 ``copy.deepcopy`` of a filled cache continued twice, ``crop`` (into the packed tiles too),
-assisted decoding (a draft model of other weights, or prompt lookup), continuing a cache an earlier
-flow left alive, ``output_hidden_states``, batch sizes 1 and 2, eager forwards in between —
+assisted decoding (a draft model of other weights, or prompt lookup), continuing a cache an
+earlier flow left alive (compiled, or by the model's uncompiled forward),
+``output_hidden_states``, batch sizes 1 and 2, eager forwards in between —
 and compares every step's logits with the uncompressed model fed the same tokens (teacher
 forcing, so greedy streams that part on a near-tie do not matter). A step passes when its
 logits are within the preset's quantization error of the uncompressed ones — ``margin``
@@ -20,7 +21,7 @@ Subjects: :class:`HFSubject` (a tiny transformers model: its own caches and ``ge
 and :class:`HelperSubject` (a plain function, no ``nn.Module``: an attention helper shared by
 two layers over caches the caller owns, reading a prefix of the cache, or a window of it
 once the sequence is longer than the window, or with a graph break between the cache write
-and the attention).
+and the attention; now and then a step runs the helper uncompiled over those caches).
 """
 
 from __future__ import annotations
@@ -211,12 +212,14 @@ class HFSubject:
         elif kind == "continue" and self.alive:
             cache, ids = self.alive.pop(rng.randrange(len(self.alive)))
             more = self._ids(rng, ids.shape[0], rng.randint(1, 2))
+            eager = rng.random() < 0.3          # the model's uncompiled forward, in between
             log.append(f"continue a cache of {ids.shape[1]} tokens from an earlier step "
-                       f"(B={ids.shape[0]}) with {more.shape[1]}")
+                       f"(B={ids.shape[0]}) with {more.shape[1]}{' uncompiled' if eager else ''}")
             full = torch.cat([ids, more], 1)
             if full.shape[1] >= self.max_len:
                 return
-            got = self._forward(more, cache).logits
+            with torch.compiler.set_stance("force_eager" if eager else "default"):
+                got = self._forward(more, cache).logits
             _compare(got, self.reference(full, ids.shape[1]), rtol, log[-1])
             if rng.random() < 0.5:
                 self.alive.append((cache, full))
@@ -334,8 +337,9 @@ class HelperSubject:
             if pos + t > self.max_len:
                 break
             x = torch.randn(batch, t, self.heads * self.dim, generator=g)
-            log.append(f"{t} tokens at {pos}")
-            got = self.compiled(x, caches, pos)
+            eager = pos > 0 and rng.random() < 0.2      # the uncompiled helper, in between
+            log.append(f"{t} tokens at {pos}{' uncompiled' if eager else ''}")
+            got = (self._run if eager else self.compiled)(x, caches, pos)
             want = self._run(x, ref_caches, pos), self._run(x, q_caches, pos, self.config)
             _compare(got, want, rtol, log[-1])
             pos += t

@@ -6,9 +6,9 @@ lost or misplaced tokens stands far out), or refused with a one-line error. A fi
 its flow's seed and steps. ``KVARN_FLOWS`` scales the number of flows (``KVARN_FLOWS=200`` for
 a long run), ``KVARN_FLOW_SEED`` picks another set of flows.
 
-Known gap, not fuzzed: a packed cache's model-owned buffer copied in plain (eager) torch into
-another cache that a graph the pass leaves unchanged then reads (the copy reads zeros; a
-*rewritten* graph continuing such a copy refuses it, which is fuzzed).
+Plain torch between compiled calls is fuzzed too: a cache continued by the model's
+uncompiled forward, a helper step run uncompiled, a packed buffer copied into another cache
+(``cache_book.PackedBuffer``/``PackedHandle`` give such code the packed tokens dequantized).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from kvarn_compile import kvarn_backend
 from kvarn_compile.cache_book import CacheBook
 from kvarn_compile.testing.flows import HelperSubject, HFSubject, run_flows
 
+pytestmark = pytest.mark.usefixtures("many_recompiles")
+
 SEED = int(os.environ.get("KVARN_FLOW_SEED", "0"))
 SCALE = float(os.environ.get("KVARN_FLOWS", "0") or 0)
 
@@ -33,12 +35,6 @@ def _flows(default: int) -> int:
 def _backend():
     return kvarn_backend("k4v2", key_bits=8, value_bits=8, group_size=32, compiler="eager",
                          max_cache_len=256)
-
-
-@pytest.fixture(autouse=True)
-def _dynamo(fresh_dynamo):
-    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
-        yield
 
 
 @pytest.mark.parametrize("window,graph_break,copies,newest",

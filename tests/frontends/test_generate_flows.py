@@ -26,16 +26,10 @@ from transformers import StaticCache
 from kvarn_compile import kvarn_backend
 from kvarn_compile.testing.models import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "many_recompiles")
 
 #: relative logit error allowed: 8-bit codes (the tiny model's whole-sequence error is ~1e-3)
 TOL = 0.02
-
-
-@pytest.fixture(autouse=True)
-def _dynamo(fresh_dynamo):
-    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
-        yield
 
 
 @pytest.fixture(scope="module")

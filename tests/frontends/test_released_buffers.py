@@ -13,7 +13,9 @@ work:
   run, and the buffers are freed again afterwards.
 * any eager access to a released buffer, in a child process so that a crash (a segfault
   reading freed memory) fails the test instead of killing the run: reset, index writes,
-  copies, reductions, printing, ``.numpy()``, serialization, an uncompiled forward.
+  copies, reductions, printing, ``.numpy()``, serialization, an uncompiled forward. The
+  first eager access to a buffer whose tokens are packed gets them dequantized into it
+  (``cache_book.PackedBuffer``); a buffer freed again reads zeros.
 * the memory saving: the process's resident set drops by the buffers' bytes, also after a
   reset wrote them again.
 """
@@ -167,6 +169,7 @@ sys.path.insert(0, {examples!r})
 import gpt_fast_model as gf
 from kvarn_compile import kvarn_backend
 from kvarn_compile.ops import buffers as registry
+from kvarn_compile.ops.append import materialize
 
 torch.manual_seed(0)
 model = gf.Transformer(gf.ModelArgs(vocab_size=64, n_layer=1)).eval()
@@ -190,6 +193,13 @@ def run(name, fn):
     seen[name] = fn()
 
 d = kc.shape[-1]
+(state,) = backend.states.values()
+seen["packed"] = [float(x.sum()) for x in materialize(state.buffers, dtype=kc.dtype)]
+seen["typed"] = type(kc).__name__
+# the first eager read gets the packed tokens dequantized into the buffer, a plain tensor
+# from then on (freed again by each run() below: reads zeros)
+seen["first sum"] = [kc.sum().item(), vc.sum().item()]
+seen["plain"] = type(kc).__name__
 run("sum", lambda: kc.sum().item())
 run("clone", lambda: kc.clone().abs().max().item())
 run("numpy", lambda: float(kc.numpy().sum()))
@@ -219,7 +229,10 @@ def test_no_eager_access_to_a_released_buffer_crashes():
     assert proc.returncode == 0, (f"exit {proc.returncode} after: {proc.stdout.splitlines()[-1:]}"
                                   f"\n{proc.stderr[-3000:]}")
     seen = json.loads(proc.stdout.split("DONE ", 1)[1])
-    # released buffers read zeros; writes land and are read back
+    # a packed buffer's first eager read gets its tokens dequantized (not zeros); released
+    # buffers read zeros; writes land and are read back
+    assert seen["typed"] == "PackedBuffer" and seen["plain"] == "Tensor"
+    assert seen["first sum"] == pytest.approx(seen["packed"]) and seen["packed"][0] != 0.0
     assert seen["sum"] == seen["clone"] == seen["numpy"] == seen["matmul"] == 0.0
     assert seen["zero_"] == 0.0 and seen["fill_"] == 1.0 and seen["setitem"] == 2.0
     assert seen["index_copy_"] == seen["index_put_"] == 1.0 and seen["add_"] == 1.0

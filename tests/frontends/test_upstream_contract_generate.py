@@ -28,9 +28,6 @@ _recompile_limit = contract._recompile_limit
 #: refuses with a one-line error or keeps full precision, reported; none is silently wrong.
 KNOWN_BACKEND_GAPS = {
     "test_output_attentions": "eager attention whose weights are returned keeps a full-precision cache (reported)",
-    "test_cache_beam_search": "beam search matches, but each reorder (index_select over the zero-storage handles) leaves full-size tensors in the cache until the next step",
-    "test_beam_search_generate_dict_outputs_use_cache": "as test_cache_beam_search",
-    "test_batch_repeat_interleave_and_select_indices": "after batch_repeat_interleave the batch-2 call's first layer is traced with a dynamic batch and kept in full precision; reading the repeated handle there is refused (batch_select_indices alone works: tests/frontends/test_robustness.py)",
 }
 
 
