@@ -1258,18 +1258,57 @@ def test_batch_select_indices_on_handles_continues_the_selected_packed_rows(fres
     assert torch.equal(got, want)
 
 
-def test_a_handle_read_in_full_precision_is_refused_not_read_as_keys(fresh_dynamo):
-    """batch_repeat_interleave, then a call whose graph keeps one layer in full precision
-    (the batch size changed; Dynamo made it dynamic there): that layer would read the
-    repeated tags as its keys and values. The call stops with a one-line error instead."""
-    tf, model, _, _ = _handle_flow()
+def test_batch_repeat_interleave_on_handles_continues_the_repeated_packed_rows(fresh_dynamo):
+    """batch_repeat_interleave, then a batch-2 call: Dynamo traces it again (the batch size
+    changed) with a size it made symbolic and then fixed; the pass takes it as the number it
+    is, so every layer continues the repeated packed rows: each row equals a batch-1 run.
+    (That layer was once kept in full precision and the call refused.)"""
+    tf, model, twin, backend = _handle_flow()
     ids = tiny_prompt(45, length=66)
+    two = tiny_prompt(46, batch=2, length=1)
     cache = tf.DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, cache=cache)
         cache.batch_repeat_interleave(2)
-        two = tiny_prompt(46, batch=2, length=1)
-        with pytest.raises(RuntimeError, match=r"^kvarn_backend: graph \d+ reads in full precision "
-                                               r"\(model\.layers\.0\.self_attn: dynamic batch.*holds "
-                                               r"the batch-row tags of a packed cache"):
-            model(two, cache=cache)
+        got = model(two, cache=cache).logits[:, -1]
+    assert not backend.report.unchanged, str(backend.report)
+    torch._dynamo.reset()
+    tf, direct, _, _ = _handle_flow()
+    direct.load_state_dict(twin.state_dict())
+    for row in range(2):
+        cache = tf.DynamicCache(config=direct.config)
+        with torch.no_grad():
+            direct(ids, cache=cache)
+            want = direct(two[row:row + 1], cache=cache).logits[0, -1]
+        torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
+
+
+def _cat_step(q, k, v, past_k, past_v, cap: bool):
+    """A cat-cache attention step; ``cap``: logit soft-capping (a form the pass leaves
+    unchanged, so that graph reads the past in full precision)."""
+    keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+    if not cap:
+        return F.scaled_dot_product_attention(q, keys, values), keys, values
+    s = torch.tanh(q @ keys.transpose(2, 3) / 5.0) * 5.0
+    return F.softmax(s, dim=-1) @ values, keys, values
+
+
+def test_a_handle_read_in_full_precision_is_refused_not_read_as_keys(fresh_dynamo):
+    """A handle reordered in plain torch (it names no packed rows of its own), then read by a
+    graph the pass leaves unchanged: that graph would read the tags as keys and values. The
+    call stops with a one-line error instead; the handle itself (with its packed rows) is
+    passed dequantized."""
+    backend = kvarn_backend("k4v2", group_size=32, compiler="eager")
+    step = torch.compile(_cat_step, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 40, 32, generator=g) for _ in range(3))
+    empty = torch.zeros(2, 2, 0, 32)
+    _, hk, hv = step(q, k, v, empty, empty, False)
+    one = [torch.randn(2, 2, 1, 32, generator=g) for _ in range(3)]
+    out = step(*one, hk, hv, True)[0]                   # the handle: passed dequantized
+    assert out.isfinite().all() and any("passed dequantized" in n for n in backend.report.notes)
+    _, hk, hv = step(q, k, v, empty, empty, False)
+    flipped = [h.index_select(0, torch.tensor([1, 0])) for h in (hk, hv)]
+    with pytest.raises(RuntimeError, match=r"^kvarn_backend: graph \d+ reads in full precision "
+                                           r".*holds the batch-row tags of a packed cache"):
+        step(*one, *flipped, True)
