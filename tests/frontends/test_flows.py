@@ -71,6 +71,8 @@ def test_the_fuzzer_finds_a_full_precision_graph_reading_a_packed_cache(monkeypa
     sequence outgrows the window — reads the model's buffers, which the packed state
     replaced: the fuzzer must say so."""
     monkeypatch.setattr(CacheBook, "guard", lambda self, args, *rest: args)
+    # (seed 0 always: these flows reach such a graph; KVARN_FLOW_SEED picks others, which
+    # need not)
     findings = run_flows(HelperSubject(_backend(), window=96, copies=False, newest=True), 40,
-                         seed=SEED)
+                         seed=0)
     assert findings and all("silently wrong" in f.what for f in findings), findings
