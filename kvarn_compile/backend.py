@@ -33,7 +33,9 @@ from kvarn_compile._torch_compat import lazy_graph_module, plain_tensor_function
     refuse_eager_fallback
 from kvarn_compile.cache_book import CacheBook, _Site, plain_inputs
 from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
-from kvarn_compile.ops.buffers import claim, mark_seen, releasable, release_storage
+from kvarn_compile.ops.buffers import (
+    claim, mark_seen, releasable, release_storage, untouched_since_release,
+)
 from kvarn_compile.ops.dispatch import cuda_checks_deferred, deferred_checks, prepare_device
 from kvarn_compile.report import Report, rewrite_context, run_rewrite
 from kvarn_compile.state import (
@@ -354,6 +356,8 @@ class KVarNBackend:
             # buffer the model wrote again (a reset, an uncompiled prefill) is freed too.
             # Freed memory stays mapped and reads zeros (ops.buffers.release_storage).
             for i, site in released:
+                if untouched_since_release(args[i]):
+                    continue                # freed by an earlier call, not written since
                 if releasable(args[i]):
                     site.released_bytes += release_storage(args[i])
                 else:

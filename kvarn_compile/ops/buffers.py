@@ -33,6 +33,7 @@ import sys
 import torch
 
 __all__ = ["releasable", "release_storage", "released", "claim", "managed", "unwritten_since_release",
+           "untouched_since_release",
            "mark_seen", "unchanged_since_seen",
            "freeable_bytes", "is_freed", "resident_bytes"]
 
@@ -79,7 +80,7 @@ def releasable(tensor: torch.Tensor) -> bool:
     return not tensor.untyped_storage().is_shared() and not tensor.is_pinned()
 
 
-def _untouched(tensor: torch.Tensor) -> bool:
+def untouched_since_release(tensor: torch.Tensor) -> bool:
     """Released, and no in-place op has run on ``tensor`` (or a view of its buffer) since:
     its version counter is the one recorded right after the release. (A write that bypasses
     the dispatcher, through a raw pointer, goes unseen here: such memory is freed again on
@@ -132,7 +133,7 @@ def release_storage(tensor: torch.Tensor) -> int:
     (a buffer written again is freed again, but counted once) and 0 when the buffer is not
     :func:`releasable` (kept as it is). A buffer nothing wrote since its last release is
     left as it is (no system call: it is called for every cache buffer on every step)."""
-    if _untouched(tensor):
+    if untouched_since_release(tensor):
         return 0
     if not releasable(tensor):
         return 0
@@ -181,7 +182,7 @@ def unwritten_since_release(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` (a cache [B, H, S, D], or a view in that order) holds no data a
     forward wrote since its release: released, and its first position still all zeros (a
     prompt always writes position 0). A zero-byte storage counts as released too."""
-    if not tensor.untyped_storage().nbytes() or _untouched(tensor):
+    if not tensor.untyped_storage().nbytes() or untouched_since_release(tensor):
         return True
     if not released(tensor):
         return False
