@@ -1283,7 +1283,7 @@ def test_batch_repeat_interleave_on_handles_continues_the_repeated_packed_rows(f
         torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
 
 
-def _cat_step(q, k, v, past_k, past_v, cap: bool):
+def _cat_step_capped(q, k, v, past_k, past_v, cap: bool):
     """A cat-cache attention step; ``cap``: logit soft-capping (a form the pass leaves
     unchanged, so that graph reads the past in full precision)."""
     keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
@@ -1299,7 +1299,7 @@ def test_a_handle_read_in_full_precision_is_refused_not_read_as_keys(fresh_dynam
     call stops with a one-line error instead; the handle itself (with its packed rows) is
     passed dequantized."""
     backend = kvarn_backend("k4v2", group_size=32, compiler="eager")
-    step = torch.compile(_cat_step, backend=backend)
+    step = torch.compile(_cat_step_capped, backend=backend)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 40, 32, generator=g) for _ in range(3))
     empty = torch.zeros(2, 2, 0, 32)
