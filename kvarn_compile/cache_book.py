@@ -111,7 +111,15 @@ class PackedHandle(torch.Tensor):
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         if any(isinstance(t, torch.Tensor) and not isinstance(t, PackedHandle)
                and t.is_floating_point() for t in flat):
-            # real data meets a handle: the handle's tokens, dequantized, in its place
+            # real data meets a handle: the handle's tokens, dequantized, in its place (a
+            # write of real data into the handle itself would land in that copy: refused)
+            name = getattr(func, "__name__", str(func))
+            if isinstance(args[0] if args else None, PackedHandle) and (
+                    func is torch.Tensor.__setitem__ or (name.endswith("_") and not name.startswith("__"))):
+                raise RuntimeError(
+                    f"kvarn_backend: {name}() outside the compiled model writes into a KV cache "
+                    "handle, which holds no keys or values (the packed state does); write "
+                    "through the compiled model, or start a new cache.")
             dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             flat = [_dequantized_handle(t, func, dense) if isinstance(t, PackedHandle) else t
                     for t in flat]

@@ -85,6 +85,9 @@ def test_a_handle_moved_in_plain_torch_stays_a_handle_and_a_reordered_one_is_ref
     assert h.shape[-2] == 40 and h.dim() == 4            # shape queries pass through
     new = torch.randn(1, h.shape[1], 1, h.shape[3])
     assert torch.cat([h[..., :30, :], new], -2).shape[-2] == 31   # a crop view: dequantized
+    with pytest.raises(RuntimeError, match=r"^kvarn_backend: copy_\(\) outside the compiled "
+                                           r"model writes into a KV cache handle"):
+        h[..., :1, :].copy_(new)                              # a write would land nowhere
     reordered = h.index_select(0, torch.tensor([0]))         # a copy: no packed rows named
     with pytest.raises(RuntimeError, match=r"^kvarn_backend: cat\(\) outside the compiled model "
                                            r"read a KV cache handle that no longer names"):
