@@ -181,24 +181,24 @@ _METADATA = frozenset(
 
 def _unpack_buffer(t: torch.Tensor, func: Any, args: Any) -> None:
     ref = token_of(t)
-    if ref is not None and ref[0].kind == "buffer" and ref[1] not in ref[0].materialized:
-        token, role = ref
-        name = getattr(func, "__name__", str(func))
-        if not token.adopts:
-            raise RuntimeError(
-                f"kvarn_backend: {name}() outside the compiled model touches the KV cache of "
-                f"{token.site}, but graph {token.graph} keeps that cache packed and cannot take "
-                "tokens written there back; run this call compiled, or leave the model "
-                "uncompiled.")
-        t.__class__ = torch.Tensor
-        whole = func in (torch.Tensor.zero_, torch.Tensor.fill_) and args and args[0] is t
-        token.materialized.add(role)
-        if not whole:        # (a reset needs none of the packed tokens)
-            _materialize_buffer(token, role, t, {})
-            token.book._note(f"{token.site}: a call outside the compiled model touched its "
-                             "packed KV cache: it was dequantized into the model's buffer "
-                             "first, and the next compiled call packs what the buffer holds then")
-    t.__class__ = torch.Tensor
+    packed = ref is not None and ref[0].kind == "buffer" and ref[1] not in ref[0].materialized
+    if packed and not ref[0].adopts:
+        raise RuntimeError(
+            f"kvarn_backend: {getattr(func, '__name__', func)}() outside the compiled model "
+            f"touches the KV cache of {ref[0].site}, but graph {ref[0].graph} keeps that cache "
+            "packed and cannot take tokens written there back; run this call compiled, or leave "
+            "the model uncompiled.")
+    t.__class__ = torch.Tensor                   # a plain tensor from here on
+    if not packed:
+        return
+    token, role = ref
+    token.materialized.add(role)
+    if func in (torch.Tensor.zero_, torch.Tensor.fill_) and args and args[0] is t:
+        return                                   # a reset needs none of the packed tokens
+    _materialize_buffer(token, role, t, {})
+    token.book._note(f"{token.site}: a call outside the compiled model touched its packed KV "
+                     "cache: it was dequantized into the model's buffer first, and the next "
+                     "compiled call packs what the buffer holds then")
 
 
 def _materialize_buffer(token: "CacheToken", role: str, t: torch.Tensor, dense: dict) -> None:
@@ -297,11 +297,6 @@ def _as_handle(t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor:
         t.__class__ = PackedHandle
     return t
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` seen as a plain tensor (the book's own reads of a handle's tags)."""
-    return t.as_subclass(torch.Tensor) if isinstance(t, PackedHandle) else t
 
 
 def _dequantized_handle(t: torch.Tensor, func: Any, dense: dict) -> torch.Tensor:
@@ -495,7 +490,7 @@ class CacheBook:
             # the chain a handle moved in plain torch came from (else this site's newest)
             source = past.__dict__.get(DERIVED)
             last = source[0] if source is not None else self._last_chain.get(site.name)
-            tags = _row_tags(_plain(past), axis, loc.perm[0])
+            tags = _row_tags(past, axis, loc.perm[0])
             if tags is not None:
                 if last is not None and _fits(last.state, site.geometry) \
                         and max(tags) < last.state.batch:
@@ -564,10 +559,7 @@ class CacheBook:
         the compiled model returned, reordered, selected or repeated along the batch."""
         if isinstance(t, PackedHandle):       # moved in plain torch after a compiled call
             return True
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            return False
-        t = _plain(t)
-        if not _holds_row_tags(t):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not _holds_row_tags(t):
             return False
         for token in self._last_chain.values():
             p, st = token.perm, token.state
@@ -650,7 +642,7 @@ class CacheBook:
                            f"precision ({why}): it is dequantized into the model's buffer before "
                            "such a call and packed again by the next rewritten one")
             else:
-                value = _dequantized(token, role, _plain(t), dense)
+                value = _dequantized(token, role, t, dense)
                 if value is None:
                     raise RuntimeError(
                         f"kvarn_backend: graph {graph} reads the KV cache of {token.site} in full "
