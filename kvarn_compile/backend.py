@@ -31,7 +31,7 @@ import torch.fx as fx
 from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import lazy_graph_module, plain_tensor_functions as _internal, \
     refuse_eager_fallback
-from kvarn_compile.cache_book import CacheBook, _Site, plain_inputs
+from kvarn_compile.cache_book import CacheBook, CallMemo, _Site, plain_inputs
 from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
 from kvarn_compile.ops.buffers import (
     claim, mark_seen, releasable, release_storage, untouched_since_release,
@@ -324,13 +324,31 @@ class KVarNBackend:
                 return models[model][i]
 
         cache_inputs = tuple(sorted(consumed))
+        # a graph whose every site packs a model-owned buffer it takes as an input (a static
+        # cache) resolves to the same states call after call: CallMemo skips the bookkeeping
+        # while the buffers are the same untouched tensors
+        memo = CallMemo(tuple(sorted(consumed | {i for i, _ in released}))) if not growth and all(
+            s.loc.kind == "buffer" and s.loc.k_input is not None and s.loc.v_input is not None
+            for s in book_sites) else None
 
         def run(*call_args: Any) -> Any:
             with _internal(), plain_inputs(call_args, cache_inputs):
                 return run_packed(call_args)
 
+        def call(args: list[Any], states: list[LayerState]) -> Any:
+            if states and states[0].buffers[0].is_cuda:
+                # every layer's decode append and attention without host syncs; their device
+                # error flags read once, after the step
+                with deferred_checks(f"graph {graph_id}",
+                                     states[0].buffers[0].device if capturable else None):
+                    return compiled(*args, *flat.buffers(states))
+            return compiled(*args, *flat.buffers(states))
+
         def run_packed(call_args: tuple[Any, ...]) -> Any:
             args = self.book.guard(list(call_args), candidates, graph_id, why)
+            states = memo.states_for(args) if memo is not None else None
+            if states is not None:          # the same untouched buffers as the last call
+                return call(args, states)
             for i, _ in released:
                 claim(args[i])
             states = [self.book.resolve(site, args, lambda i=i: by_name(args, i))
@@ -339,14 +357,7 @@ class KVarNBackend:
                 self.states[key] = state
             for i, tokens, fresh in growth:
                 states[i].reserve(tokens(args), fresh=fresh)
-            if states and states[0].buffers[0].is_cuda:
-                # every layer's decode append and attention without host syncs; their device
-                # error flags read once, after the step
-                with deferred_checks(f"graph {graph_id}",
-                                     states[0].buffers[0].device if capturable else None):
-                    out = compiled(*args, *flat.buffers(states))
-            else:
-                out = compiled(*args, *flat.buffers(states))
+            out = call(args, states)
             for i, _, _ in growth:          # the tail slots this call's frozen tiles freed
                 states[i].trim()
             self.book.after(list(zip(book_sites, states)), out, args)
@@ -363,6 +374,8 @@ class KVarNBackend:
                 else:
                     mark_seen(args[i])      # adopt_ reads it again only once it is written
                     self._note_kept(args[i])
+            if memo is not None:
+                memo.record(args, states)
             return out
 
         return run
@@ -486,14 +499,16 @@ class _SiteStates:
     when a site's state changed (another cache) or reallocated its tile buffers."""
 
     def __init__(self) -> None:
-        self._key: tuple[tuple[int, int], ...] | None = None
+        self._states: list[LayerState] = []
+        self._versions: list[int] = []
         self._flat: list[torch.Tensor] = []
 
     def buffers(self, states: list[LayerState]) -> list[torch.Tensor]:
-        key = tuple((id(st), st.version) for st in states)
-        if key != self._key:
+        versions = [st.version for st in states]
+        if versions != self._versions or len(states) != len(self._states) \
+                or any(a is not b for a, b in zip(states, self._states)):
             self._flat = [b for st in states for b in st.buffers]
-            self._key = key
+            self._states, self._versions = list(states), versions
         return self._flat
 
 

@@ -43,7 +43,7 @@ from kvarn_compile.ops.append import crop_, materialize
 from kvarn_compile.passes.rewrite import CacheLocation
 from kvarn_compile.state import LayerState, field_indices
 
-__all__ = ["CacheBook", "CacheToken", "TOKEN", "LAYER_TOKENS", "token_of", "PackedHandle",
+__all__ = ["CacheBook", "CacheToken", "CallMemo", "TOKEN", "LAYER_TOKENS", "token_of", "PackedHandle",
            "PackedBuffer", "plain_inputs"]
 
 #: the attribute naming a packed cache's :class:`CacheToken` on its tensors and storages
@@ -193,6 +193,7 @@ def _unpack_buffer(t: torch.Tensor, func: Any, args: Any) -> None:
         return
     token, role = ref
     token.materialized.add(role)
+    _changed()
     if func in (torch.Tensor.zero_, torch.Tensor.fill_) and args and args[0] is t:
         return                                   # a reset needs none of the packed tokens
     _materialize_buffer(token, role, t, {})
@@ -220,12 +221,18 @@ class plain_inputs:
     def __init__(self, args: list[Any], indices: tuple[int, ...]):
         self.typed = [(args[i], type(args[i])) for i in indices
                       if type(args[i]) in (PackedBuffer, PackedHandle)]
+        self.changes = _CHANGES[0]
 
     def __enter__(self) -> None:
         for t, _ in self.typed:
             t.__class__ = torch.Tensor
 
     def __exit__(self, *exc: Any) -> None:
+        if self.changes == _CHANGES[0]:       # no token stamped or materialized meanwhile
+            for t, cls in self.typed:
+                if type(t) is torch.Tensor:
+                    t.__class__ = cls
+            return
         for t, cls in self.typed:
             if type(t) is torch.Tensor:
                 if cls is PackedHandle:
@@ -358,8 +365,18 @@ def token_of(t: Any, layer: int | None = None) -> tuple[CacheToken, str] | None:
     return ref if ref is not None and ref[0] is not None else None
 
 
+#: bumped whenever a cache tensor gets a token or a packed buffer is materialized back
+#: (:class:`CallMemo` trusts a call's states only while it is unchanged)
+_CHANGES = [0]
+
+
+def _changed() -> None:
+    _CHANGES[0] += 1
+
+
 def _stamp(t: torch.Tensor, token: CacheToken, role: str, storage: bool,
            layer: int | None = None) -> None:
+    _changed()
     if layer is not None:       # one stacked tensor holds every layer's cache
         t.__dict__.setdefault(LAYER_TOKENS, {})[layer] = (token, role)
         return
@@ -469,6 +486,7 @@ class CacheBook:
                 # now; the append (kvarn::append_from_) adopts them into the restarted state
                 self._reset(token.state)
                 token.materialized.clear()
+                _changed()
             return token.state
         return self._resolve_chain(site, args)
 
@@ -637,6 +655,7 @@ class CacheBook:
             if token.kind == "buffer":
                 _materialize_buffer(token, role, t, dense)
                 token.materialized.add(role)
+                _changed()
                 t.__class__ = torch.Tensor if type(t) is PackedBuffer else type(t)
                 self._note(f"graph {graph} reads the packed KV cache of {token.site} in full "
                            f"precision ({why}): it is dequantized into the model's buffer before "
@@ -653,6 +672,45 @@ class CacheBook:
                 self._note(f"graph {graph} reads the packed KV cache of {token.site} in full "
                            f"precision ({why}): it is passed dequantized to such a call")
         return args if out is None else out
+
+
+class CallMemo:
+    """The states one compiled graph's sites resolved to on its last call, for a graph whose
+    every site keeps a model-owned buffer packed (a static cache's decode step).
+
+    While the next call passes the very same buffer tensors (same objects, same storage,
+    version counters unchanged: nothing wrote them) and no cache tensor anywhere got a token
+    or was materialized back since, the call resolves to the same states and has nothing to
+    claim, type or release: :meth:`states_for` hands them back, and the per-call
+    bookkeeping costs a few identity checks instead of a few hundred microseconds."""
+
+    __slots__ = ("watch", "_refs", "_seen", "_states", "_changes")
+
+    def __init__(self, watch: tuple[int, ...]):
+        #: the argument positions whose tensors the states hang on (cache buffers, released inputs)
+        self.watch = watch
+        self._refs: tuple[weakref.ref, ...] | None = None
+        self._seen: list[tuple[int, int]] = []
+        self._states: list[LayerState] = []
+        self._changes = -1
+
+    def states_for(self, args: list[Any]) -> list[LayerState] | None:
+        """The last call's states if nothing they hang on changed since, else None."""
+        if self._refs is None or self._changes != _CHANGES[0]:
+            return None
+        for i, ref in zip(self.watch, self._refs):
+            if args[i] is not ref():
+                return None
+        if [(args[i]._version, args[i].data_ptr()) for i in self.watch] != self._seen:
+            return None
+        return self._states
+
+    def record(self, args: list[Any], states: list[LayerState]) -> None:
+        """After a call that resolved, claimed, typed and released everything itself."""
+        self._refs = tuple(weakref.ref(args[i]) for i in self.watch)
+        self._seen = [(args[i]._version, args[i].data_ptr()) for i in self.watch]
+        self._states = states
+        self._changes = _CHANGES[0]
 
 
 def _refuse_stacked(t: Any, graph: int, why: str) -> None:
