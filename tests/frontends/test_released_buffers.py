@@ -301,3 +301,31 @@ def test_buffers_that_cannot_be_freed_in_place_are_kept_and_noted():
     assert any("K/V buffers are kept in full precision" in n for n in backend.report.notes)
     assert not releasable(torch.zeros(4, 4, device="meta"))
     assert not releasable(torch.zeros(4, 4)[:2])             # a view into a larger buffer
+
+
+def test_decode_steps_reuse_their_states_until_the_cache_changes(monkeypatch):
+    """A static cache's decode graph resolves its states once and reuses them while each call
+    passes the same untouched buffers (``cache_book.CallMemo``); a reset of the buffers (an
+    in-place write) or an uncompiled prefill into them makes the next call resolve again, and
+    the tokens stay those of full precision throughout (8 bits: equal)."""
+    from kvarn_compile import cache_book
+
+    lm, model = llama_ref_model()
+    fp_model = copy.deepcopy(model)
+    answers = []
+    real = cache_book.CallMemo.states_for
+    monkeypatch.setattr(cache_book.CallMemo, "states_for",
+                        lambda self, args: answers.append(r := real(self, args)) or r)
+    step = torch.compile(model, backend=kvarn_backend(**EIGHT_BIT, compiler="eager"))
+    prompt = tiny_prompt(1, length=60) % 128
+    want = lm.generate(fp_model, prompt, 8)
+    assert lm.generate(model, prompt, 8, step=step).tolist() == want.tolist()
+    reused = sum(r is not None for r in answers)
+    assert reused >= 5, answers                       # the decode steps after the first
+    answers.clear()
+    model.reset_caches()                              # zero_() on the released buffers
+    assert lm.generate(model, prompt, 8, step=step).tolist() == want.tolist()
+    assert answers[0] is None and sum(r is not None for r in answers) >= 5, answers
+    answers.clear()
+    assert _eager_prefill_generate(lm, model, step, prompt, 8).tolist() == want.tolist()
+    assert answers[0] is None, answers                # the prompt the uncompiled call wrote
