@@ -34,7 +34,7 @@ from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["append_", "commit_", "crop_", "materialize", "check_append", "check_method", "check_range",
            "split_method", "freeze_tiles", "adopt_", "reorder_", "row_order", "positions_start",
-           "TileKernel"]
+           "TileKernel", "OP_METHODS"]
 
 #: A device kernel for tile quantization: ``fn(buffers, row, tokens_k, tokens_v,
 #: first_tile, method, iters) -> bool`` quantizes [H, f*G, D] token-major K/V of one batch
@@ -57,6 +57,12 @@ def split_method(method: str) -> tuple[str, str]:
     (:attr:`KVarNConfig.op_method`)."""
     base, _, option = method.partition("+")
     return base, ("mse" if option == "clip" else "none" if option == "" else option)
+
+
+#: Every op method :func:`check_method` accepts (the base quantizer, then an optional clip
+#: option; the native append kernel takes exactly these and sends anything else to Python).
+OP_METHODS = tuple(f"{base}{option}" for base in ("kvarn", "hadamard")
+                   for option in ("", "+clip", "+mse", "+none"))
 
 
 def check_method(method: str) -> None:

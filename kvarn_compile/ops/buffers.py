@@ -155,6 +155,9 @@ def release_storage(tensor: torch.Tensor) -> int:
     if first:
         setattr(storage, _RELEASED, freed)
     setattr(storage, _VERSION, tensor._version)
+    from kvarn_compile.kernels.cpu import attention as cpu_attention
+
+    cpu_attention.note_released(tensor)      # the native append kernel's own record
     return freed if first else 0
 
 

@@ -32,6 +32,7 @@ Everything else runs the reference
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -39,7 +40,7 @@ import torch
 from kvarn_compile.ops import context_parallel
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, library, regions
 from kvarn_compile.quant.rotation import rotation_matrix
-from kvarn_compile.state import Geometry, StateFields, field_indices, unpack
+from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu",
            "cuda_checks_on", "cuda_checks_deferred", "deferred_checks", "prepare_device",
@@ -86,30 +87,15 @@ def _cpu_attention(q, buffers, mask, scale, causal, window):
     :data:`CPU_KERNEL_MAX_QUERIES` queries, the multi-query kernel beyond: exact for any
     visibility); None where the kernel cannot read this cache (the reference runs).
 
-    Reads the members through :func:`field_indices`, not :class:`StateFields`: this runs per
-    layer and token, and building the fields costs more than the rest of the Python around
-    the kernel. The checks are the reference's (shapes, and a mask as long as the cache).
+    ``cpu_attention.attention_state`` reads the members, bit widths and mask from the flat
+    buffer list in C++ and does the reference's checks (queries, a mask as long as the
+    cache): this runs per layer and token, where the Python around the kernel cost about as
+    much as the kernel.
     """
     from kvarn_compile.kernels.cpu import attention as cpu_attention
 
-    at = field_indices(buffers)
-    if "k_row_factor" in at:                   # fp8 scales: the kernel reads fp16/bf16/fp32
-        return None
-    b = buffers
-    sink_k, lengths = b[at["sink_k"]], b[at["lengths"]]
-    k = [b[at["k_codes"]], b[at["k_row_scale"]], b[at["k_row_zero"]], b[at["k_col_scale"]]]
-    v = [b[at["v_codes"]], b[at["v_row_scale"]], b[at["v_row_zero"]], b[at["v_col_scale"]]]
-    if not cpu_attention.supports(sink_k.shape[-1], k[1].dtype, sink_k.dtype) \
-            or cpu_attention.bits_of(k, v) not in cpu_attention.SUPPORTED_BITS:
-        return None
-    attention_ref.check_query_shape(q, sink_k)
-    if mask is not None:
-        attention_ref.check_mask_covers(mask, lengths)
-    return cpu_attention.decode_attention(
-        q, (sink_k, b[at["sink_v"]]), k, v, (b[at["tail_k"]], b[at["tail_v"]]), lengths,
-        b[at["n_tiles"]], scale=float(scale), causal=causal, window=window, mask=mask,
-        k_plain=b[at["k_plain"]] if "k_plain" in at else None,
-        many=q.shape[2] > CPU_KERNEL_MAX_QUERIES)
+    return cpu_attention.attention_state(q, buffers, mask, scale=scale, causal=causal, window=window,
+                                         max_decode_queries=CPU_KERNEL_MAX_QUERIES)
 
 
 def _cuda_attention(q, buffers, mask, scale, causal, window):
@@ -460,17 +446,27 @@ def freeze_tiles_cpu(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tens
 freeze_tiles_cpu.handles_clip = True
 
 
+@functools.lru_cache(maxsize=1)
+def _native_append() -> None:
+    from kvarn_compile.kernels.cpu import attention as cpu_attention
+
+    cpu_attention.register_native_ops(append_ref.OP_METHODS)
+
+
 @library.append_.register_kernel("cpu")
 def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name):
     """The decode-step append in one C++ call where it applies (``cpu_attention.append_decode``:
     every row continues, no tile completes); else the reference's bookkeeping with the C++ tile
-    quantizer (:func:`freeze_tiles_cpu`)."""
+    quantizer (:func:`freeze_tiles_cpu`). Once the C++ kernel is built, the first call also
+    registers that append as the ops' native AutogradCPU kernel (``csrc/ops.cpp``): later
+    calls that it covers never reach Python."""
     from kvarn_compile.kernels.cpu import attention as cpu_attention
 
     append_ref.check_method(method)
-    if not check_finite and cpu_attention.available() \
-            and cpu_attention.append_decode(buffers, k, v, start_pos, recent, hold):
-        return
+    if cpu_attention.available():
+        _native_append()
+        if not check_finite and cpu_attention.append_decode(buffers, k, v, start_pos, recent, hold):
+            return
     append_ref.append_(buffers, k, v, start_pos, method, iters, recent, hold, check_finite, name,
                       tile_kernel=freeze_tiles_cpu)
 

@@ -447,9 +447,9 @@ def test_cpu_auto_path_calls_the_cpp_kernel_extern(tq, monkeypatch):
     st = packed_cache(device="cpu", new=tq)
     q = torch.randn(2, 4, tq, 16)
     calls = []
-    real = cpu_attention.decode_attention
-    monkeypatch.setattr(cpu_attention, "decode_attention",
-                        lambda *a, **k: calls.append(k["many"]) or real(*a, **k))
+    real = cpu_attention.attention_state
+    monkeypatch.setattr(cpu_attention, "attention_state",
+                        lambda *a, **k: calls.append(a[0].shape[2] > k["max_decode_queries"]) or real(*a, **k))
     first = len(lowering.DECISIONS)
     with lowering.use_path("auto"):
         out, code = _compile_and_run(_attend, q, *st.buffers)

@@ -12,7 +12,7 @@ from kvarn_compile.ops import dispatch as triton_impl
 from kvarn_compile.ops import append as append_ref, attention as attention_ref
 from kvarn_compile.quant.quantize import QuantizedTiles, dequantize_tiles
 from kvarn_compile.quant.rotation import rotation_matrix
-from kvarn_compile.state import BUF, allocate_layer
+from kvarn_compile.state import BUF, allocate_layer, unpack
 from kvarn_compile.testing import reference_attention
 
 # Triton is a dependency and conftest sets TRITON_INTERPRET=1: the Triton paths always run
@@ -52,8 +52,8 @@ def test_cpu_op_dispatches_to_the_kernel_and_matches_the_reference(monkeypatch):
     st = _filled([200, 90])
     q = torch.randn(2, 2 * H, 1, D)
     calls = []
-    real = cpu_attention.decode_attention
-    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu_attention.attention_state
+    monkeypatch.setattr(cpu_attention, "attention_state", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = torch.ops.kvarn.attention(q, st.buffers, None, 0.2, True, 0)
     assert calls, "the CPU op did not use the C++ kernel"
     torch.testing.assert_close(out, attention_ref.attention(q, st.buffers, None, 0.2, True, 0), atol=2e-5, rtol=2e-5)
@@ -92,8 +92,10 @@ def test_cpu_op_runs_the_cpp_kernel_for_queries_inside_the_quantized_region(tq, 
     q = torch.randn(2, 3 * H, tq, D)
     assert not triton_impl.kernel_applies(q, st.buffers, None)
     calls = []
-    real = cpu_attention.decode_attention
-    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a, **k: calls.append(k["many"]) or real(*a, **k))
+    real = cpu_attention.attention_state
+    monkeypatch.setattr(cpu_attention, "attention_state",
+                        lambda *a, **k: calls.append(None if (r := real(*a, **k)) is None
+                                                     else a[0].shape[2] > k["max_decode_queries"]) or r)
     mask = torch.rand(2, 1, tq, 256) > 0.2
     for m in (None, mask):
         out = torch.ops.kvarn.attention(q, st.buffers, m, 0.2, True, 0)
@@ -102,7 +104,7 @@ def test_cpu_op_runs_the_cpp_kernel_for_queries_inside_the_quantized_region(tq, 
     fp8 = _filled([150], scale_dtype="float8_e4m3fn")             # fp8 scales: the reference
     calls.clear()
     torch.ops.kvarn.attention(q[:1], fp8.buffers, None, 0.2, True, 0)
-    assert not calls
+    assert calls == [None]                  # the kernel declines: the reference ran
 
 
 def test_freeze_kernel_writes_the_reference_tiles():
@@ -448,7 +450,66 @@ def test_cpu_decode_append_is_the_reference_append(dtype, monkeypatch):
         for name, a, b in zip(ref.fields.named(), fast.buffers, ref.buffers):
             assert torch.equal(a, b) if not a.is_floating_point() else \
                 torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (start, t, name)
-    assert calls.count(True) >= 50 and calls.count(False) >= 3    # both paths were taken
+    # both paths were taken: the C++ append (from Python, or as the op's native kernel, which
+    # never reaches Python) and the reference
+    assert calls.count(True) + len(plan) - len(calls) >= 50 and calls.count(False) >= 3
+
+
+def test_native_append_kernel_keeps_decode_steps_out_of_python_and_leaves_the_rest_to_it(monkeypatch):
+    """Once the C++ kernel is built, ``kvarn::append_`` / ``append_from_`` run the decode-step
+    append natively (``csrc/ops.cpp``): a decode step reaches no Python, the state equals the
+    reference's. A tile that completes, a bad method, ``KVARN_CPU_KERNEL=0`` and an
+    ``append_from_`` whose model cache was not released by this process all go to the Python
+    kernels, which do what they always did."""
+    from kvarn_compile.ops import buffers as buffers_mod
+
+    cfg = get_config("k4v2", group_size=G)
+    fast, ref = (allocate_layer(cfg, batch=1, kv_heads=H, head_dim=D, max_len=200,
+                                dtype=torch.float32) for _ in range(2))
+    calls = []
+    real = cpu_attention.append_decode
+    monkeypatch.setattr(cpu_attention, "append_decode",
+                        lambda *a, **kw: calls.append(r := real(*a, **kw)) or r)
+    gen = torch.Generator().manual_seed(1)
+    kv = lambda t: (torch.randn(1, H, t, D, generator=gen), torch.randn(1, H, t, D, generator=gen))  # noqa: E731
+
+    def both(start, t, method="kvarn"):
+        k, v = kv(t)
+        pos = torch.tensor([start])
+        torch.ops.kvarn.append_(fast.buffers, k, v, pos, method, 8, 0, 0, False, "x")
+        append_ref.append_(ref.buffers, k, v, pos)
+        for a, b in zip(fast.buffers, ref.buffers):
+            assert torch.equal(a, b)
+
+    both(0, 10)                                   # a new sequence: Python (registers the kernel)
+    seen = len(calls)
+    for p in range(10, 20):
+        both(p, 1)
+    assert len(calls) == seen                     # ten decode steps, none reached Python
+    with pytest.raises(ValueError, match="method"):
+        both(20, 1, "kivi")
+    monkeypatch.setenv("KVARN_CPU_KERNEL", "0")
+    both(20, 1)                                   # the reference (kernel off), state equal
+    monkeypatch.delenv("KVARN_CPU_KERNEL")
+    # append_from_: a model cache this process never released may hold a prompt to adopt
+    cache = torch.zeros(1, H, 200, D)
+    k, v = kv(1)
+    seen = len(calls)
+    torch.ops.kvarn.append_from_(fast.buffers, k, v, torch.tensor([21]), "kvarn", 8, 0, 0, False,
+                                 "x", cache, cache, False)
+    assert len(calls) == seen + 1                 # Python ran it
+    assert buffers_mod.releasable(cache)          # a whole CPU buffer on Linux
+    buffers_mod.release_storage(cache)            # released: nothing to adopt, native again
+    k, v = kv(1)
+    torch.ops.kvarn.append_from_(fast.buffers, k, v, torch.tensor([22]), "kvarn", 8, 0, 0,
+                                 False, "x", cache, cache, True)
+    assert len(calls) == seen + 1
+    cache.add_(0)                                 # written since its release: Python again
+    k, v = kv(1)
+    torch.ops.kvarn.append_from_(fast.buffers, k, v, torch.tensor([23]), "kvarn", 8, 0, 0,
+                                 False, "x", cache, cache, True)
+    assert len(calls) == seen + 2
+    assert unpack(fast.buffers).lengths.tolist() == [24]
 
 
 def test_cpu_decode_append_leaves_errors_to_the_reference():

@@ -32,7 +32,9 @@ Keys and values may have different head dims (multi-head latent attention decomp
 D = 192 for q and K, Dv = 128 for V and the output): scores run over D with the D-sized
 rotation, values and the output over Dv, the tile output rotated back with the Dv-sized one.
 
-:func:`append_decode` is the decode-step append fast path (``csrc/append.cpp``).
+:func:`append_decode` is the decode-step append fast path (``csrc/append.cpp``);
+:func:`register_native_ops` makes it the native AutogradCPU kernel of the append ops
+(``csrc/ops.cpp``: no Python on a compiled decode step's append).
 
 The C++ sources are ``kernels/csrc/attention.cpp`` and ``append.cpp``; ``kernels/cpu/build.py``
 compiles them on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler
@@ -53,6 +55,7 @@ import torch
 from kvarn_compile.kernels.cpu.build import KernelBuildError, build_extension, load, mode, usable
 
 __all__ = ["available", "build", "tile_attention", "decode_attention", "append_decode", "bits_of",
+           "attention_state", "register_native_ops", "note_released",
            "SUPPORTED_BITS", "KernelBuildError"]
 
 log = logging.getLogger(__name__)
@@ -201,6 +204,40 @@ def decode_attention(q: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor],
         _c(lengths), _c(n_tiles), None, _plain(k_plain), m,
         float(scale), bool(causal), int(window), kb, vb, CHUNK_TASK_ROWS if many else 0)
     return out
+
+
+def attention_state(q: torch.Tensor, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                    mask: torch.Tensor | None, *, scale: float, causal: bool, window: int,
+                    max_decode_queries: int) -> torch.Tensor | None:
+    """:func:`decode_attention` from a state's flat buffer list (``state.py``), in one C++
+    call that also reads the members, the bit widths and the mask and does the reference's
+    checks (queries that match the cache, a mask as long as it: ``ValueError``). Output in
+    q's dtype, [B, Hq, Tq, Dv]; the multi-query path for more than ``max_decode_queries``
+    queries. None where the kernel does not read this state (fp8 scales, other bit widths,
+    dtypes or head dims)."""
+    d, dv = q.shape[-1], buffers[1].shape[-1]
+    rot, rot_t = _rotations(d)
+    if dv != d:                       # values (and the output) in their own Dv-sized frame
+        rot_t = _rotations(dv)[1]
+    return _module().kvarn_attention_state(q, buffers, mask, rot, rot_t, float(scale), bool(causal),
+                                           int(window), CHUNK_TASK_ROWS, int(max_decode_queries))
+
+
+def register_native_ops(valid_methods: tuple[str, ...]) -> None:
+    """Register the decode-step append as the native AutogradCPU kernel of ``kvarn::append_``
+    and ``kvarn::append_from_`` (``csrc/ops.cpp``; once per process): a compiled decode step
+    then appends without Python where the Python CPU kernel would run this very append, and
+    reaches that kernel everywhere else. ``valid_methods``: the op methods the runtime reads
+    (any other one goes to Python, which raises)."""
+    _module().kvarn_register_native_ops(list(valid_methods))
+
+
+def note_released(tensor: torch.Tensor) -> None:
+    """Tell the native kernels that ``tensor``'s storage was just released (its version
+    counter now): a released model cache untouched since has nothing to adopt. Nothing when
+    the extension is not loaded (the Python kernels keep their own record)."""
+    if _module.cache_info().currsize:
+        _module().kvarn_note_released(tensor)
 
 
 def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,

@@ -1389,7 +1389,58 @@ std::vector<torch::Tensor> kvarn_attention(
   return {out, lse};
 }
 
+// The whole attention from a state's flat buffer list (state.py's order: the 16 base members,
+// then k_plain if the state has key frames), for the op's CPU kernel and the compiled graph's
+// extern call (kernels/cpu/attention.py: attention_state): the members, bit widths, mask
+// conversion and the reference's checks (queries, mask length) in one call. Returns an
+// undefined tensor (None) where this kernel does not read the state (fp8 scales, other bit
+// widths, dtypes or head dims): the caller runs the reference. task_rows: the multi-query
+// path's rows per task, taken for more than max_decode_queries queries.
+torch::Tensor kvarn_attention_state(torch::Tensor q, std::vector<torch::Tensor> b,
+                                    std::optional<torch::Tensor> mask, torch::Tensor rot,
+                                    torch::Tensor rot_t, double scale, bool causal, int64_t window,
+                                    int64_t task_rows, int64_t max_decode_queries) {
+  if (b.size() != 16 && b.size() != 17) return {};
+  const auto& sink_k = b[0];
+  const auto &kc = b[2], &kcs = b[5], &vc = b[6], &vcs = b[9], &lengths = b[12];
+  if (kc.dim() != 5 || vc.dim() != 5 || kcs.dim() != 4 || vcs.dim() != 4 || sink_k.dim() != 4) return {};
+  const int64_t kb = 8 * kc.size(4) / kcs.size(3), vb = 8 * vc.size(4) / vcs.size(3);
+  const int64_t D = sink_k.size(3), DV = vcs.size(3);
+  auto readable = [](at::ScalarType t) { return t == torch::kHalf || t == torch::kBFloat16 || t == torch::kFloat; };
+  auto bits_ok = [](int64_t x) { return x == 2 || x == 3 || x == 4 || x == 8; };
+  if (!bits_ok(kb) || !bits_ok(vb) || D % 16 || DV % 16 || D <= 0 || DV <= 0
+      || !readable(b[3].scalar_type()) || !readable(sink_k.scalar_type())) return {};
+  const int64_t B = sink_k.size(0), H = sink_k.size(1);
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.size(0) == B && q.size(3) == D && q.size(1) % H == 0,
+                    "KVarN attention: expected queries [batch=", B, ", heads=k*", H, ", tq, head_dim=", D,
+                    "], but got ", q.sizes(), ".");
+  std::optional<torch::Tensor> m;
+  if (mask.has_value() && mask->defined()) {
+    int64_t held = 0;
+    const auto len = lengths.contiguous();
+    const int64_t* lp = len.data_ptr<int64_t>();
+    for (int64_t i = 0; i < len.numel(); ++i) held = std::max(held, lp[i]);
+    TORCH_CHECK_VALUE(mask->size(-1) >= held, "KVarN attention: the mask covers ", mask->size(-1),
+                      " key positions, but the cache holds up to ", held, "; expected a mask as long as the cache.");
+    const auto mk = mask->scalar_type() == torch::kBool ? mask->view(torch::kByte) : mask->to(torch::kFloat);
+    m = mk.expand({B, q.size(1), q.size(2), mk.size(-1)});
+  }
+  std::optional<torch::Tensor> k_plain;
+  if (b.size() == 17) k_plain = b[16].scalar_type() == torch::kByte ? b[16].contiguous() : b[16].to(torch::kByte).contiguous();
+  auto c = [](const torch::Tensor& t) { return t.contiguous(); };
+  const auto q32 = q.to(torch::kFloat).contiguous();
+  auto out = kvarn_attention(q32, std::nullopt, rot, rot_t, c(b[0]), c(b[1]), c(b[10]), c(b[11]),
+                             c(b[2]), c(b[3]), c(b[4]), c(b[5]), c(b[6]), c(b[7]), c(b[8]), c(b[9]),
+                             c(lengths), c(b[14]), std::nullopt, k_plain, m, scale, causal, window, kb, vb,
+                             q.size(2) > max_decode_queries ? task_rows : 0)[0];
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kvarn_attention_state", torch::wrap_pybind_function(kvarn_attention_state), "kvarn_attention_state");
   m.def("kvarn_attention", torch::wrap_pybind_function(kvarn_attention), "kvarn_attention");
   m.def("kvarn_append_decode", torch::wrap_pybind_function(kvarn_append_decode), "kvarn_append_decode");
+  m.def("kvarn_register_native_ops", torch::wrap_pybind_function(kvarn_register_native_ops),
+        "kvarn_register_native_ops");
+  m.def("kvarn_note_released", torch::wrap_pybind_function(kvarn_note_released), "kvarn_note_released");
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 // ---------------------------------------------------------------- across files
@@ -19,6 +20,10 @@ bool kvarn_append_decode(torch::Tensor k, torch::Tensor v, torch::Tensor sink_k,
                          torch::Tensor tail_k, torch::Tensor tail_v, torch::Tensor lengths,
                          torch::Tensor committed, torch::Tensor n_tiles, torch::Tensor capacity,
                          torch::Tensor start_pos, int64_t group, int64_t recent, int64_t hold);
+
+// The native dispatcher kernels of the per-token cache ops (ops.cpp), bound in attention.cpp.
+void kvarn_register_native_ops(std::vector<std::string> valid_methods);
+void kvarn_note_released(torch::Tensor t);
 
 namespace kvarn {
 
