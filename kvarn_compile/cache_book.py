@@ -68,6 +68,9 @@ class CacheToken:
         self.graph = graph
         #: chain: the tokens the newest handle stands for
         self.length = 0
+        #: chain: counts the calls that reordered the state's rows or cropped its tokens (a
+        #: handle moved in plain torch before such a call no longer describes the state)
+        self.edits = 0
         #: buffer: roles dequantized into the model's buffers by :meth:`CacheBook.guard`;
         #: while any is, the buffers hold the tokens and the next rewritten call adopts them
         self.materialized: set[str] = set()
@@ -296,7 +299,9 @@ def _derived(t: torch.Tensor, source: tuple["CacheToken", str] | None) -> torch.
     naming the chain it came from unless it is a view that carries the chain's token."""
     _as_handle(t)
     if source is not None and token_of(t) is None:
-        t.__dict__.setdefault(DERIVED, source)
+        # (token, role, the token's edits then): a read in plain torch checks that no call
+        # reordered or cropped the chain's state since
+        t.__dict__.setdefault(DERIVED, (*source[:2], source[2] if len(source) > 2 else source[0].edits))
     return t
 
 
@@ -306,17 +311,35 @@ def _as_handle(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _derived_rows(t: torch.Tensor) -> tuple[tuple["CacheToken", str], list[int]] | None:
+    """For a handle moved along the batch in plain torch (beam search's reorder, a selection,
+    a repeat): the chain it came from and the rows it names (its tags), while that chain's
+    state still holds those rows as they were (no call reordered or cropped it since)."""
+    source = t.__dict__.get(DERIVED)
+    if source is None or source[0].kind != "chain" or source[2] != source[0].edits:
+        return None
+    token = source[0]
+    with plain_tensor_functions():
+        tags = _row_tags(t, token.perm[2], token.perm[0])
+    if tags is None or max(tags) >= token.state.batch:
+        return None
+    return (token, source[1]), tags
+
+
 def _dequantized_handle(t: torch.Tensor, func: Any, dense: dict) -> torch.Tensor:
     name = getattr(func, "__name__", str(func))
-    ref = token_of(t)
+    ref, rows = token_of(t), None
     if ref is None or ref[0].kind != "chain":
-        raise RuntimeError(
-            f"kvarn_backend: {name}() outside the compiled model read a KV cache handle that "
-            "no longer names its packed rows (reordered or selected along the batch in plain "
-            "PyTorch): it holds no keys or values; run this forward compiled, or start a new "
-            "cache.")
+        derived = _derived_rows(t)
+        if derived is None:
+            raise RuntimeError(
+                f"kvarn_backend: {name}() outside the compiled model read a KV cache handle that "
+                "no longer names its packed rows (moved in plain PyTorch before a compiled call "
+                "reordered or cropped the cache): it holds no keys or values; run this forward "
+                "compiled, or start a new cache.")
+        ref, rows = derived
     token, role = ref
-    out = _dequantized(token, role, t, dense)
+    out = _dequantized(token, role, t, dense, rows)
     if out is None:
         raise RuntimeError(
             f"kvarn_backend: {name}() outside the compiled model read the KV cache of "
@@ -328,14 +351,16 @@ def _dequantized_handle(t: torch.Tensor, func: Any, dense: dict) -> torch.Tensor
     return out
 
 
-def _dequantized(token: "CacheToken", role: str, t: torch.Tensor,
-                 dense: dict) -> torch.Tensor | None:
-    """The first ``len(t)`` tokens of ``token``'s state, dequantized in ``t``'s layout and
-    dtype (``dense`` caches one materialization per state and call); None when ``t`` is not
-    shaped like them."""
+def _dequantized(token: "CacheToken", role: str, t: torch.Tensor, dense: dict,
+                 rows: list[int] | None = None) -> torch.Tensor | None:
+    """The first ``len(t)`` tokens of ``token``'s state (of its batch ``rows``, in that
+    order, if given), dequantized in ``t``'s layout and dtype (``dense`` caches one
+    materialization per state and call); None when ``t`` is not shaped like them."""
     if id(token) not in dense:
         dense[id(token)] = materialize(token.state.buffers, dtype=t.dtype)
     full = dense[id(token)][0 if role == "k" else 1]                         # [B, H, cap, D]
+    if rows is not None:
+        full = full[torch.tensor(rows, device=full.device)]
     n = t.shape[token.perm[2]]
     inverse = [token.perm.index(a) for a in range(4)]
     value = full[:, :, :n].permute(inverse).contiguous()
@@ -502,6 +527,7 @@ class CacheBook:
                 token.state.make_room_to_crop()
                 crop_(token.state.buffers, torch.full_like(token.state.lengths, held))
                 token.length = held
+                token.edits += 1
             self._last_chain[site.name] = token
             return token.state
         if isinstance(past, torch.Tensor) and past.numel():
@@ -513,6 +539,8 @@ class CacheBook:
                 if last is not None and _fits(last.state, site.geometry) \
                         and max(tags) < last.state.batch:
                     self._last_chain[site.name] = last
+                    if tags != list(range(len(tags))):
+                        last.edits += 1       # this call's graph reorders the rows
                     return last.state         # the handle, reordered along the batch (beam search)
                 if last is not None and self._regroup(site, args, last, tags, past):
                     return self._last_chain[site.name].state
@@ -634,13 +662,22 @@ class CacheBook:
             _refuse_stacked(args[i], graph, why)
             ref = token_of(args[i])
             if ref is None:
+                derived = _derived_rows(args[i]) if isinstance(args[i], PackedHandle) else None
+                value = None if derived is None else _dequantized(*derived[0], args[i], dense, derived[1])
+                if value is not None:         # moved along the batch: the rows it names
+                    out = list(args) if out is None else out
+                    out[i] = value
+                    self._note(f"graph {graph} reads the packed KV cache of {derived[0][0].site} "
+                               f"in full precision ({why}): it is passed dequantized to such a call")
+                    continue
                 if self._derived_handle(args[i]):
                     raise RuntimeError(
                         f"kvarn_backend: graph {graph} reads in full precision ({why}) a cache "
                         "tensor that holds the batch-row tags of a packed cache (a handle "
-                        "reordered, selected or repeated along the batch), not keys or values; "
-                        "compile the model so that every forward's attention is rewritten, or "
-                        "start a new cache.")
+                        "moved along the batch before a compiled call reordered or cropped that "
+                        "cache, or one this backend did not make), not keys or values; compile "
+                        "the model so that every forward's attention is rewritten, or start a "
+                        "new cache.")
                 continue
             token, role = ref
             t = args[i]

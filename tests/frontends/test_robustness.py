@@ -1293,11 +1293,12 @@ def _cat_step_capped(q, k, v, past_k, past_v, cap: bool):
     return F.softmax(s, dim=-1) @ values, keys, values
 
 
-def test_a_handle_read_in_full_precision_is_refused_not_read_as_keys(fresh_dynamo):
-    """A handle reordered in plain torch (it names no packed rows of its own), then read by a
-    graph the pass leaves unchanged: that graph would read the tags as keys and values. The
-    call stops with a one-line error instead; the handle itself (with its packed rows) is
-    passed dequantized."""
+def test_a_handle_read_in_full_precision_gets_its_rows_or_is_refused(fresh_dynamo):
+    """A handle, and one reordered in plain torch (it names rows of the chain it came from),
+    read by a graph the pass leaves unchanged: each is passed dequantized, the reordered one
+    as the rows it names. Once a compiled call reordered that chain's state, the old reordered
+    handle no longer describes it: reading it stops with a one-line error (it would read the
+    tags, or the wrong rows, as keys and values)."""
     backend = kvarn_backend("k4v2", group_size=32, compiler="eager")
     step = torch.compile(_cat_step_capped, backend=backend)
     g = torch.Generator().manual_seed(0)
@@ -1307,8 +1308,11 @@ def test_a_handle_read_in_full_precision_is_refused_not_read_as_keys(fresh_dynam
     one = [torch.randn(2, 2, 1, 32, generator=g) for _ in range(3)]
     out = step(*one, hk, hv, True)[0]                   # the handle: passed dequantized
     assert out.isfinite().all() and any("passed dequantized" in n for n in backend.report.notes)
-    _, hk, hv = step(q, k, v, empty, empty, False)
-    flipped = [h.index_select(0, torch.tensor([1, 0])) for h in (hk, hv)]
+    swap = torch.tensor([1, 0])
+    flipped = [h.index_select(0, swap) for h in (hk, hv)]
+    swapped = step(*[x.index_select(0, swap) for x in one], *flipped, True)[0]
+    torch.testing.assert_close(swapped, out.index_select(0, swap), rtol=0, atol=0)
+    step(*one, *flipped, False)                         # compiled: the state's rows reordered
     with pytest.raises(RuntimeError, match=r"^kvarn_backend: graph \d+ reads in full precision "
                                            r".*holds the batch-row tags of a packed cache"):
         step(*one, *flipped, True)

@@ -72,7 +72,7 @@ def test_uncompiled_forward_continues_a_dynamic_cache_the_compiled_model_packed(
     assert all(type(layer.keys) is PackedHandle for layer in cache.layers)
 
 
-def test_a_handle_moved_in_plain_torch_stays_a_handle_and_a_reordered_one_is_refused():
+def test_a_handle_moved_in_plain_torch_stays_a_handle():
     fp = tiny_model("llama")
     model = copy.deepcopy(fp)
     model.compile(backend=_backend())
@@ -88,10 +88,33 @@ def test_a_handle_moved_in_plain_torch_stays_a_handle_and_a_reordered_one_is_ref
     with pytest.raises(RuntimeError, match=r"^kvarn_backend: copy_\(\) outside the compiled "
                                            r"model writes into a KV cache handle"):
         h[..., :1, :].copy_(new)                              # a write would land nowhere
-    reordered = h.index_select(0, torch.tensor([0]))         # a copy: no packed rows named
+
+
+def test_a_handle_reordered_in_plain_torch_reads_the_rows_it_names_until_a_compiled_call_reorders():
+    """Beam search's reorder done in plain torch (``index_select`` on the handles), then an
+    uncompiled read: it gets the packed rows the handle names, in its order. Once a compiled
+    call took the reordered handle (and reordered the packed rows), the old one names nothing
+    the state still holds: reading it raises a one-line error."""
+    fp = tiny_model("llama")
+    model = copy.deepcopy(fp)
+    model.compile(backend=_backend())
+    cache = DynamicCache(config=model.config)
+    ids = torch.cat([_ids(fp.config.vocab_size, 40, 0), _ids(fp.config.vocab_size, 40, 1)])
+    _forward(model, ids, cache)
+    h = cache.layers[0].keys
+    new = torch.randn(2, h.shape[1], 1, h.shape[3])
+    swap = torch.tensor([1, 0])
+    plain = torch.cat([h, new], -2)[..., :40, :]                # the packed rows, dequantized
+    reordered = h.index_select(0, swap)
+    assert type(reordered) is PackedHandle
+    torch.testing.assert_close(torch.cat([reordered, new], -2)[..., :40, :],
+                               plain.index_select(0, swap), rtol=0, atol=0)
+    cache.reorder_cache(swap)                                   # every layer's handles, in plain torch
+    stale = cache.layers[0].keys
+    _forward(model, ids[:, :1].index_select(0, swap), cache)    # compiled: reorders the packed rows
     with pytest.raises(RuntimeError, match=r"^kvarn_backend: cat\(\) outside the compiled model "
                                            r"read a KV cache handle that no longer names"):
-        torch.cat([reordered, new], -2)
+        torch.cat([stale, new], -2)
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["continue", "reset"])
