@@ -170,7 +170,7 @@ class PackedBuffer(torch.Tensor):
             return func(*args, **kwargs)
 
 
-#: tensor queries that read no data (they pass a packed buffer through)
+#: tensor queries and constructors that read no data (they pass a packed buffer through)
 _METADATA = frozenset(
     [getattr(torch.Tensor, n) for n in (
         "size", "dim", "stride", "numel", "nelement", "ndimension", "storage_offset",
@@ -179,30 +179,52 @@ _METADATA = frozenset(
     + [getattr(torch.Tensor, n).__get__ for n in (
         "shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "layout",
         "requires_grad", "is_leaf", "grad_fn", "grad", "_version", "is_sparse", "is_quantized",
-        "is_nested", "_base") if hasattr(torch.Tensor, n)])
+        "is_nested", "_base") if hasattr(torch.Tensor, n)]
+    # new tensors shaped like it (a second request's cache): they read none of its data
+    + [getattr(torch, n) for n in ("zeros_like", "ones_like", "empty_like", "full_like",
+                                   "rand_like", "randn_like", "randint_like")]
+    + [getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_empty", "new_full")])
+
+
+def _packed_refs(t: torch.Tensor) -> list[tuple["CacheToken", str, int | None]]:
+    """``(token, role, layer)`` of every packed state whose tokens model-owned buffer ``t``
+    stands for and does not hold (not materialized): its own, or for a cache stacked over
+    layers one per packed layer (``layer``: the index of ``t``'s first axis)."""
+    refs = []
+    ref = t.__dict__.get(TOKEN)
+    if ref is not None and ref[0] is not None and ref[0].kind == "buffer" \
+            and ref[1] not in ref[0].materialized:
+        refs.append((ref[0], ref[1], None))
+    for layer, (token, role) in sorted(t.__dict__.get(LAYER_TOKENS, {}).items()):
+        if token is not None and token.kind == "buffer" and role not in token.materialized:
+            refs.append((token, role, layer))
+    return refs
 
 
 def _unpack_buffer(t: torch.Tensor, func: Any, args: Any) -> None:
-    ref = token_of(t)
-    packed = ref is not None and ref[0].kind == "buffer" and ref[1] not in ref[0].materialized
-    if packed and not ref[0].adopts:
+    refs = _packed_refs(t)
+    reset = func in (torch.Tensor.zero_, torch.Tensor.fill_) and bool(args) and args[0] is t
+    stuck = [token for token, _, _ in refs if not token.adopts]
+    if stuck and not reset:
         raise RuntimeError(
             f"kvarn_backend: {getattr(func, '__name__', func)}() outside the compiled model "
-            f"touches the KV cache of {ref[0].site}, but graph {ref[0].graph} keeps that cache "
-            "packed and cannot take tokens written there back; run this call compiled, or leave "
-            "the model uncompiled.")
+            f"touches the KV cache of {stuck[0].site}, but graph {stuck[0].graph} keeps that "
+            "cache packed and cannot take tokens written there back; run this call compiled, "
+            "or leave the model uncompiled.")
     t.__class__ = torch.Tensor                   # a plain tensor from here on
-    if not packed:
+    if not refs:
         return
-    token, role = ref
-    token.materialized.add(role)
+    for token, role, _ in refs:
+        token.materialized.add(role)
     _changed()
-    if func in (torch.Tensor.zero_, torch.Tensor.fill_) and args and args[0] is t:
+    if reset:
         return                                   # a reset needs none of the packed tokens
-    _materialize_buffer(token, role, t, {})
-    token.book._note(f"{token.site}: a call outside the compiled model touched its packed KV "
-                     "cache: it was dequantized into the model's buffer first, and the next "
-                     "compiled call packs what the buffer holds then")
+    dense: dict = {}
+    for token, role, layer in refs:
+        _materialize_buffer(token, role, t if layer is None else t[layer], dense)
+    refs[0][0].book._note(f"{refs[0][0].site}: a call outside the compiled model touched its "
+                          "packed KV cache: it was dequantized into the model's buffer first, "
+                          "and the next compiled call packs what the buffer holds then")
 
 
 def _materialize_buffer(token: "CacheToken", role: str, t: torch.Tensor, dense: dict) -> None:
@@ -245,10 +267,8 @@ class plain_inputs:
 
 
 def _as_packed_buffer(t: Any) -> None:
-    if type(t) is torch.Tensor:
-        ref = token_of(t)
-        if ref is not None and ref[0].kind == "buffer" and not ref[0].materialized:
-            t.__class__ = PackedBuffer
+    if type(t) is torch.Tensor and _packed_refs(t):
+        t.__class__ = PackedBuffer
 
 
 #: ops that pick or repeat a handle's batch rows (beam search's reorder, batch selection)
@@ -635,7 +655,7 @@ class CacheBook:
         values = out if isinstance(out, (tuple, list)) else (out,)
         for site, state in sites:
             loc = site.loc
-            if loc.kind == "buffer" and loc.layer is None:
+            if loc.kind == "buffer":
                 for i in (loc.k_input, loc.v_input):
                     if i is not None:
                         _as_packed_buffer(args[i])

@@ -264,3 +264,39 @@ def test_a_stacked_cache_read_in_full_precision_by_another_graph_stops_before_it
         peek(model.cache_k)
     other = torch.zeros_like(model.cache_k)            # a cache no graph packs: runs
     assert float(peek(other)) == 0.0
+
+
+def test_an_uncompiled_forward_over_a_packed_stacked_cache_stops_before_it_runs():
+    """The compiled graphs keep a stacked cache's layers packed and never write the model's
+    buffer, so an uncompiled forward over it (``set_stance("force_eager")``) would read zeros
+    as the prompt's keys (relative logit error 0.39, no error, before). Its buffers are
+    typed between calls: that forward stops with a one-line error before it runs, and the
+    compiled model continues as if it had not been tried. A new cache made like the buffer
+    (``zeros_like``) and a whole-buffer reset (``zero_()``) read nothing and pass; after
+    the reset the next compiled prompt starts a new sequence."""
+    from kvarn_compile.cache_book import PackedBuffer
+
+    def compiled():
+        torch._dynamo.reset()
+        model = build("stacked")
+        return model, torch.compile(model, backend=kvarn_backend("k4v4", group_size=32,
+                                                                     compiler="eager"))
+
+    ids = _prompt(42)
+    twin, twin_step = compiled()
+    with torch.no_grad():
+        want = [twin_step(ids[:, :40], 0), twin_step(ids[:, 40:41], 40)]
+    model, step = compiled()
+    with torch.no_grad():
+        got = [step(ids[:, :40], 0)]
+        assert type(model.cache_k) is PackedBuffer and type(model.cache_v) is PackedBuffer
+        with torch.compiler.set_stance("force_eager"), pytest.raises(
+                RuntimeError, match=r"^kvarn_backend: __setitem__\(\) outside the compiled model "
+                                    r"touches the KV cache of .*cannot take tokens written there back"):
+            step(ids[:, 40:41], 40)
+        got.append(step(ids[:, 40:41], 40))
+        for i, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"step {i}")
+        assert type(torch.zeros_like(model.cache_k)) is torch.Tensor
+        model.reset()                                     # zero_() on both buffers
+        torch.testing.assert_close(step(ids[:, :40], 0), want[0], rtol=0, atol=0)
