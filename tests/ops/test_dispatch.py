@@ -529,3 +529,12 @@ def test_cpu_decode_append_leaves_errors_to_the_reference():
         torch.ops.kvarn.append_(st.buffers, torch.randn(1, H, 1, D), torch.randn(1, H, 1, D),
                                 torch.tensor([69]), "kivi", 8, 0, 0, False, "x")
     assert all(torch.equal(a, b) for a, b in zip(st.buffers, before))
+
+
+def test_the_cpp_kernels_index_the_state_as_state_py_lays_it_out():
+    """The C++ kernels read a state's flat buffer list by position (``csrc/kvarn_common.h``):
+    their member order is ``state.BASE_FIELDS``, or they would read and write the wrong
+    buffers without a word."""
+    from kvarn_compile.state import BASE_FIELDS
+
+    assert cpu_attention.state_members() == list(BASE_FIELDS)

@@ -55,7 +55,7 @@ import torch
 from kvarn_compile.kernels.cpu.build import KernelBuildError, build_extension, load, mode, usable
 
 __all__ = ["available", "build", "tile_attention", "decode_attention", "append_decode", "bits_of",
-           "attention_state", "register_native_ops", "note_released",
+           "attention_state", "register_native_ops", "note_released", "state_members",
            "SUPPORTED_BITS", "KernelBuildError"]
 
 log = logging.getLogger(__name__)
@@ -221,6 +221,12 @@ def attention_state(q: torch.Tensor, buffers: list[torch.Tensor] | tuple[torch.T
         rot_t = _rotations(dv)[1]
     return _module().kvarn_attention_state(q, buffers, mask, rot, rot_t, float(scale), bool(causal),
                                            int(window), CHUNK_TASK_ROWS, int(max_decode_queries))
+
+
+def state_members() -> list[str]:
+    """The base members of a state, in the order the C++ kernels index its flat buffer list
+    (``csrc/kvarn_common.h``; ``state.BASE_FIELDS`` must be the same, tested)."""
+    return list(_module().kvarn_state_members())
 
 
 def register_native_ops(valid_methods: tuple[str, ...]) -> None:

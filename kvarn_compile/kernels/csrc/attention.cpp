@@ -1400,16 +1400,18 @@ torch::Tensor kvarn_attention_state(torch::Tensor q, std::vector<torch::Tensor> 
                                     std::optional<torch::Tensor> mask, torch::Tensor rot,
                                     torch::Tensor rot_t, double scale, bool causal, int64_t window,
                                     int64_t task_rows, int64_t max_decode_queries) {
-  if (b.size() != 16 && b.size() != 17) return {};
-  const auto& sink_k = b[0];
-  const auto &kc = b[2], &kcs = b[5], &vc = b[6], &vcs = b[9], &lengths = b[12];
+  using namespace kvarn;
+  if (b.size() != N_BASE && b.size() != N_BASE + 1) return {};   // no fp8 factors; k_plain last
+  const auto& sink_k = b[SINK_K];
+  const auto &kc = b[K_CODES], &kcs = b[K_COL_SCALE], &vc = b[V_CODES], &vcs = b[V_COL_SCALE];
+  const auto& lengths = b[LENGTHS];
   if (kc.dim() != 5 || vc.dim() != 5 || kcs.dim() != 4 || vcs.dim() != 4 || sink_k.dim() != 4) return {};
   const int64_t kb = 8 * kc.size(4) / kcs.size(3), vb = 8 * vc.size(4) / vcs.size(3);
   const int64_t D = sink_k.size(3), DV = vcs.size(3);
   auto readable = [](at::ScalarType t) { return t == torch::kHalf || t == torch::kBFloat16 || t == torch::kFloat; };
   auto bits_ok = [](int64_t x) { return x == 2 || x == 3 || x == 4 || x == 8; };
   if (!bits_ok(kb) || !bits_ok(vb) || D % 16 || DV % 16 || D <= 0 || DV <= 0
-      || !readable(b[3].scalar_type()) || !readable(sink_k.scalar_type())) return {};
+      || !readable(b[K_ROW_SCALE].scalar_type()) || !readable(sink_k.scalar_type())) return {};
   const int64_t B = sink_k.size(0), H = sink_k.size(1);
   TORCH_CHECK_VALUE(q.dim() == 4 && q.size(0) == B && q.size(3) == D && q.size(1) % H == 0,
                     "KVarN attention: expected queries [batch=", B, ", heads=k*", H, ", tq, head_dim=", D,
@@ -1426,17 +1428,23 @@ torch::Tensor kvarn_attention_state(torch::Tensor q, std::vector<torch::Tensor> 
     m = mk.expand({B, q.size(1), q.size(2), mk.size(-1)});
   }
   std::optional<torch::Tensor> k_plain;
-  if (b.size() == 17) k_plain = b[16].scalar_type() == torch::kByte ? b[16].contiguous() : b[16].to(torch::kByte).contiguous();
-  auto c = [](const torch::Tensor& t) { return t.contiguous(); };
+  if (b.size() == N_BASE + 1) k_plain = b[N_BASE].to(torch::kByte).contiguous();
+  auto c = [&b](int i) { return b[i].contiguous(); };
   const auto q32 = q.to(torch::kFloat).contiguous();
-  auto out = kvarn_attention(q32, std::nullopt, rot, rot_t, c(b[0]), c(b[1]), c(b[10]), c(b[11]),
-                             c(b[2]), c(b[3]), c(b[4]), c(b[5]), c(b[6]), c(b[7]), c(b[8]), c(b[9]),
-                             c(lengths), c(b[14]), std::nullopt, k_plain, m, scale, causal, window, kb, vb,
+  auto out = kvarn_attention(q32, std::nullopt, rot, rot_t, c(SINK_K), c(SINK_V), c(TAIL_K), c(TAIL_V),
+                             c(K_CODES), c(K_ROW_SCALE), c(K_ROW_ZERO), c(K_COL_SCALE), c(V_CODES),
+                             c(V_ROW_SCALE), c(V_ROW_ZERO), c(V_COL_SCALE), c(LENGTHS), c(N_TILES),
+                             std::nullopt, k_plain, m, scale, causal, window, kb, vb,
                              q.size(2) > max_decode_queries ? task_rows : 0)[0];
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
+std::vector<std::string> kvarn_state_members() {
+  return {std::begin(kvarn::MEMBER_NAMES), std::end(kvarn::MEMBER_NAMES)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kvarn_state_members", &kvarn_state_members, "kvarn_state_members");
   m.def("kvarn_attention_state", torch::wrap_pybind_function(kvarn_attention_state), "kvarn_attention_state");
   m.def("kvarn_attention", torch::wrap_pybind_function(kvarn_attention), "kvarn_attention");
   m.def("kvarn_append_decode", torch::wrap_pybind_function(kvarn_append_decode), "kvarn_append_decode");

@@ -27,6 +27,19 @@ void kvarn_note_released(torch::Tensor t);
 
 namespace kvarn {
 
+// ---------------------------------------------------------------- state layout
+// Positions of a state's base members in its flat buffer list: state.py's BASE_FIELDS order
+// (MEMBER_NAMES is handed to Python, kvarn_state_members, and tested against it); a state
+// holds N_BASE of them, then 4 fp8 factors and / or k_plain (16, 17, 20 or 21 buffers).
+enum Member : int {
+  SINK_K, SINK_V, K_CODES, K_ROW_SCALE, K_ROW_ZERO, K_COL_SCALE, V_CODES, V_ROW_SCALE,
+  V_ROW_ZERO, V_COL_SCALE, TAIL_K, TAIL_V, LENGTHS, COMMITTED, N_TILES, CAPACITY, N_BASE
+};
+inline const char* const MEMBER_NAMES[N_BASE] = {
+  "sink_k", "sink_v", "k_codes", "k_row_scale", "k_row_zero", "k_col_scale", "v_codes",
+  "v_row_scale", "v_row_zero", "v_col_scale", "tail_k", "tail_v", "lengths", "committed",
+  "n_tiles", "capacity"};
+
 // ---------------------------------------------------------------- storage dtypes
 // f(E{}) with E the element type a buffer of dtype `st` is written as: c10::Half for fp16,
 // c10::BFloat16 for bf16, float for anything else (the sink/tail rows, the tile scales).

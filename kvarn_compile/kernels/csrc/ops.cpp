@@ -92,20 +92,20 @@ bool append_native(c10::DispatchKeySet ks, torch::jit::Stack* stack, size_t n_ar
     if (!plain_cpu(ck) || !plain_cpu(cv) || !untouched_since_release(ck) || !untouched_since_release(cv))
       return false;
   }
+  using namespace kvarn;
   const c10::List<at::Tensor> list = args[0].toTensorList();
   const size_t n = list.size();
-  if (n != 16 && n != 17 && n != 20 && n != 21) return false;   // the layouts of state.py
-  // base members: sink_k 0, sink_v 1, k tiles 2-5 (col_scale 5: [.., G]), v tiles 6-9,
-  // tail_k 10, tail_v 11, lengths 12, committed 13, n_tiles 14, capacity 15
+  if (n != N_BASE && n != N_BASE + 1 && n != N_BASE + 4 && n != N_BASE + 5) return false;
   std::vector<at::Tensor> b;
-  b.reserve(16);
-  for (size_t i = 0; i < 16; ++i) b.push_back(list.get(i));
-  for (int i : {0, 1, 5, 10, 11, 12, 13, 14, 15})
+  b.reserve(N_BASE);
+  for (size_t i = 0; i < N_BASE; ++i) b.push_back(list.get(i));
+  for (int i : {SINK_K, SINK_V, K_COL_SCALE, TAIL_K, TAIL_V, LENGTHS, COMMITTED, N_TILES, CAPACITY})
     if (!plain_cpu(b[i])) return false;
   const at::Tensor k = args[1].toTensor(), v = args[2].toTensor(), start = args[3].toTensor();
-  if (!plain_cpu(k) || !plain_cpu(v) || !plain_cpu(start) || b[5].dim() != 4) return false;
-  return kvarn_append_decode(k, v, b[0], b[1], b[10], b[11], b[12], b[13], b[14], b[15], start,
-                             b[5].size(3), args[6].toInt(), args[7].toInt());
+  if (!plain_cpu(k) || !plain_cpu(v) || !plain_cpu(start) || b[K_COL_SCALE].dim() != 4) return false;
+  return kvarn_append_decode(k, v, b[SINK_K], b[SINK_V], b[TAIL_K], b[TAIL_V], b[LENGTHS], b[COMMITTED],
+                             b[N_TILES], b[CAPACITY], start, b[K_COL_SCALE].size(3),  // G
+                             args[6].toInt(), args[7].toInt());
 }
 
 template <size_t N, bool FROM>
