@@ -680,25 +680,21 @@ class CacheBook:
         dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in candidates:
             _refuse_stacked(args[i], graph, why)
-            ref = token_of(args[i])
+            ref, rows = token_of(args[i]), None
             if ref is None:
+                # a handle moved along the batch in plain torch: the rows it names
                 derived = _derived_rows(args[i]) if isinstance(args[i], PackedHandle) else None
-                value = None if derived is None else _dequantized(*derived[0], args[i], dense, derived[1])
-                if value is not None:         # moved along the batch: the rows it names
-                    out = list(args) if out is None else out
-                    out[i] = value
-                    self._note(f"graph {graph} reads the packed KV cache of {derived[0][0].site} "
-                               f"in full precision ({why}): it is passed dequantized to such a call")
+                if derived is None:
+                    if self._derived_handle(args[i]):
+                        raise RuntimeError(
+                            f"kvarn_backend: graph {graph} reads in full precision ({why}) a "
+                            "cache tensor that holds the batch-row tags of a packed cache (a "
+                            "handle moved along the batch before a compiled call reordered or "
+                            "cropped that cache, or one this backend did not make), not keys or "
+                            "values; compile the model so that every forward's attention is "
+                            "rewritten, or start a new cache.")
                     continue
-                if self._derived_handle(args[i]):
-                    raise RuntimeError(
-                        f"kvarn_backend: graph {graph} reads in full precision ({why}) a cache "
-                        "tensor that holds the batch-row tags of a packed cache (a handle "
-                        "moved along the batch before a compiled call reordered or cropped that "
-                        "cache, or one this backend did not make), not keys or values; compile "
-                        "the model so that every forward's attention is rewritten, or start a "
-                        "new cache.")
-                continue
+                ref, rows = derived
             token, role = ref
             t = args[i]
             if token.kind == "buffer" and not token.adopts:
@@ -718,7 +714,7 @@ class CacheBook:
                            f"precision ({why}): it is dequantized into the model's buffer before "
                            "such a call and packed again by the next rewritten one")
             else:
-                value = _dequantized(token, role, t, dense)
+                value = _dequantized(token, role, t, dense, rows)
                 if value is None:
                     raise RuntimeError(
                         f"kvarn_backend: graph {graph} reads the KV cache of {token.site} in full "
