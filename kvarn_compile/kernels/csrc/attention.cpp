@@ -377,29 +377,45 @@ inline __m256 reduce8(const __m256* v) {     // out[i] = sum of the lanes of v[i
 
 // out[j] = scale * (init[j] + sum_i x[i] * M[rows[i] * D + j]), j < D (rows null: i;
 // init null: 0): a row of queries times the rotation, or the merge's rotation back.
+// NB column blocks of 16 at once, from column j0: NB independent accumulator chains (one
+// chain of D dependent multiply-adds per block was bound by the add latency: the two
+// rotations were about half of a short decode step's kernel time). Each output still sums
+// over i in order: the same bits as one block at a time.
+template <int NB>
+inline void vec_mat_blocks(const float* x, const float* M, const int* rows, int D, int j0,
+                           const float* init, float scale, float* out) {
+#if KVARN_AVX2_ONLY
+  __m256 acc[2 * NB];
+  for (int b = 0; b < 2 * NB; ++b) acc[b] = init ? _mm256_loadu_ps(init + j0 + 8 * b) : _mm256_setzero_ps();
+  for (int i = 0; i < D; ++i) {
+    const __m256 xv = _mm256_broadcast_ss(x + i);
+    const float* m = M + (int64_t)(rows ? rows[i] : i) * D + j0;
+    for (int b = 0; b < 2 * NB; ++b) acc[b] = fmadd8(xv, _mm256_loadu_ps(m + 8 * b), acc[b]);
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int b = 0; b < 2 * NB; ++b) _mm256_storeu_ps(out + j0 + 8 * b, _mm256_mul_ps(acc[b], sv));
+#else
+  v16f acc[NB];
+  for (int b = 0; b < NB; ++b) acc[b] = init ? vld(init + j0 + 16 * b) : v16f{};
+  for (int i = 0; i < D; ++i) {
+    const float* m = M + (int64_t)(rows ? rows[i] : i) * D + j0;
+    const float xi = x[i];
+    for (int b = 0; b < NB; ++b) acc[b] += xi * vld(m + 16 * b);
+  }
+  for (int b = 0; b < NB; ++b) vst(out + j0 + 16 * b, acc[b] * splat(scale));
+#endif
+}
+
 inline void vec_mat(const float* x, const float* M, const int* rows, int D, const float* init,
                     float scale, float* out) {
-#if KVARN_AVX2_ONLY
-  const __m256 sv = _mm256_set1_ps(scale);
-  for (int j = 0; j < D; j += 16) {
-    __m256 a0 = init ? _mm256_loadu_ps(init + j) : _mm256_setzero_ps();
-    __m256 a1 = init ? _mm256_loadu_ps(init + j + 8) : _mm256_setzero_ps();
-    for (int i = 0; i < D; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i);
-      const float* m = M + (int64_t)(rows ? rows[i] : i) * D + j;
-      a0 = fmadd8(xv, _mm256_loadu_ps(m), a0);
-      a1 = fmadd8(xv, _mm256_loadu_ps(m + 8), a1);
-    }
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(a0, sv));
-    _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(a1, sv));
+  int j = 0;
+  for (; j + 64 <= D; j += 64) vec_mat_blocks<4>(x, M, rows, D, j, init, scale, out);
+  switch ((D - j) / 16) {
+    case 3: vec_mat_blocks<3>(x, M, rows, D, j, init, scale, out); break;
+    case 2: vec_mat_blocks<2>(x, M, rows, D, j, init, scale, out); break;
+    case 1: vec_mat_blocks<1>(x, M, rows, D, j, init, scale, out); break;
+    default: break;
   }
-#else
-  for (int j = 0; j < D; j += 16) {   // accumulate in a register, not through memory
-    v16f acc = init ? vld(init + j) : v16f{};
-    for (int i = 0; i < D; ++i) acc += x[i] * vld(M + (int64_t)(rows ? rows[i] : i) * D + j);
-    vst(out + j, acc * splat(scale));
-  }
-#endif
 }
 
 // v[i] = scale * <q, k[i]>, i < n (n a multiple of 16; k: n rows of D floats)
