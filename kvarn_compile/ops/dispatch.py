@@ -37,6 +37,7 @@ import threading
 
 import torch
 
+from kvarn_compile.kernels.cpu import attention as cpu_attention
 from kvarn_compile.ops import context_parallel
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, library, regions
 from kvarn_compile.quant.rotation import rotation_matrix
@@ -92,8 +93,6 @@ def _cpu_attention(q, buffers, mask, scale, causal, window):
     cache): this runs per layer and token, where the Python around the kernel cost about as
     much as the kernel.
     """
-    from kvarn_compile.kernels.cpu import attention as cpu_attention
-
     return cpu_attention.attention_state(q, buffers, mask, scale=scale, causal=causal, window=window,
                                          max_decode_queries=CPU_KERNEL_MAX_QUERIES)
 
@@ -147,13 +146,13 @@ CPU_KERNEL_MAX_QUERIES = 16
 @library.attention.register_kernel("cpu")
 def attention_cpu(q, buffers, mask, scale, causal, window):
     """The CPU kernel of ``kvarn::attention``: the C++ decode step or multi-query kernel
-    (:func:`attention` with ``kernel="cpu"``), else the reference."""
-    from kvarn_compile.kernels.cpu import attention as cpu_attention
-
-    if cpu_attention.available():   # KVARN_CPU_KERNEL=0: off (the kernel's output is contiguous)
-        out = attention(q, buffers, mask, scale, causal, window, kernel="cpu")
-        return out if out.is_contiguous() else out.contiguous()
-    return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
+    (:func:`attention` with ``kernel="cpu"``), else the reference. (A compiled decode step
+    calls this per layer: no frames or imports beyond the kernel's own call.)"""
+    # KVARN_CPU_KERNEL=0: off. The kernel's output is contiguous and in q's dtype.
+    out = _cpu_attention(q, buffers, mask, scale, causal, window) if cpu_attention.available() else None
+    if out is None:
+        out = attention_ref.attention(q, buffers, mask, scale, causal, window)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 @library.attention.register_kernel("cuda")
@@ -448,8 +447,6 @@ freeze_tiles_cpu.handles_clip = True
 
 @functools.lru_cache(maxsize=1)
 def _native_append() -> None:
-    from kvarn_compile.kernels.cpu import attention as cpu_attention
-
     cpu_attention.register_native_ops(append_ref.OP_METHODS)
 
 
@@ -460,8 +457,6 @@ def _append_cpu(buffers, k, v, start_pos, method, iters, recent, hold, check_fin
     quantizer (:func:`freeze_tiles_cpu`). Once the C++ kernel is built, the first call also
     registers that append as the ops' native AutogradCPU kernel (``csrc/ops.cpp``): later
     calls that it covers never reach Python."""
-    from kvarn_compile.kernels.cpu import attention as cpu_attention
-
     append_ref.check_method(method)
     if cpu_attention.available():
         _native_append()
