@@ -302,13 +302,50 @@ def check_dynamic_dim2(fakes: list[Any]) -> None:
                 "is preallocated).")
 
 
+#: per thread: (graph inputs in all, first and count of the inputs the generated code does
+#: not assert) while :func:`compile_fx_with_pass` compiles with ``unchecked_inputs``; part of
+#: the cache key (code without those assertions is never served to a compile that wants them)
+_UNCHECKED = threading.local()
+register_cache_salt("unchecked_inputs", lambda: str(getattr(_UNCHECKED, "spec", (0, 0, 0))[1:]))
+
+
+@functools.lru_cache(maxsize=1)
+def _install_unchecked_inputs() -> bool:
+    """Let the generated code skip Inductor's size/stride assertion on the inputs a graph
+    is compiled with ``unchecked_inputs`` for (the backend's own state buffers, whose shapes
+    it checks itself whenever it hands the graph other buffers). Every other graph (of this
+    thread or another, or a subgraph of another arity) keeps all its assertions, as does a
+    torch whose wrapper code generation does not look like 2.13's (False)."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    from torch._inductor.virtualized import V
+
+    original = getattr(PythonWrapperCodegen, "codegen_input_size_asserts", None)
+    if original is None:
+        return False
+
+    def codegen_input_size_asserts(self: Any) -> None:
+        original(self)
+        total, first, count = getattr(_UNCHECKED, "spec", (0, 0, 0))
+        pending = getattr(self, "_pending_input_asserts", None)
+        names = list(getattr(V.graph, "graph_input_names", ()))
+        if count and isinstance(pending, dict) and len(names) == total:
+            for name in names[first:first + count]:
+                pending.pop(name, None)
+
+    PythonWrapperCodegen.codegen_input_size_asserts = codegen_input_size_asserts
+    return True
+
+
 def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str | None = None,
                          static_inputs: list[Any] | None = None,
-                         dynamic_dim2_inputs: list[Any] | None = None):
+                         dynamic_dim2_inputs: list[Any] | None = None,
+                         unchecked_inputs: tuple[int, int] = (0, 0)):
     """Inductor's compile_fx with the kvarn uuid pass (and the options of ``mode``).
 
     ``static_inputs``: backend-added inputs whose shapes never change (see fakify_static),
     but for dim 2 of ``dynamic_dim2_inputs`` (the growing axis of growable states).
+    ``unchecked_inputs``: (first, count) of the inputs whose sizes and strides the generated
+    code does not assert on every call (the caller checks those tensors itself).
     """
     check_torch_version()
     from torch._inductor import list_mode_options
@@ -322,11 +359,18 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
     if mode:
         patches.update(list_mode_options(mode))
     on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in inputs)
-    if triton_cpu_requested() and on_cpu:     # KVARN_TRITON_CPU=1: the templates on CPU (tests)
-        with triton_cpu_mode():
+    first, count = unchecked_inputs
+    count = count if count > 0 and _install_unchecked_inputs() else 0
+    before = getattr(_UNCHECKED, "spec", (0, 0, 0))
+    _UNCHECKED.spec = (len(inputs), first, count)
+    try:
+        if triton_cpu_requested() and on_cpu:     # KVARN_TRITON_CPU=1: the templates on CPU (tests)
+            with triton_cpu_mode():
+                compiled = compile_fx(gm, inputs, config_patches=patches)
+        else:
             compiled = compile_fx(gm, inputs, config_patches=patches)
-    else:
-        compiled = compile_fx(gm, inputs, config_patches=patches)
+    finally:
+        _UNCHECKED.spec = before
     check_dynamic_dim2(grown)
     return compiled
 

@@ -737,32 +737,34 @@ class CallMemo:
     claim, type or release: :meth:`states_for` hands them back, and the per-call
     bookkeeping costs a few identity checks instead of a few hundred microseconds."""
 
-    __slots__ = ("watch", "_refs", "_seen", "_states", "_changes")
+    __slots__ = ("watch", "_refs", "_seen", "_flat", "_changes")
 
     def __init__(self, watch: tuple[int, ...]):
         #: the argument positions whose tensors the states hang on (cache buffers, released inputs)
         self.watch = watch
-        self._refs: tuple[weakref.ref, ...] | None = None
-        self._seen: list[tuple[int, int]] = []
-        self._states: list[LayerState] = []
+        self._refs: tuple[weakref.ref, ...] = ()
+        self._seen: tuple[tuple[int, int], ...] = ()
+        self._flat: list[torch.Tensor] = []
         self._changes = -1
 
-    def states_for(self, args: list[Any]) -> list[LayerState] | None:
-        """The last call's states if nothing they hang on changed since, else None."""
-        if self._refs is None or self._changes != _CHANGES[0]:
+    def states_for(self, args: list[Any]) -> list[torch.Tensor] | None:
+        """The last call's states (their buffers, as the graph takes them) if nothing they
+        hang on changed since, else None."""
+        if self._changes != _CHANGES[0]:
             return None
-        for i, ref in zip(self.watch, self._refs):
-            if args[i] is not ref():
+        for i, ref, (version, ptr) in zip(self.watch, self._refs, self._seen):
+            t = args[i]
+            if t is not ref() or t._version != version or t.data_ptr() != ptr:
                 return None
-        if [(args[i]._version, args[i].data_ptr()) for i in self.watch] != self._seen:
-            return None
-        return self._states
+        return self._flat
 
-    def record(self, args: list[Any], states: list[LayerState]) -> None:
-        """After a call that resolved, claimed, typed and released everything itself."""
+    def record(self, args: list[Any], flat: list[torch.Tensor]) -> None:
+        """After a call that resolved, claimed, typed and released everything itself; ``flat``:
+        its states' buffers as the graph took them (the states a memo serves grow no buffer,
+        so they keep these)."""
         self._refs = tuple(weakref.ref(args[i]) for i in self.watch)
-        self._seen = [(args[i]._version, args[i].data_ptr()) for i in self.watch]
-        self._states = states
+        self._seen = tuple((args[i]._version, args[i].data_ptr()) for i in self.watch)
+        self._flat = flat
         self._changes = _CHANGES[0]
 
 

@@ -329,3 +329,42 @@ def test_decode_steps_reuse_their_states_until_the_cache_changes(monkeypatch):
     answers.clear()
     assert _eager_prefill_generate(lm, model, step, prompt, 8).tolist() == want.tolist()
     assert answers[0] is None, answers                # the prompt the uncompiled call wrote
+
+
+def test_state_buffers_are_checked_by_the_backend_not_by_every_call():
+    """A graph whose states never grow (a static cache) is generated without Inductor's
+    per-call size/stride assertion on each state buffer (the backend's own tensors, 17 per
+    layer; every model input keeps its assertion); instead the backend checks the buffers
+    against the layout the graph was compiled for whenever it hands the graph other ones,
+    and a mismatch stops with a one-line error before the graph runs."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    lm, model = llama_ref_model()
+    fp_model = copy.deepcopy(model)
+    backend = kvarn_backend(**EIGHT_BIT, compiler="inductor")
+    step = torch.compile(model, backend=backend)
+    prompt = tiny_prompt(1, length=60) % 128
+    got, codes = run_and_get_code(lambda: lm.generate(model, prompt, 4, step=step))
+    assert got.tolist() == lm.generate(fp_model, prompt, 4).tolist()
+    graphs = [c for c in codes if "kvarn.append_from_" in c or "kvarn_attention" in c]
+    assert graphs
+    for code in graphs:
+        states = {n for group in re.findall(r"append_from_\.default\(\[([^\]]*)\]", code)
+                  for n in re.findall(r"arg\d+_1", group)}
+        asserted = set(re.findall(r"assert_size_stride\((arg\d+_1),", code))
+        assert states and not states & asserted, sorted(states & asserted)[:5]
+        assert asserted                                   # the model's inputs still are
+    # the check the generated code no longer makes, made when the graph gets other buffers
+    from kvarn_compile.backend import _layout_of, _SiteStates
+
+    state = next(iter(backend.states.values()))
+    flat = _SiteStates([_layout_of(b) for b in state.buffers], graph=7)
+    assert flat.buffers([state]) == state.buffers
+    i = next(j for j, b in enumerate(state.buffers) if b.dim() == 4)
+    state.buffers[i] = state.buffers[i][:, :, :1].clone()     # not what the graph reads
+    state.version += 1
+    with pytest.raises(RuntimeError, match=r"^kvarn_backend: graph 7 was compiled for KV state "
+                                           rf"buffer {i} of shape .*; this is a kvarn_compile bug"):
+        flat.buffers([state])
