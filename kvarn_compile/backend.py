@@ -194,22 +194,23 @@ class KVarNBackend:
             self.report.note(f"mode={mode!r} is ignored on CPU (it only selects CUDA-graph/"
                              "autotune options)")
             mode = None
-        key = _graph_key(gm, example_inputs, mode,
-                         self._model_tag([t for t in example_inputs if isinstance(t, torch.nn.Parameter)]))
+        tag = self._model_tag(example_inputs)
+        key = _graph_key(gm, example_inputs, mode, tag)
         if key is not None and key in self._compiled:
             # the same graph again: Dynamo traced it once more because a cache tensor's type
             # changed (a packed buffer or handle, cache_book) - run the one compiled before
             return self._compiled[key]
-        out = self._compile_graph(gm, example_inputs, mode)
+        out = self._compile_graph(gm, example_inputs, mode, tag)
         if key is not None:
             self._compiled[key] = out
         return out
 
-    def _compile_graph(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None):
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
+                       tag: str):
+        """Rewrite and compile ``gm``; ``tag``: the site-name prefix of its model (:meth:`_model_tag`)."""
         with self._lock:
             new_gm = _copy_graph_module(gm)
             param_at = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
-            tag = self._model_tag([example_inputs[i] for i in param_at])
             sites: list[tuple[str, dict[str, Any]]] = []
             site_states: list[LayerState] = []
 
