@@ -229,6 +229,7 @@ class KVarNLayer(CacheLayerMixin):
     def _select_rows(self, idx: torch.Tensor) -> None:
         state = self.state
         state.buffers = [t.index_select(0, idx.to(t.device)).contiguous() for t in state.buffers]
+        state.version += 1       # new tensors: whoever holds the old list must take the new one
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:

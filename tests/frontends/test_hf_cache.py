@@ -271,9 +271,12 @@ def test_reorder_cache_permutes_rows_in_place():
         assert [t.data_ptr() for t in layer.state.buffers] == ptr
         for now, then in zip(layer.state.buffers, old):
             assert torch.equal(now, then[idx])
-    # generate's batch expansion / selection helpers (new tensors, rows copied)
+    # generate's batch expansion / selection helpers (new tensors, rows copied; the state's
+    # version says so to whoever holds its buffer list)
+    versions = [layer.state.version for layer in cache.layers]
     cache.batch_select_indices(torch.tensor([1, 2]))
     cache.batch_repeat_interleave(2)
+    assert [layer.state.version for layer in cache.layers] == [v + 2 for v in versions]
     for layer, old in zip(cache.layers, before):
         for now, then in zip(layer.state.buffers, old):
             assert torch.equal(now, then[idx][[1, 2]][[0, 0, 1, 1]])
