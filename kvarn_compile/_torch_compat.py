@@ -327,8 +327,10 @@ def _install_unchecked_inputs() -> bool:
         original(self)
         total, first, count = getattr(_UNCHECKED, "spec", (0, 0, 0))
         pending = getattr(self, "_pending_input_asserts", None)
+        if not count or not isinstance(pending, dict):
+            return
         names = list(getattr(V.graph, "graph_input_names", ()))
-        if count and isinstance(pending, dict) and len(names) == total:
+        if len(names) == total:
             for name in names[first:first + count]:
                 pending.pop(name, None)
 
@@ -362,7 +364,7 @@ def compile_fx_with_pass(gm: torch.fx.GraphModule, inputs: list[Any], mode: str 
     first, count = unchecked_inputs
     count = count if count > 0 and _install_unchecked_inputs() else 0
     before = getattr(_UNCHECKED, "spec", (0, 0, 0))
-    _UNCHECKED.spec = (len(inputs), first, count)
+    _UNCHECKED.spec = (len(inputs), first, count) if count else (0, 0, 0)
     try:
         if triton_cpu_requested() and on_cpu:     # KVARN_TRITON_CPU=1: the templates on CPU (tests)
             with triton_cpu_mode():

@@ -146,8 +146,9 @@ CPU_KERNEL_MAX_QUERIES = 16
 @library.attention.register_kernel("cpu")
 def attention_cpu(q, buffers, mask, scale, causal, window):
     """The CPU kernel of ``kvarn::attention``: the C++ decode step or multi-query kernel
-    (:func:`attention` with ``kernel="cpu"``), else the reference. (A compiled decode step
-    calls this per layer: no frames or imports beyond the kernel's own call.)"""
+    (:func:`_cpu_attention`, what :func:`attention` runs with ``kernel="cpu"``), else the
+    reference. (A compiled decode step calls this per layer: no frames or imports beyond the
+    kernel's own call.)"""
     # KVARN_CPU_KERNEL=0: off. The kernel's output is contiguous and in q's dtype.
     out = _cpu_attention(q, buffers, mask, scale, causal, window) if cpu_attention.available() else None
     if out is None:
