@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 __all__ = ["KVarNConfig", "PRESETS", "get_config", "METHODS", "SCALE_DTYPES", "KEY_FRAMES", "CLIPS",
-           "checked_max_cache_len", "KVarNOptions", "options_from"]
+           "checked_max_cache_len", "KVarNOptions", "options_from", "LATENT_ROPE_BITS"]
 
 #: Quantizers the packed format supports. All share one storage layout (codes, a row
 #: scale and zero point per tile row, a scale per tile column); they differ in the
@@ -48,6 +48,11 @@ SCALE_DTYPES: dict[str, torch.dtype] = {
 }
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+
+#: Bits of the shared RoPE key of a multi-head latent attention cache (a latent state keeps
+#: it as its values; the latent, its keys, takes the preset's key bits). Positions do not
+#: survive 2 bits.
+LATENT_ROPE_BITS = 8
 SUPPORTED_GROUPS = (32, 64, 128, 256)
 
 

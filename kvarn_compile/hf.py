@@ -35,7 +35,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn_compile.autotune.knobs import Decision, QuantKnobs, select_quant_knobs
 from kvarn_compile.autotune.tuning import KnobTuning
-from kvarn_compile.config import KVarNConfig, KVarNOptions, checked_max_cache_len, get_config, options_from
+from kvarn_compile.config import (
+    LATENT_ROPE_BITS, KVarNConfig, KVarNOptions, checked_max_cache_len, get_config, options_from,
+)
 from kvarn_compile.ops import library as ops
 from kvarn_compile.ops.append import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
@@ -56,9 +58,6 @@ def _handle(like: torch.Tensor, length: int, state: LayerState) -> torch.Tensor:
     return out
 
 
-#: Bits of the shared RoPE key of a multi-head latent attention cache (stored as the values of
-#: its layer state; the latent, stored as the keys, takes the preset's key bits).
-LATENT_ROPE_BITS = 8
 
 
 def _text_config(config):

@@ -5,6 +5,10 @@ over [sink, tiles, tail] without materializing dequantized K/V: the exact region
 tail) and the packed tiles are attended apart and merged by log-sum-exp (:mod:`.regions`,
 shared with the kernel path and the Inductor decomposition). ``tile_partials(...)`` is the
 tile region alone over every tile slot, static shapes, in the flash-decoding convention.
+``latent_attention(q, q_pe, buffers, ...)`` is the reference of ``kvarn::latent_attention``:
+multi-head latent attention in its absorbed form over a *latent state* (the latent as the
+state's keys, the shared RoPE key as its values): scores ``q·latentᵀ + q_pe·ropeᵀ``, output
+``p·latent`` - one packed copy of the latent serves the score and the value side.
 
 The dual-scale tile math is written once (:func:`tile_scores`, :func:`tile_values`) and
 used by both: per tile, the key row scale is folded into q, the key column scale into the
@@ -15,6 +19,8 @@ any device; never calls a kernel (the kernels' oracle and the benchmarks' baseli
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvarn_compile.ops import regions
@@ -22,8 +28,8 @@ from kvarn_compile.quant.quantize import unpack_codes
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
-__all__ = ["attention", "tile_region", "tile_partials", "tile_inputs", "tile_scores", "tile_values", "query_frames",
-           "check_queries", "check_query_shape", "check_mask", "check_mask_covers", "TILE_ARGS",
+__all__ = ["attention", "latent_attention", "tile_region", "latent_tile_region", "tile_partials", "tile_inputs", "tile_scores", "tile_values", "query_frames",
+           "tile_key_values", "tile_value_scores", "check_queries", "check_latent_queries", "latent_fields", "check_query_shape", "check_mask", "check_mask_covers", "TILE_ARGS",
            "TILE_CHUNK"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
@@ -75,6 +81,35 @@ def tile_values(p: torch.Tensor, codes: torch.Tensor, row_scale: torch.Tensor,
     return ((weighted + zsum) * col_scale.float()[:, :, None, None]).sum(-2)
 
 
+def tile_value_scores(q_t: torch.Tensor, codes: torch.Tensor, row_scale: torch.Tensor,
+                      row_zero: torch.Tensor, col_scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unscaled scores [B,H,g,Tq,n*G] of queries ``q_t`` [B,H,g,Tq,1,Dv] (rotated frame)
+    against n *value* tiles read as keys (a latent state's RoPE keys)::
+
+        s[t] = rs[t] * sum_c (q[c] * cs[c]) * code[t, c] + rz[t] * sum_c q[c] * cs[c]
+    """
+    codes = unpack_codes(codes, bits).float()                              # [B,H,n,G,Dv]
+    qc = q_t * col_scale.float()[:, :, None, None]                         # [B,H,g,Tq,n,Dv]
+    dot = torch.einsum("bhgqnc,bhntc->bhgqnt", qc, codes)
+    zero = qc.sum(-1, keepdim=True)
+    return (dot * row_scale.float()[:, :, None, None]
+            + zero * row_zero.float()[:, :, None, None]).flatten(-2)
+
+
+def tile_key_values(p: torch.Tensor, codes: torch.Tensor, row_scale: torch.Tensor,
+                    row_zero: torch.Tensor, col_scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-tile outputs [B,H,g,Tq,n,D] (each in its tile's key frame) of weights p
+    [B,H,g,Tq,n*G] over n *key* tiles read as values (a latent state: the latent is both)::
+
+        o[c] = rs[c] * sum_t (p[t] * cs[t]) * code[c, t] + rz[c] * sum_t p[t] * cs[t]
+    """
+    codes = unpack_codes(codes, bits).float()                              # [B,H,n,D,G]
+    pt = p.unflatten(-1, (codes.shape[2], codes.shape[4])) * col_scale.float()[:, :, None, None]
+    weighted = torch.einsum("bhgqnt,bhndt->bhgqnd", pt, codes)
+    return (weighted * row_scale.float()[:, :, None, None]
+            + pt.sum(-1, keepdim=True) * row_zero.float()[:, :, None, None])
+
+
 def _tile_tensors(tiles, sl: slice = slice(None)) -> tuple[torch.Tensor, ...]:
     """(codes, row scale, row zero, column scale) of tile slots ``sl``, fp8 factors applied."""
     rs, cs = tiles.row_scale[:, :, sl], tiles.col_scale[:, :, sl]
@@ -111,6 +146,29 @@ def check_mask_covers(mask: torch.Tensor, lengths: torch.Tensor) -> None:
                          f"cache holds up to {held}; expected a mask as long as the cache.")
 
 
+def _tile_weights(scores: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
+                  causal: bool, window: int, n_used: int, tile_offset: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax weights [B,H,g,Tq,n_used*G] and lse [B,H,g,Tq] of scaled tile scores, with
+    per-row fill, causality, window and mask applied."""
+    bsz, heads, grp, tq = scores.shape[:4]
+    geo = Geometry.of(f)
+    g = geo.group
+    j = tile_offset * g + torch.arange(n_used * g, device=scores.device)  # sequence token index
+    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
+    visible = (j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
+    bias = regions.bias_at(mask, (geo.sink + j)[None, :].expand(bsz, -1), (bsz, heads * grp, tq))
+    if bias is not None:
+        scores = scores + bias.reshape(bsz, heads, grp, tq, -1)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    p, denom, m_ref = regions.safe_lse(scores)
+    return regions.normalized(p, denom, m_ref)
+
+
+def _chunks(n_used: int) -> list[slice]:
+    return [slice(a, min(a + TILE_CHUNK, n_used)) for a in range(0, n_used, TILE_CHUNK)]
+
+
 def tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tensor | None,
                 scale: float, causal: bool, window: int, n_used: int, tile_offset: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,23 +186,53 @@ def tile_region(q: torch.Tensor, f: StateFields[torch.Tensor], mask: torch.Tenso
     rot_v = rot if geo.value_head_dim == d else rotation_matrix(geo.value_head_dim, q.device)
     qg = q.float().reshape(bsz, heads, grp, tq, d)
     q_rot = qg @ rot
-    chunks = [slice(a, min(a + TILE_CHUNK, n_used)) for a in range(0, n_used, TILE_CHUNK)]
+    chunks = _chunks(n_used)
     plain = f.k_plain
     scores = torch.cat([
         tile_scores(query_frames(q_rot, qg, None if plain is None else plain[:, :, sl]),
                     *_tile_tensors(f.k, sl), geo.key_bits) for sl in chunks], -1) * scale
-    j = tile_offset * g + torch.arange(n_used * g, device=q.device)      # sequence token index
-    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
-    visible = (j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
-    bias = regions.bias_at(mask, (geo.sink + j)[None, :].expand(bsz, -1), (bsz, hq, tq))
-    if bias is not None:
-        scores = scores + bias.reshape(bsz, heads, grp, tq, -1)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    p, denom, m_ref = regions.safe_lse(scores)
-    p, lse = regions.normalized(p, denom, m_ref)
+    p, lse = _tile_weights(scores, f, mask, causal, window, n_used, tile_offset)
     out = sum(tile_values(p[..., sl.start * g:sl.stop * g], *_tile_tensors(f.v, sl), geo.value_bits)
               for sl in chunks)
     return (out @ rot_v.T).reshape(bsz, hq, tq, -1), lse.reshape(bsz, hq, tq)
+
+
+def latent_tile_region(q: torch.Tensor, q_pe: torch.Tensor, f: StateFields[torch.Tensor],
+                       mask: torch.Tensor | None, scale: float, causal: bool, window: int,
+                       n_used: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tile_region` of a latent state (:func:`latent_attention`): scores from the key
+    tiles (the latent, against ``q``) plus the value tiles (the RoPE keys, against
+    ``q_pe``), output from the key tiles, each tile's part rotated back from its own frame."""
+    geo = Geometry.of(f)
+    bsz, heads, d, g = geo.batch, geo.kv_heads, geo.head_dim, geo.group
+    hq, tq = q.shape[1], q.shape[2]
+    grp = hq // heads
+    rot = rotation_matrix(d, q.device)
+    qg = q.float().reshape(bsz, heads, grp, tq, d)
+    q_rot = qg @ rot
+    pe_rot = (q_pe.float().reshape(bsz, heads, grp, tq, -1)
+              @ rotation_matrix(geo.value_head_dim, q.device)).unsqueeze(-2)
+    chunks = _chunks(n_used)
+    plain = f.k_plain
+    scores = torch.cat([
+        tile_scores(query_frames(q_rot, qg, None if plain is None else plain[:, :, sl]),
+                    *_tile_tensors(f.k, sl), geo.key_bits)
+        + tile_value_scores(pe_rot, *_tile_tensors(f.v, sl), geo.value_bits)
+        for sl in chunks], -1) * scale
+    p, lse = _tile_weights(scores, f, mask, causal, window, n_used, 0)
+    rotated = qg.new_zeros(qg.shape)
+    unrotated = qg.new_zeros(qg.shape)
+    for sl in chunks:
+        part = tile_key_values(p[..., sl.start * g:sl.stop * g], *_tile_tensors(f.k, sl),
+                               geo.key_bits)                               # [B,H,g,Tq,n,D]
+        if plain is None:
+            rotated = rotated + part.sum(-2)
+            continue
+        is_plain = plain[:, :, sl].bool()[:, :, None, None, :, None]
+        rotated = rotated + torch.where(is_plain, 0.0, part).sum(-2)
+        unrotated = unrotated + torch.where(is_plain, part, 0.0).sum(-2)
+    out = rotated @ rot.T + unrotated
+    return out.reshape(bsz, hq, tq, d), lse.reshape(bsz, hq, tq)
 
 
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None = None,
@@ -168,6 +256,54 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     n_used = int(f.n_tiles.max()) if f.k.codes.shape[2] else 0
     if n_used:
         out_t, lse_t = tile_region(q, f, mask, scale, causal, window, n_used)
+        out, lse = regions.merge_regions(out, lse, out_t, lse_t)
+    if return_lse:
+        return out, lse
+    return out.to(q.dtype)
+
+
+def check_latent_queries(q: torch.Tensor, q_pe: torch.Tensor, f: StateFields[torch.Tensor]) -> None:
+    """Refuse latent queries that do not match a latent state (latent D, RoPE key Dv)."""
+    check_query_shape(q, f.sink_k)
+    r = f.sink_v.shape[-1]
+    if q_pe.dim() != 4 or tuple(q_pe.shape[:3]) != tuple(q.shape[:3]) or q_pe.shape[-1] != r:
+        raise ValueError(f"KVarN latent_attention: expected RoPE queries [{', '.join(map(str, q.shape[:3]))}, "
+                         f"rope_dim={r}] like the latent queries, but got {tuple(q_pe.shape)}.")
+
+
+def latent_fields(f: StateFields[torch.Tensor]) -> StateFields[torch.Tensor]:
+    """The exact region of a latent state as one attention reads it: keys [latent | RoPE
+    key] (D + Dv channels), values the latent."""
+    cat = lambda a, b: torch.cat([a, b.to(a.dtype)], -1)  # noqa: E731
+    return dataclasses.replace(f, sink_k=cat(f.sink_k, f.sink_v), sink_v=f.sink_k,
+                               tail_k=cat(f.tail_k, f.tail_v), tail_v=f.tail_k)
+
+
+def latent_attention(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[torch.Tensor],
+                     mask: torch.Tensor | None = None, scale: float | None = None,
+                     causal: bool = True, window: int = 0, *, return_lse: bool = False):
+    """Multi-head latent attention, absorbed form, over a latent state.
+
+    The state holds the normed latent as its keys ([B, H, ., D]: D = kv_lora_rank, H = 1 in
+    DeepSeek's layout) and the shared RoPE key as its values (Dv = qk_rope_head_dim). For
+    ``q`` [B, Hq, Tq, D] (the no-RoPE queries absorbed into the latent space) and ``q_pe``
+    [B, Hq, Tq, Dv]::
+
+        out = softmax(scale * (q · latentᵀ + q_pe · ropeᵀ) + mask) · latent     [B, Hq, Tq, D]
+
+    Masks, causality, window and empty rows as :func:`attention`; ``scale`` defaults to
+    (D + Dv) ** -0.5.
+    """
+    f = unpack(buffers)
+    check_latent_queries(q, q_pe, f)
+    check_mask(f, mask)
+    d, r = f.sink_k.shape[-1], f.sink_v.shape[-1]
+    scale = (d + r) ** -0.5 if scale is None else scale
+    out, lse = regions.exact_region(torch.cat([q, q_pe.to(q.dtype)], -1), latent_fields(f), mask,
+                                    scale, causal, window)
+    n_used = int(f.n_tiles.max()) if f.k.codes.shape[2] else 0
+    if n_used:
+        out_t, lse_t = latent_tile_region(q, q_pe, f, mask, scale, causal, window, n_used)
         out, lse = regions.merge_regions(out, lse, out_t, lse_t)
     if return_lse:
         return out, lse

@@ -17,6 +17,10 @@ Packed-state ops (``buffers``: a layer's flat state, see :mod:`kvarn_compile.sta
     kvarn::attention(Tensor q, Tensor[] buffers, Tensor? mask, float scale, bool causal,
                      int window) -> Tensor
     kvarn::reorder_(Tensor(a!)[] buffers, Tensor rows, str name) -> ()     # beam search
+    kvarn::latent_attention(Tensor q, Tensor q_pe, Tensor[] buffers, Tensor? mask, float scale,
+                            bool causal, int window) -> Tensor
+        # multi-head latent attention, absorbed form, over a latent state (the latent as
+        # its keys, the RoPE key as its values): softmax(q·latentᵀ + q_pe·ropeᵀ)·latent
 
 Adoption (before ``append_``, where the graph no longer reads the model's own
 preallocated cache): a prompt that a non-compiled forward wrote to that cache is taken
@@ -69,7 +73,7 @@ import torch
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, context_parallel, keyed
 from kvarn_compile.state import field_indices
 
-__all__ = ["append_", "commit_", "attention", "adopt_", "append_from_", "append_keyed",
+__all__ = ["append_", "commit_", "attention", "latent_attention", "adopt_", "append_from_", "append_keyed",
            "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_", "register_plain_kernel",
            "tile_partials_triton_", "tune_observe_"]
 
@@ -131,6 +135,20 @@ def _out_shape(q: torch.Tensor, buffers: list[torch.Tensor]) -> tuple[int, ...]:
 def _attention_fake(q, buffers, mask, scale, causal, window):
     _check_devices("attention", buffers, queries=q)
     return q.new_empty(_out_shape(q, buffers))   # contiguous, whatever q's strides (as the kernels)
+
+
+@torch.library.custom_op("kvarn::latent_attention", mutates_args=())
+def latent_attention(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[torch.Tensor],
+                     mask: torch.Tensor | None, scale: float, causal: bool, window: int) -> torch.Tensor:
+    """Absorbed multi-head latent attention of q [B, Hq, Tq, D] (latent space) and q_pe
+    [B, Hq, Tq, Dv] (RoPE part) over a latent state: [B, Hq, Tq, D]."""
+    return attention_ref.latent_attention(q, q_pe, buffers, mask, scale, causal, window).contiguous()
+
+
+@latent_attention.register_fake
+def _latent_attention_fake(q, q_pe, buffers, mask, scale, causal, window):
+    _check_devices("latent_attention", buffers, queries=q, rope_queries=q_pe)
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("kvarn::reorder_", mutates_args=("buffers",))

@@ -12,7 +12,7 @@ from kvarn_compile.testing.states import *  # noqa: F401,F403
 __all__ = [
     "normalize_graph", "record_graphs", "sqnr",
     # attention oracle (float64)
-    "oracle_attention", "reference_attention",
+    "oracle_attention", "oracle_latent_attention", "reference_attention",
     # K/V generators
     "random_kv", "kv_like",
     # packed states

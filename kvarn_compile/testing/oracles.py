@@ -31,6 +31,21 @@ def oracle_attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.T
                                causal=causal, window=window)
 
 
+def oracle_latent_attention(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[torch.Tensor],
+                            mask: torch.Tensor | None = None, *, scale: float | None = None,
+                            causal: bool = True, window: int = 0) -> torch.Tensor:
+    """:func:`oracle_attention` of ``kvarn::latent_attention``: float64 attention of
+    [q | q_pe] over the dequantized [latent | RoPE key], with the latent as the values."""
+    from kvarn_compile.ops.append import materialize
+    from kvarn_compile.state import unpack
+
+    lat, pe = materialize(buffers, dtype=torch.float64)
+    scale = (q.shape[-1] + q_pe.shape[-1]) ** -0.5 if scale is None else scale
+    return reference_attention(torch.cat([q, q_pe], -1), torch.cat([lat, pe], -1), lat,
+                               lengths=unpack(buffers).lengths, mask=mask, scale=scale,
+                               causal=causal, window=window)
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                         scale: float | None = None, causal: bool = True, window: int = 0,
