@@ -32,7 +32,7 @@ from kvarn_compile import ops as _ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile._torch_compat import lazy_graph_module, plain_tensor_functions as _internal, \
     refuse_eager_fallback
 from kvarn_compile.cache_book import CacheBook, CallMemo, _Site, plain_inputs
-from kvarn_compile.config import KVarNConfig, KVarNOptions, get_config, options_from
+from kvarn_compile.config import LATENT_ROPE_BITS, KVarNConfig, KVarNOptions, get_config, options_from
 from kvarn_compile.ops.buffers import (
     claim, mark_seen, releasable, release_storage, untouched_since_release,
 )
@@ -102,7 +102,8 @@ class KVarNBackend:
     # ------------------------------------------------------------------ states
     def _get_state(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
                    dtype: torch.dtype, device: torch.device, tokens: Any = None,
-                   fresh: bool = False, value_head_dim: int | None = None) -> LayerState:
+                   fresh: bool = False, value_head_dim: int | None = None,
+                   latent: bool = False) -> LayerState:
         """The state compiled with site ``name`` (by name and batch size), allocated when
         missing or of another geometry. At run time each cache gets its own state
         (:mod:`kvarn_compile.cache_book`); this one serves the first cache of the site and
@@ -116,16 +117,24 @@ class KVarNBackend:
         if state is None or state.max_len != max_len or state.head_dim != head_dim \
                 or state.value_head_dim != dv \
                 or state.kv_heads != kv_heads or state.sink_k.device != torch.device(device) \
-                or state.growable != growable:
+                or state.growable != growable \
+                or state.config.value_bits != self._config_for(latent).value_bits:
             state = self._allocate(name, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                                    max_len=max_len, dtype=dtype, device=device, tokens=tokens,
-                                   value_head_dim=dv)
+                                   value_head_dim=dv, latent=latent)
             self.states[key] = state
         return state
 
+    def _config_for(self, latent: bool) -> KVarNConfig:
+        """The packed format of a site: the backend's, or for a multi-head latent attention
+        latent cache (``latent``: its values are the shared RoPE key) that with the values at
+        ``LATENT_ROPE_BITS`` (2-bit values would wreck the positions)."""
+        return self.config.replace(value_bits=LATENT_ROPE_BITS) if latent else self.config
+
     def _allocate(self, name: str, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
                   dtype: torch.dtype, device: torch.device, tokens: Any = None,
-                  fresh: bool = False, value_head_dim: int | None = None) -> LayerState:
+                  fresh: bool = False, value_head_dim: int | None = None,
+                  latent: bool = False) -> LayerState:
         """A new packed state for site ``name`` (growable for cat caches, ``tokens`` given)."""
         growable = tokens is not None and self.context_parallel is None
         kw = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
@@ -134,9 +143,9 @@ class KVarNBackend:
         if self.context_parallel is not None:
             from kvarn_compile.ops import context_parallel as cp
 
-            return cp.allocate(self.context_parallel, self.config, **kw)
+            return cp.allocate(self.context_parallel, self._config_for(latent), **kw)
         grow_from = (tokens if isinstance(tokens, int) else 0) if growable else None
-        return allocate_layer(self.config, **kw, grow_from=grow_from)
+        return allocate_layer(self._config_for(latent), **kw, grow_from=grow_from)
 
     def _model_tag(self, example_inputs: list[Any]) -> str:
         """Site-name prefix of the model a graph comes from: "" for the first model (and for

@@ -227,12 +227,18 @@ def _unpack_buffer(t: torch.Tensor, func: Any, args: Any) -> None:
                           "and the next compiled call packs what the buffer holds then")
 
 
+def _bhsd(t: torch.Tensor, perm: tuple[int, int, int, int]) -> torch.Tensor:
+    """A model's cache tensor as a [B, H, S, D] view; a cache without a heads axis (3-D: a
+    multi-head latent attention latent) has a virtual trailing one of size one."""
+    return (t.unsqueeze(-1) if t.dim() == 3 else t).permute(perm)
+
+
 def _materialize_buffer(token: "CacheToken", role: str, t: torch.Tensor, dense: dict) -> None:
     """Write ``token``'s packed tokens, dequantized, into the model's buffer ``t``."""
     if id(token) not in dense:
         dense[id(token)] = materialize(token.state.buffers, dtype=t.dtype)
     full = dense[id(token)][0 if role == "k" else 1]                         # [B, H, cap, D]
-    view = t.permute(token.perm)[:token.batch]
+    view = _bhsd(t, token.perm)[:token.batch]
     n = min(view.shape[2], full.shape[2])
     with torch.no_grad():
         view[:, :, :n].copy_(full[:, :, :n])
@@ -637,7 +643,7 @@ class CacheBook:
 
     def _adopt_past(self, token: CacheToken, pk: torch.Tensor, pv: torch.Tensor) -> None:
         state, perm = token.state, token.perm
-        k, v = (x.permute(perm) for x in (pk, pv))
+        k, v = (_bhsd(x, perm) for x in (pk, pv))
         n = k.shape[2]
         state.reserve(n, fresh=True)
         start = torch.zeros(k.shape[0], dtype=torch.int64, device=k.device)

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from kvarn_compile.passes.fx_utils import Unsupported, arg, example, is_op, single_user
 
-__all__ = ["AttentionSite", "MaskSpec", "ATTENTIONS"]
+__all__ = ["AttentionSite", "LatentParts", "MaskSpec", "ATTENTIONS"]
 
 
 @dataclasses.dataclass
@@ -70,6 +70,53 @@ class AttentionSite:
     q_perm: tuple[int, ...] | None = None    # permute q by this to get [B, Hq, Tq, D]
     out_perm: tuple[int, ...] | None = None  # permute kvarn's [B, Hq, Tq, D] output by this
     enable_gqa: bool = False
+    #: multi-head latent attention in its absorbed form (:class:`LatentParts`): ``q``/``k``
+    #: are one of its two score products, ``v`` the latent the ·v product reads
+    latent: "LatentParts | None" = None
+
+
+@dataclasses.dataclass
+class LatentParts:
+    """The absorbed form of multi-head latent attention (DeepSeek-V2/V3 ``attn_impl="absorb"``)::
+
+        scores = (einsum("bshc,btc->bsht", q_lat, kv) + einsum("bshr,btr->bsht", q_pe, pe)) * scale
+        out = einsum("bsht,btc->bshc", softmax(scores + mask), kv)
+
+    Two q·kᵀ products over caches without a heads axis (one latent and one RoPE key for
+    every query head), the values being the latent itself. The site's ``q``/``k`` are the
+    first product's operands, ``q_pe``/``k_pe`` the second's; which one reads the latent
+    (the cache the ·v product reads too) is decided when the site is paired with its cache
+    writes. Roles of the axes: ``b`` batch, ``k`` key positions, ``d`` head dim, and ``x``,
+    ``y`` the two axes that are query heads and queries, in the scores' order; which is
+    which only the sizes can tell (:meth:`resolve`, when paired)."""
+
+    q_pe: fx.Node
+    k_pe: fx.Node
+    k_pe_labels: list[str]
+    q_roles: tuple[str, ...]        # the first product's query axes
+    pe_roles: tuple[str, ...]       # the second product's query axes
+    score_roles: tuple[str, ...]    # the scores (and the softmax weights)
+    out_roles: tuple[str, ...]      # the ·v product's output
+    #: the role ("x" or "y") of the heads axis where a product says it (a 4-D matmul /
+    #: einsum product over a cache with a heads axis of one); else sizes tell (when paired)
+    heads: str | None = None
+    pe_perm: tuple[int, ...] | None = None   # filled when paired: q_pe to [B, Hq, Tq, Dv]
+
+    def resolve(self, heads: str) -> dict[str, Any]:
+        """The permutations once ``heads`` ("x" or "y") is known: q_perm, pe_perm (to
+        [B, Hq, Tq, D]), out_perm (kvarn's [B, Hq, Tq, D] output to the model's order) and
+        the mask's (the scores' axes to [B, Hq, Tq, Lk])."""
+        name = {heads: "h", ("y" if heads == "x" else "x"): "t", "b": "b", "k": "k", "d": "d"}
+
+        def named(roles):
+            return tuple(name[r] for r in roles)
+
+        order = ("b", "h", "t", "d")
+        scores = named(self.score_roles)
+        return {"q_perm": tuple(named(self.q_roles).index(r) for r in order),
+                "pe_perm": tuple(named(self.pe_roles).index(r) for r in order),
+                "out_perm": tuple(order.index(r) for r in named(self.out_roles)),
+                "mask_perm": tuple(scores.index(r) for r in _ROLES)}
 
 
 def _sdpa(n: fx.Node) -> AttentionSite | None:
@@ -175,6 +222,131 @@ def _pv_product(n: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None, 
     return w, v, [names[c] for c in vs], None if out_perm == (0, 1, 2, 3) else out_perm, weight_roles
 
 
+def _headless_product(s: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple, tuple] | None:
+    """(q, k, k's labels, q's axis roles, the scores' axis roles) of a q·kᵀ einsum over keys
+    without a heads axis (``bshc,btc->bsht``: 4-D queries, 3-D keys shared by every query
+    head). Roles as in :class:`LatentParts`."""
+    spec = _einsum(s)
+    if spec is None:
+        return None
+    eq, (q, k) = spec
+    ins, out = eq.split("->")
+    qs, ks = ins.split(",")
+    if not (len(qs) == len(out) == 4 and len(ks) == 3 and len(set(qs)) == 4
+            and len(set(ks)) == 3 and len(set(out)) == 4):
+        return None
+    b = [c for c in out if c in qs and c in ks]
+    key = [c for c in out if c in ks and c not in qs]
+    d = [c for c in qs if c in ks and c not in out]
+    free = [c for c in out if c in qs and c not in ks]
+    if len(b) != 1 or len(key) != 1 or len(d) != 1 or len(free) != 2:
+        return None
+    role = {b[0]: "b", key[0]: "k", d[0]: "d", free[0]: "x", free[1]: "y"}
+    return (q, k, [{"b": "b", "k": "s", "d": "d"}[role[c]] for c in ks],
+            tuple(role[c] for c in qs), tuple(role[c] for c in out))
+
+
+def _score_product(s: Any) -> tuple[fx.Node, fx.Node, list[str], tuple, tuple, str | None] | None:
+    """One product of absorbed multi-head latent attention's scores: a q·kᵀ product over
+    keys without a heads axis (:func:`_headless_product`) or with one (:func:`_qk_product`:
+    ``matmul(q_pe, k_pe.mT)`` of an HF-style [B, 1, T, R] cache); (q, k, k's labels, q's axis
+    roles, the scores' axis roles, the role of the heads axis where the product says it)."""
+    if not isinstance(s, fx.Node):
+        return None
+    qk = _qk_product(s)
+    if qk is not None:
+        q, k, labels, q_perm, roles = qk
+        free = [r for r in roles if r in "ht"]                  # in the scores' order
+        name = {free[0]: "x", free[1]: "y", "b": "b", "k": "k", "d": "d"}
+        q_roles = [""] * 4
+        for role, axis in zip(("b", "h", "t", "d"), q_perm or (0, 1, 2, 3)):
+            q_roles[axis] = name[role]
+        return q, k, labels, tuple(q_roles), tuple(name[r] for r in roles), name["h"]
+    headless = _headless_product(s)
+    return None if headless is None else (*headless, None)
+
+
+def _scaled_product(x: Any) -> tuple[Any, float, list[fx.Node]]:
+    """``product * c`` / ``product / c`` (a constant): (product, c or 1/c, the scaling node);
+    anything else: (x, 1.0, [])."""
+    if isinstance(x, fx.Node) and is_op(x, "mul", "truediv") and len(x.args) == 2 \
+            and single_user(x) and not x.kwargs:
+        a, b = x.args
+        node, factor = (a, _const(b)) if isinstance(a, fx.Node) else (b, _const(a))
+        if isinstance(node, fx.Node) and factor is not None and (is_op(x, "mul") or node is a):
+            return node, (1.0 / factor if is_op(x, "truediv") else factor), [x]
+    return x, 1.0, []
+
+
+def _latent_scores(s: Any) -> tuple[tuple, tuple, float, list[fx.Node]] | None:
+    """The two products of absorbed multi-head latent attention's scores, ``q_lat·latentᵀ +
+    q_pe·peᵀ`` (:func:`_score_product` each, scores in one order; each may carry the same
+    constant scale), with that scale and the nodes of the scalings and the products, or
+    None. (Pairing checks that
+    both caches have one head and that the ·v product reads one of them.)"""
+    if not (isinstance(s, fx.Node) and is_op(s, "add") and len(s.args) == 2 and not s.kwargs
+            and all(isinstance(a, fx.Node) and single_user(a) for a in s.args)):
+        return None
+    (x, fa, na), (y, fb, nb) = (_scaled_product(arg) for arg in s.args)
+    if fa != fb or not all(isinstance(p, fx.Node) and single_user(p) for p in (x, y)):
+        return None                 # the two parts scaled differently: not one softmax scale
+    a, b = _score_product(x), _score_product(y)
+    if a is None or b is None or a[4] != b[4] or a[4][-1] != "k" \
+            or (a[5] is not None and b[5] is not None and a[5] != b[5]):
+        return None
+    return a, b, fa, na + nb + [x, y]
+
+
+def _headless_pv(n: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple, tuple] | None:
+    """(weights, v, v's labels, the weights' axis roles, the output's axis roles) of a
+    weights·v einsum over values without a heads axis (``bsht,btc->bshc``); the two axes
+    of heads and queries are marked ``f`` in both (matched to the scores by position)."""
+    spec = _einsum(n)
+    if spec is None:
+        return None
+    eq, (w, v) = spec
+    ins, out = eq.split("->")
+    ws, vs = ins.split(",")
+    if not (len(ws) == len(out) == 4 and len(vs) == 3 and len(set(ws)) == 4
+            and len(set(vs)) == 3 and len(set(out)) == 4):
+        return None
+    b = [c for c in out if c in ws and c in vs]
+    key = [c for c in ws if c in vs and c not in out]
+    d = [c for c in out if c in vs and c not in ws]
+    free = [c for c in out if c in ws and c not in vs]
+    if len(b) != 1 or len(key) != 1 or len(d) != 1 or len(free) != 2:
+        return None
+    role = {b[0]: "b", key[0]: "k", d[0]: "d"}
+    return (w, v, [{"b": "b", "k": "s", "d": "d"}[role[c]] for c in vs],
+            tuple(role.get(c, c) for c in ws), tuple(role.get(c, c) for c in out))
+
+
+def _latent_site(n: fx.Node, s: fx.Node, pv: tuple, mask: MaskSpec | None, scale: float,
+                 chain: list[fx.Node]) -> AttentionSite | None:
+    """The :class:`AttentionSite` of an absorbed multi-head latent attention whose scores
+    ``s`` are :func:`_latent_scores` and whose ·v product is ``pv`` (:func:`_headless_pv`)."""
+    first, second, factor, scalings = _latent_scores(s)
+    scale *= factor
+    if scale <= 0 or not math.isfinite(scale):
+        return None
+    w, v, v_labels, w_letters, out_letters = pv
+    scores = first[4]
+    # the weights are the scores' axes, position by position: their free letters are x / y
+    if len(w_letters) != 4 or any((a in "bkd") != (b in "bkd") or (a in "bkd" and a != b)
+                                  for a, b in zip(w_letters, scores)):
+        return None
+    free = {c: r for c, r in zip(w_letters, scores) if c not in "bkd"}
+    out_roles = tuple(free.get(c, c) for c in out_letters)
+    q, k, k_labels, q_roles, _, heads = first
+    q_pe, k_pe, pe_labels, pe_roles, _, pe_heads = second
+    chain.extend([s, *scalings])            # the sum, its scalings and its two products
+    parts = LatentParts(q_pe, k_pe, pe_labels, q_roles, pe_roles, scores, out_roles,
+                        heads=heads or pe_heads)
+    return AttentionSite("absorbed multi-head latent attention", n, q, k, v, mask, scale, False,
+                         list(dict.fromkeys(chain)), k_labels=k_labels, v_labels=v_labels,
+                         latent=parts)
+
+
 def _swaps_last_two(n: fx.Node) -> bool:
     if is_op(n, "transpose", "swapaxes") and len(n.args) >= 3:
         return sorted(int(d) % 4 for d in n.args[1:3]) == [2, 3]
@@ -247,9 +419,13 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
     #   w = dropout(w, p=0.0, training=False)         (optional)
     #   out = matmul(w, v)                            [w @ v, einsum("bhqk,bhkd->bhqd", w, v)]
     pv = _pv_product(n)
-    if pv is None:
+    headless = _headless_pv(n) if pv is None else None   # absorbed multi-head latent attention
+    if pv is None and headless is None:
         return None
-    w, v, v_labels, out_perm, weight_roles = pv
+    if pv is not None:
+        w, v, v_labels, out_perm, weight_roles = pv
+    else:
+        w = headless[0]
     chain = [n]
     while isinstance(w, fx.Node) and not is_op(w, "softmax"):
         if is_op(w, "dropout"):
@@ -304,7 +480,7 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
             s = other
             continue
         if mask is None and is_op(s, "add", "iadd") and isinstance(s.args[1], fx.Node) \
-                and isinstance(s.args[0], fx.Node):
+                and isinstance(s.args[0], fx.Node) and _latent_scores(s) is None:
             a, b = s.args[:2]
             scores, m = (a, b) if _leads_to_qk(a) else (b, a)
             mv = example(m)
@@ -337,6 +513,11 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
         break
     if not isinstance(s, fx.Node) or not (single_user(s) or s is shifted):
         return None
+    scale = scale_before * scale_after      # (qk * c1 + m) * c2 = c1 c2 qk + c2 m
+    if headless is not None:
+        if scale <= 0 or not math.isfinite(scale) or _latent_scores(s) is None:
+            return None
+        return _latent_site(n, s, headless, mask, scale, chain)
     qk = _qk_product(s)
     if qk is None:
         return None
@@ -350,7 +531,6 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
             and _swaps_last_two(k):
         chain.append(k)                 # k.transpose(-2, -1) / k.transpose(2, 3) / k.mT
         k, k_labels = k.args[0], ["b", "q", "s", "d"]
-    scale = scale_before * scale_after      # (qk * c1 + m) * c2 = c1 c2 qk + c2 m
     if scale <= 0 or not math.isfinite(scale):
         return None
     return AttentionSite("matmul-softmax-matmul" if is_op(n, "matmul") else "einsum-softmax-einsum",
@@ -363,7 +543,7 @@ def _leads_to_qk(node: Any) -> bool:
     for _ in range(8):
         if not isinstance(cur, fx.Node):
             return False
-        if _qk_product(cur) is not None:
+        if _qk_product(cur) is not None or _latent_scores(cur) is not None:
             return True
         if cur.op == "call_method" and cur.target in _CASTS or is_op(cur, "mul", "truediv"):
             cur = cur.args[0] if isinstance(cur.args[0], fx.Node) else cur.args[1]

@@ -128,14 +128,16 @@ def _setitem(n: fx.Node) -> CacheWrite | None:
     # nanoGPT-style caches:     k_cache[:, :, start:start + T] = k
     # llama reference code:     self.cache_k[:bsz, start_pos:start_pos + seqlen] = xk
     # [B, S, H, D] caches:      k_cache[:, input_pos] = k,  k_cache[..., pos, :, :] = k
+    # [B, S, C] caches (multi-head latent attention, absorbed: no heads axis):
+    #                           self.kv_cache[:bsz, start_pos:end_pos] = self.kv_norm(kv)
     if not is_op(n, "setitem"):
         return None
     target, index, new = n.args
     root, root_index = _write_root(target)
     val = example(target)
-    if root is None or val is None or val.dim() != 4:
+    if root is None or val is None or val.dim() not in (3, 4):
         return None
-    entries = _expand_index(index, 4)
+    entries = _expand_index(index, val.dim())
     if entries is None or any(e is None or isinstance(e, (int, bool)) for e in entries):
         return None
     out = list(root_index)
@@ -209,8 +211,9 @@ def resolve_write(w: CacheWrite, seq_axis: int, batch_axis: int) -> str | None:
     reason when the write does not append a run of positions along that axis only (batch:
     a prefix of ``batch_axis`` at most)."""
     new = _shape(w.new)
-    if new is None or len(new) != 4:
-        return "the new keys/values are not 4-D"
+    ndim = len(_shape(w.full) or ())
+    if new is None or len(new) != ndim or ndim not in (3, 4):
+        return "the new keys/values do not have the cache's axes"
     if w.cache is None:                           # cat
         if w.axis != seq_axis:
             return (f"torch.cat joins axis {w.axis} of the cache, but the attention reads positions "
@@ -226,7 +229,7 @@ def resolve_write(w: CacheWrite, seq_axis: int, batch_axis: int) -> str | None:
         return f"its cache write {describe(w.write_nodes[0])} writes batch rows that are not a prefix"
     cache = _shape(w.cache)
     rows = cache[batch_axis] if b == slice(None) or b.stop is None else b.stop
-    for axis in range(4):
+    for axis in range(ndim):
         want = rows if axis == batch_axis else cache[axis]
         if axis != seq_axis and not same_size(new[axis], want):
             return (f"its cache write {describe(w.write_nodes[0])} broadcasts new rows of shape "

@@ -46,6 +46,7 @@ _ALIASES: dict[str, tuple[Any, ...]] = {
     "einsum": (torch.einsum, torch.functional.einsum),
     "permute": (torch.permute,),
     "unsqueeze": (torch.unsqueeze,),
+    "squeeze": (torch.squeeze,),
     "flatten": (torch.flatten,),
     "index_put_": (torch.ops.aten.index_put_, torch.ops.aten.index_put_.default,
                    torch.index_put_),

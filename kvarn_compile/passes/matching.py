@@ -149,7 +149,22 @@ def _trace(operand: Any, labels: list[str], which: str,
     raise Unsupported(_NO_CACHE)
 
 
+def _same_positions(wk: CacheWrite, wv: CacheWrite) -> None:
+    """The two writes (keys and values, or a latent and its RoPE key) start at one position."""
+    if wk.start_kind != wv.start_kind or (
+            wk.start_kind == "int" and not same_size(wk.start, wv.start)):
+        raise Unsupported("keys and values are written at positions the pass cannot prove equal")
+    if wk.start_kind == "positions" and wk.start is not wv.start:
+        # two reads of one positions tensor (torchtune: k_cache[:, :, self.cache_pos[:T]] = k
+        # and v_cache[:, :, self.cache_pos[:T]] = v, then self.cache_pos.add_(T))
+        why = _different_values(wk.start, wv.start)
+        if why is not None:
+            raise Unsupported(f"keys and values are written at positions the pass cannot prove equal{why}")
+
+
 def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
+    if site.latent is not None:
+        return _pair_latent(site, writes)
     rk, wk = _trace(site.k, site.k_labels, "keys", writes)
     rv, wv = _trace(site.v, site.v_labels, "values", writes)
     refuse_sliding_window(rk.source)
@@ -170,15 +185,7 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
     for w in (wk, wv):
         if is_layer_view(w.cache) and "stacked" not in w.spelling:
             w.spelling += f" (layer {w.cache.meta[LAYER_VIEW][1]} of a cache stacked over layers)"
-    if wk.start_kind != wv.start_kind or (
-            wk.start_kind == "int" and not same_size(wk.start, wv.start)):
-        raise Unsupported("keys and values are written at positions the pass cannot prove equal")
-    if wk.start_kind == "positions" and wk.start is not wv.start:
-        # two reads of one positions tensor (torchtune: k_cache[:, :, self.cache_pos[:T]] = k
-        # and v_cache[:, :, self.cache_pos[:T]] = v, then self.cache_pos.add_(T))
-        why = _different_values(wk.start, wv.start)
-        if why is not None:
-            raise Unsupported(f"keys and values are written at positions the pass cannot prove equal{why}")
+    _same_positions(wk, wv)
     qv, kraw, vraw = example(site.q), example(wk.new), example(wv.new)
     if qv is None or kraw is None or vraw is None or kraw.dim() != 4 or qv.dim() != 4 \
             or vraw.dim() != 4 \
@@ -226,6 +233,116 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
                           "over an encoder's K/V, written once); it keeps its full-precision cache")
     m = _Match(site, wk, wv, rk, rv, perm, batch)
     _read_kind(m, tq, kn[2])
+    if site.mask is not None:
+        ms = site.mask.shape()
+        cols = m.lk if m.lo is None else example(m.lk) - example(m.lo)
+        if ms is None or not 2 <= len(ms) <= 4 or not same_size(ms[-1], cols) \
+                or not (same_size(ms[-2], tq) or same_size(ms[-2], 1)):
+            raise Unsupported("the attention mask is not [batch|1, heads|1, queries, cache length]")
+    return m
+
+
+def _pair_latent(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
+    """:func:`_pair` for absorbed multi-head latent attention (``site.latent``): the latent
+    cache (read by one score product and by the ·v product) becomes the state's keys, the
+    RoPE key cache its values; both are written in place without a heads axis. Decides
+    which query axis is heads and which queries (``LatentParts.resolve``)."""
+    lat = site.latent
+    ra, wa = _trace(site.k, site.k_labels, "latent keys", writes)
+    rp, wp = _trace(lat.k_pe, lat.k_pe_labels, "RoPE keys", writes)
+    rv, wv = _trace(site.v, site.v_labels, "values", writes)
+    if rv.source is rp.source and rv.source is not ra.source:      # the second product reads the latent
+        site.q, site.k, site.k_labels, lat.q_pe, lat.k_pe, lat.k_pe_labels = (
+            lat.q_pe, lat.k_pe, lat.k_pe_labels, site.q, site.k, site.k_labels)
+        lat.q_roles, lat.pe_roles = lat.pe_roles, lat.q_roles
+        ra, wa, rp, wp = rp, wp, ra, wa
+    if rv.source is not ra.source or wv is not wa:
+        raise Unsupported("the ·v product reads neither cache the two score products read (in "
+                          "absorbed multi-head latent attention the values are the latent)")
+    if ra.source is rp.source:
+        raise Unsupported("the latent and the RoPE key share one cache tensor")
+    if ra.axes != rp.axes or ra.axes != rv.axes:
+        raise Unsupported("the latent and RoPE key caches have different layouts")
+    axes = ra.axes
+    perm = (axes["b"], axes["h"], axes["s"], axes["d"])
+    if (wa.cache is None) != (wp.cache is None):
+        raise Unsupported(f"the latent and the RoPE key use different cache updates "
+                          f"({wa.spelling} / {wp.spelling})")
+    if wa.cache is None and (axes["h"] == 3 or axes["b"] != 0):
+        raise Unsupported("a torch.cat latent cache without a heads axis, or whose batch axis "
+                          "is not the first (the pass packs [B, 1, T, C] cat caches and "
+                          "[B, T, C] caches written in place)")
+    for w in (wa, wp):
+        reason = resolve_write(w, axes["s"], axes["b"])
+        if reason is not None:
+            raise Unsupported(reason)
+    _same_positions(wa, wp)
+    for a, b, what in ((ra.stop, rv.stop, "up to"), (ra.start, rv.start, "from")):
+        if (a is None) != (b is None) or (a is not None and not same_size(a, b)
+                                          and _different_values(a, b) is not None):
+            raise Unsupported(f"the scores and the ·v product read the latent {what} different positions")
+    qv, pv, lraw, praw = example(site.q), example(lat.q_pe), example(wa.new), example(wp.new)
+    ndim = 3 if axes["h"] == 3 else 4
+    if any(x is None for x in (qv, pv, lraw, praw)) or qv.dim() != 4 or pv.dim() != 4 \
+            or lraw.dim() != ndim or praw.dim() != ndim:
+        raise Unsupported("the new latent / RoPE keys are not [batch, (1,) tokens, dim] like their caches")
+
+    def sizes(x):               # [B, H, T, D] (H: 1 for a cache without a heads axis)
+        return [1 if a >= x.dim() else concrete(x.shape[a]) for a in perm]
+
+    (b, h, t, c), (bp, hp, tp, r) = sizes(lraw), sizes(praw)
+    if h != 1 or hp != 1:
+        raise Unsupported(f"the latent / RoPE key caches hold {h} / {hp} heads (absorbed "
+                          "multi-head latent attention caches one for every query head)")
+    if not same_size(bp, b) or not same_size(tp, t):
+        raise Unsupported("the latent and the RoPE key are written for different rows or tokens")
+    if any(not isinstance(x, int) for x in (b, c, r)):
+        raise Unsupported("dynamic batch or latent sizes (e.g. the same compiled model ran "
+                          "with a second batch size); this graph runs in full precision - compile "
+                          "a fresh model per batch size to keep the cache compressed")
+    # which of the queries' two free axes holds the heads: the other one has the tokens
+    # written; where both do, the axis a mask broadcasts over (size 1) is the heads
+    size = {role: concrete(qv.shape[i]) for i, role in enumerate(lat.q_roles)}
+    tokens = [x for x in "xy" if same_size(size[x], t)]
+    if lat.heads is not None:       # a product with a heads axis says which one it is
+        tokens = ["y" if lat.heads == "x" else "x"]
+    if len(tokens) == 2 and site.mask is not None:
+        mv = example(site.mask.node)
+        ms = (1,) * (4 - mv.dim()) + tuple(mv.shape) if mv is not None and mv.dim() <= 4 else None
+        ones = [x for x in "xy" if ms is not None and ms[lat.score_roles.index(x)] == 1]
+        tokens = [x for x in "xy" if x not in ones] if len(ones) == 1 else tokens
+    if len(tokens) != 1:
+        raise Unsupported(f"cannot tell the query heads from the queries (query axes of sizes "
+                          f"{size['x']} and {size['y']} for {t} tokens written)")
+    perms = lat.resolve("y" if tokens[0] == "x" else "x")
+    site.q_perm, site.out_perm, lat.pe_perm = perms["q_perm"], perms["out_perm"], perms["pe_perm"]
+    if site.mask is not None:
+        site.mask.perm = perms["mask_perm"]
+    qs = [concrete(qv.shape[a]) for a in site.q_perm]
+    ps = [concrete(pv.shape[a]) for a in perms["pe_perm"]]
+    if qs[-1] != c or ps[-1] != r or not same_size(qs[0], b) or not same_size(ps[0], b) \
+            or ps[1] != qs[1] or not isinstance(qs[1], int):
+        raise Unsupported(f"the latent queries {qs} / RoPE queries {ps} do not fit a latent of "
+                          f"{c} and a RoPE key of {r} channels")
+    if c % 16 or r % 16:
+        raise Unsupported(f"latent dim {c} / RoPE key dim {r} is not a multiple of 16")
+    out = example(site.out)
+    if out is None or out.dtype != qv.dtype or pv.dtype != qv.dtype:
+        raise Unsupported(f"the attention output is {getattr(out, 'dtype', None)}, the queries "
+                          f"{qv.dtype} / {pv.dtype} (kvarn::latent_attention returns the queries' dtype)")
+    for w, read in ((wa, ra), (wp, rp)):
+        rows = read.batch if read.batch is not None else example(read.source).shape[axes["b"]]
+        if not same_size(rows, b):
+            raise Unsupported(f"the attention reads {rows} batch rows of the cache and the update "
+                              f"writes {b}")
+    site.nodes = list(dict.fromkeys(site.nodes + rv.nodes))       # the ·v product's read goes too
+    _check_readers(site, wa, ra)
+    _check_readers(site, wp, rp)
+    tq = qs[2]
+    if _known_different(t, tq):
+        raise Unsupported(f"the cache update writes {t} tokens for {tq} queries")
+    m = _Match(site, wa, wp, ra, rp, perm, b)
+    _read_kind(m, tq, t)
     if site.mask is not None:
         ms = site.mask.shape()
         cols = m.lk if m.lo is None else example(m.lk) - example(m.lo)

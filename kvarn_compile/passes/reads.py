@@ -148,13 +148,33 @@ def _getitem(n: fx.Node, labels: list, tr: _Trace):
 
 
 def _unsqueeze(n: fx.Node, labels: list, tr: _Trace):
-    # k.unsqueeze(2).expand(B, Hkv, n_rep, S, D).flatten(1, 2)
+    # k.unsqueeze(2).expand(B, Hkv, n_rep, S, D).flatten(1, 2); a cache without a heads axis
+    # broadcast to every query head (absorbed multi-head latent attention:
+    # compressed_kv.unsqueeze(-3).mT against [B, H, S, C] queries)
     if not is_op(n, "unsqueeze"):
         return None
     dim = int(arg(n, 1, "dim")) % len(labels)
+    if labels[dim] == "q" and "h" not in labels and len(labels) == 4:
+        tr.parts.append(f"unsqueeze({arg(n, 1, 'dim')})")
+        return n.args[0], labels[:dim] + labels[dim + 1:]       # one head for all: no heads axis
     if labels[dim] not in ("1", "r"):
         raise ChainBroken(n, "inserts an axis the attention uses")
     return n.args[0], labels[:dim] + labels[dim + 1:]
+
+
+def _squeeze(n: fx.Node, labels: list, tr: _Trace):
+    # a one-head cache read without its heads axis: compressed_kv.squeeze(1) of a [B, 1, T, C]
+    # latent cache (absorbed multi-head latent attention over an HF-style cache)
+    if not is_op(n, "squeeze"):
+        return None
+    src = _shape(n.args[0])
+    dim = arg(n, 1, "dim")
+    if src is None or not isinstance(dim, int) or len(src) != len(labels) + 1 \
+            or not same_size(src[dim % len(src)], 1) or "h" in labels or "q" in labels:
+        raise ChainBroken(n, "removes an axis the pass cannot place")
+    dim %= len(src)
+    tr.parts.append(f"squeeze({arg(n, 1, 'dim')})")
+    return n.args[0], labels[:dim] + ["h"] + labels[dim:]
 
 
 def _expand(n: fx.Node, labels: list, tr: _Trace):
@@ -245,6 +265,7 @@ KV_STEPS: list[tuple[str, _Step]] = [
     ("transpose", _transpose),            # [B, S, H, D] caches: keys.transpose(1, 2); .permute; .mT
     ("getitem", _getitem),                # x[:, :, None], keys[:bsz, :start + T], k[..., :maxp1, :]
     ("unsqueeze", _unsqueeze),            # k.unsqueeze(2).expand(...).flatten(1, 2)
+    ("squeeze", _squeeze),                # compressed_kv.squeeze(1) of a one-head latent cache
     ("expand", _expand),                  # repeat_kv's expand; MQA k.expand(B, Hq, S, D)
     ("reshape", _reshape),                # repeat_kv's reshape(b, h * n, s, d), .view, .flatten(1, 2)
     ("repeat_interleave", _repeat_interleave),   # gpt-fast / litgpt GQA
@@ -255,7 +276,12 @@ def trace_kv(node: Any, labels: list[str]) -> KVRead:
     """Walk back from an attention operand (whose axes are ``labels``, e.g. ``['b', 'q', 's',
     'd']``) through ``KV_STEPS`` to the first node that is not a view: the cache value (or,
     when none is there, whatever computed the operand). Raises :class:`ChainBroken` at an
-    operation a step recognizes but cannot follow."""
+    operation a step recognizes but cannot follow.
+
+    An operand without a heads axis (``['b', 's', 'd']``: multi-head latent attention's
+    latent and RoPE key caches, one for every query head) ends in a 3-D cache; its heads
+    are a virtual trailing axis of size one (``axes['h'] == 3``: the cache viewed as
+    ``cache.unsqueeze(-1)``)."""
     tr = _Trace()
     nodes: list[fx.Node] = []
     cur, lab = node, list(labels)
@@ -274,8 +300,11 @@ def trace_kv(node: Any, labels: list[str]) -> KVRead:
     if not isinstance(cur, fx.Node):
         raise ChainBroken(node, "is not a tensor computed in the graph")
     lab = ["h" if x == "q" else x for x in lab]
-    if sorted(lab) != ["b", "d", "h", "s"]:
+    headless = sorted(lab) == ["b", "d", "s"]
+    if not headless and sorted(lab) != ["b", "d", "h", "s"]:
         raise ChainBroken(cur, f"ends in a tensor whose axes the pass cannot map ({lab})")
+    axes = {x: i for i, x in enumerate(lab)}
+    if headless:
+        axes["h"] = 3
     spelling = " + ".join(reversed(list(dict.fromkeys(tr.parts))))     # in the model's order
-    return KVRead(spelling, cur, nodes, {x: i for i, x in enumerate(lab)}, tr.batch, tr.stop,
-                  tr.repeat, tr.start)
+    return KVRead(spelling, cur, nodes, axes, tr.batch, tr.stop, tr.repeat, tr.start)

@@ -231,6 +231,22 @@ def _window_mask(graph: fx.Graph, m: _Match, mask: fx.Node | None, device: torch
     return graph.call_function(torch.nn.functional.pad, (mask, (lo, 0)), {"value": hidden})
 
 
+def _as_bhsd(graph: fx.Graph, node: fx.Node, perm: tuple[int, int, int, int],
+             ndim: int | None = None) -> fx.Node:
+    """A cache (or its new rows) as ``[B, H, S, D]``: permuted by the cache's ``perm``; a
+    cache without a heads axis (3-D: a multi-head latent attention latent, ``perm[1] == 3``)
+    first gets its virtual trailing heads axis of size one. ``ndim``: the node's number of
+    dims, for a node made by the rewrite (no example value)."""
+    if (example(node).dim() if ndim is None else ndim) == 3:
+        node = graph.call_method("unsqueeze", (node, -1))
+    return _permuted(graph, node, perm)
+
+
+def _bhsd_size(value: torch.Tensor, axis: int) -> Any:
+    """Size of ``value``'s cache axis ``axis`` (1 for the virtual heads axis of a 3-D cache)."""
+    return 1 if axis >= value.dim() else concrete(value.shape[axis])
+
+
 def _permuted(graph: fx.Graph, node: fx.Node, perm: tuple[int, ...] | None) -> fx.Node:
     if perm is None or tuple(perm) == tuple(range(len(perm))):
         return node
@@ -308,8 +324,15 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     stems: set[str] = set()
     for m in matches:
         name = site_name(m.site.out)
+        latent = m.site.latent is not None
+        if latent and keyed:
+            reports.append(SiteReport(name, False, m.site.form, reason=(
+                "the Inductor pre-grad pass (inductor_pass) does not rewrite absorbed multi-head "
+                "latent attention; compile with backend=kvarn_backend(...) to pack its latent cache"),
+                graph=graph_id))
+            continue
         raw = example(m.wk.new)
-        batch, heads, _, dim = (concrete(raw.shape[a]) for a in m.perm)
+        batch, heads, _, dim = (_bhsd_size(raw, a) for a in m.perm)
         growth = {}
         if m.wk.cache is not None:
             max_len = int(example(m.wk.cache).shape[m.perm[2]])
@@ -322,11 +345,13 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
             past = tokens - example(m.wk.new).shape[m.wk.axis]
             growth = dict(tokens=tokens, fresh=_statically_zero(past))
         dv = concrete(example(m.wv.new).shape[m.perm[3]])   # the values' head dim (MLA: not dim)
+        if latent:
+            growth["latent"] = True     # the RoPE key (the values) at LATENT_ROPE_BITS
         state = ctx.get_state(name, batch=batch, kv_heads=heads, head_dim=dim,
                               value_head_dim=dv, max_len=max_len,
                               dtype=raw.dtype, device=raw.device, **growth)
         loc = _location(m, name, placeholders)
-        new_tokens = concrete(raw.shape[m.perm[2]])
+        new_tokens = _bhsd_size(raw, m.perm[2])
         loc.new_tokens = new_tokens if isinstance(new_tokens, int) else None
         ctx.locations.append(loc)
         # 1. the state's buffers become graph inputs (keyed mode: a constant key instead)
@@ -343,12 +368,14 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                     bufs.append(ph)
             extra.extend(state.buffers)
         # 2. quantize-on-append where the model wrote its cache (new rows as [B, H, T, D])
-        first_write = min((n for n in m.wk.write_nodes + m.wv.write_nodes),
-                          key=lambda n: list(graph.nodes).index(n))
+        # (a latent's RoPE key is often computed between the two writes: after the last)
+        order = list(graph.nodes)
+        first_write = (max if latent else min)((n for n in m.wk.write_nodes + m.wv.write_nodes),
+                                               key=order.index)
         with graph.inserting_before(first_write):
             start = _start_node(graph, m.wk, batch, heads * dim, raw.device)
-            new_k = _permuted(graph, m.wk.new, m.perm)
-            new_v = _permuted(graph, m.wv.new, m.perm)
+            new_k = _as_bhsd(graph, m.wk.new, m.perm)
+            new_v = _as_bhsd(graph, m.wv.new, m.perm)
             rows = _past_row_tags(graph, m.wk, batch)
             if rows is not None and keyed:
                 new_k = graph.call_function(torch.ops.kvarn.reorder_keyed.default,
@@ -374,7 +401,11 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                 mask = _window_mask(graph, m, mask, raw.device)
             if m.site.is_causal and not _same_size(_key_len(m.site), example(q).shape[2]):
                 mask = _top_left_causal(graph, m, q, heads * dim, raw.device)
-            if keyed:
+            if latent:
+                q_pe = _permuted(graph, m.site.latent.q_pe, m.site.latent.pe_perm)
+                att = graph.call_function(torch.ops.kvarn.latent_attention.default,
+                                          (q, q_pe, bufs, mask, float(scale), m.causal, 0))
+            elif keyed:
                 att = graph.call_function(torch.ops.kvarn.attention_keyed.default,
                                           (q, append, mask, ctx.state_key(name),
                                            float(scale), m.causal, 0))
@@ -488,10 +519,10 @@ def _hand_over(graph: fx.Graph, ctx: RewriteContext, report: SiteReport, m: _Mat
         for c in (cache_k, cache_v):
             v = c
             if m.batch != example(c).shape[m.perm[0]]:
-                index = [slice(None)] * 4
+                index = [slice(None)] * example(c).dim()
                 index[m.perm[0]] = slice(None, m.batch)
                 v = graph.call_function(operator.getitem, (v, tuple(index)))
-            views.append(_permuted(graph, v, m.perm))
+            views.append(_as_bhsd(graph, v, m.perm, example(c).dim()))
     view_k, view_v = views
     whole = view_k is cache_k and view_v is cache_v
     if ctx.state_key is not None:

@@ -214,9 +214,10 @@ def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
     for n in steps:
         if _op_name(n) in ("add", "iadd") and len(n.args) >= 2 \
                 and all(isinstance(a, fx.Node) and _leads_to_product(a) for a in n.args[:2]):
-            return (f"the scores add two q·kᵀ products ({describe(n)}; multi-head latent attention "
-                    "in its absorbed form: a latent part and a RoPE part, over caches without a "
-                    "heads axis), which the pass does not rewrite yet")
+            return (f"the scores add two q·kᵀ products ({describe(n)}) in a way the pass does not "
+                    "follow; it rewrites multi-head latent attention in its absorbed form as "
+                    "(q_lat·latentᵀ + q_pe·peᵀ) [* scale] [+ mask] -> softmax -> ·latent, each "
+                    "product an einsum or matmul of its own, over one-head caches")
     other = [n for n in steps if _op_name(n) not in _FOLLOWED]
     if other:
         n = other[0]

@@ -30,6 +30,11 @@ drives its model. Spellings (item letters of the "real model code" issue):
                                                      and V of different head dims; with
                                                      ``absorb`` the absorbed form (the latent
                                                      and the RoPE key cached, no heads axis)
+    latent-hf    madsys-dev/deepseekv2-profile       absorbed multi-head latent attention over an HF-style
+                 (DeepseekV2Attention, absorbed)     cat cache with a heads axis of one: matmul + .mT,
+                                                     ``compressed_kv.squeeze(1).unsqueeze(-3)``, the
+                                                     pe term first, a 4-D float mask,
+                                                     ``einsum("bhql,blc->bhqc")``
     window       per-layer windows (gpt-oss,         (c) ``k_cache[:, :, max(0, end - W):end]`` with W per
                  Gemma 3 style local layers)         layer (None: a full layer)
 
@@ -66,21 +71,27 @@ def reference(config):
 
 def _ref_kv(k: torch.Tensor, v: torch.Tensor, end, seq_axis: int):
     """K/V with positions [0, end) along ``seq_axis`` as a whole-sequence cache of the
-    reference preset holds them (the identity outside ``reference``)."""
+    reference preset holds them (the identity outside ``reference``). 3-D [B, S, C] caches
+    are a multi-head latent attention latent (``k``) and RoPE key (``v``, at
+    ``LATENT_ROPE_BITS``), one head."""
     if _REFERENCE is None:
         return k, v
+    from kvarn_compile.config import LATENT_ROPE_BITS
     from kvarn_compile.quant.cache import quantize_cache
 
-    def tokens_last(x):          # [..., S, D]
-        return x.movedim(seq_axis, -2) if x.dim() == 4 else x
+    latent = k.dim() == 3
 
+    def tokens_last(x):          # [..., S, D]
+        return x.movedim(seq_axis, -2) if x.dim() == 4 else x.unsqueeze(1)
+
+    config = _REFERENCE.replace(value_bits=LATENT_ROPE_BITS) if latent else _REFERENCE
     kq, vq = quantize_cache(tokens_last(k).narrow(-2, 0, end), tokens_last(v).narrow(-2, 0, end),
-                            _REFERENCE).dequantize()
+                            config).dequantize()
     out = []
     for x, xq in ((k, kq), (v, vq)):
         y = tokens_last(x).clone()
         y[..., :end, :] = xq.to(x.dtype)
-        out.append(y.movedim(-2, seq_axis))
+        out.append(y.squeeze(1) if latent else y.movedim(-2, seq_axis))
     return out[0], out[1]
 
 
@@ -451,12 +462,16 @@ class _DeepSeekAttention(nn.Module):
         q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w[:, :nope])
         self.kv_cache[:bsz, start_pos:end] = self.kv_norm(latent)
         self.pe_cache[:bsz, start_pos:end] = _rope(k_pe.unsqueeze(2), pos).squeeze(2)
-        scores = (torch.einsum("bshc,btc->bsht", q_lat, self.kv_cache[:bsz, :end])
-                  + torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end])) * self.softmax_scale
+        kv, pe = _ref_kv(self.kv_cache[:bsz, :end], self.pe_cache[:bsz, :end], end, 1)
+        scores = (torch.einsum("bshc,btc->bsht", q_lat, kv)
+                  + torch.einsum("bshr,btr->bsht", q_pe, pe)) * self.softmax_scale
         if mask is not None:
             scores += mask.unsqueeze(1)
         scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
-        out = torch.einsum("bsht,btc->bshc", scores, self.kv_cache[:bsz, :end])
+        # twin: the values read one position further on than the scores (not the latent
+        # the scores saw)
+        values = self.kv_cache[:bsz, 1:end + 1] if self.cfg.twin else kv
+        out = torch.einsum("bsht,btc->bshc", scores, values)
         out = torch.einsum("bshc,hdc->bshd", out, w[:, -vd:])
         return self.wo(out.flatten(2))
 
@@ -589,6 +604,113 @@ class WindowModel(_LM):
     generate = StackedModel.generate
 
 
+# ------------------------------------------------------------------------------ (e) latent-hf
+class _LatentHFAttention(nn.Module):
+    """Absorbed multi-head latent attention as madsys-dev/deepseekv2-profile patches HF's
+    DeepseekV2Attention: heads-first queries; the RoPE key and the normed latent appended to
+    an HF-style cache ([B, 1, T, R] and [B, 1, T, C], ``torch.cat`` along the positions, the
+    RoPE key in the "keys" slot); ``matmul`` scores with ``.mT``, the pe term first, the
+    latent read as ``compressed_kv.squeeze(1)`` and broadcast by ``unsqueeze(-3)``; an HF 4-D
+    float mask added out of place; softmax in fp32 ``.to(q_pe.dtype)``; eval dropout;
+    ``einsum("bhql,blc->bhqc")``; the value up-projection by ``matmul(.., out_absorb.mT)``.
+    ``twin``: the RoPE part scaled twice (scores no single softmax scale gives)."""
+
+    def __init__(self, cfg: CodebaseConfig, idx: int):
+        super().__init__()
+        self.cfg = cfg
+        rank, nope, rope, vd = cfg.mla or (64, 32, 16, 32)
+        self.dims = rank, nope, rope, vd
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * (nope + rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, rank + rope, bias=False)
+        self.kv_a_layernorm = _Norm(rank)
+        self.kv_b_proj = nn.Linear(rank, cfg.n_heads * (nope + vd), bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * vd, cfg.dim, bias=False)
+        self.softmax_scale = (nope + rope) ** -0.5
+
+    def forward(self, x, pos, mask, past):
+        bsz, q_len, _ = x.shape
+        rank, nope, rope, vd = self.dims
+        heads = self.cfg.n_heads
+        q = self.q_proj(x).view(bsz, q_len, heads, nope + rope).transpose(1, 2)
+        q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
+        compressed_kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [rank, rope], dim=-1)
+        compressed_kv = self.kv_a_layernorm(compressed_kv)
+        k_pe = k_pe.view(bsz, q_len, 1, rope).transpose(1, 2)
+        q_pe = _rope(q_pe.transpose(1, 2), pos).transpose(1, 2)
+        k_pe = _rope(k_pe.transpose(1, 2), pos).transpose(1, 2)
+        past_pe, past_kv = past
+        k_pe = torch.cat([past_pe, k_pe], dim=-2)                       # the "keys" slot
+        compressed_kv = torch.cat([past_kv, compressed_kv.unsqueeze(1)], dim=-2)
+        new_past = (k_pe, compressed_kv)
+        compressed_kv = compressed_kv.squeeze(1)
+        if _REFERENCE is not None:
+            compressed_kv, pe = _ref_kv(compressed_kv, k_pe.squeeze(1), compressed_kv.shape[1], 1)
+            k_pe = pe.unsqueeze(1)
+        kv_b_proj = self.kv_b_proj.weight.view(heads, -1, rank)
+        q_absorb, out_absorb = kv_b_proj[:, :nope, :], kv_b_proj[:, nope:, :]
+        q_nope = torch.matmul(q_nope, q_absorb)
+        if self.cfg.twin:
+            attn_weights = (torch.matmul(q_pe, k_pe.mT) * (2 * self.softmax_scale)
+                            + torch.matmul(q_nope, compressed_kv.unsqueeze(-3).mT) * self.softmax_scale)
+        else:
+            attn_weights = (torch.matmul(q_pe, k_pe.mT)
+                            + torch.matmul(q_nope, compressed_kv.unsqueeze(-3).mT)) * self.softmax_scale
+        attn_weights = attn_weights + mask
+        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q_pe.dtype)
+        attn_weights = F.dropout(attn_weights, p=0.0, training=self.training)
+        out = torch.einsum("bhql,blc->bhqc", attn_weights, compressed_kv)
+        out = torch.matmul(out, out_absorb.mT)
+        out = out.transpose(1, 2).contiguous().reshape(bsz, q_len, heads * vd)
+        return self.o_proj(out), new_past
+
+
+class LatentHFModel(nn.Module):
+    """HF-style model around :class:`_LatentHFAttention`: ``forward(tokens, pos, mask, past)``
+    returns (logits, the new per-layer caches), as a DynamicCache would hold them."""
+
+    def __init__(self, cfg: CodebaseConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(_Block(cfg, _LatentHFAttention(cfg, i)) for i in range(cfg.n_layers))
+        self.norm = _Norm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, tokens, pos, mask, past):
+        h = self.embed(tokens)
+        new = []
+        for layer, p in zip(self.layers, past):
+            out, cache = layer.attn(layer.n1(h), pos, mask, p)
+            h = h + out
+            h = h + layer.down(F.silu(layer.up(layer.n2(h))))
+            new.append(cache)
+        return self.head(self.norm(h)), new
+
+    def empty_cache(self, batch: int = 1) -> list:
+        rank, _, rope, _ = self.layers[0].attn.dims
+        return [(torch.zeros(batch, 1, 0, rope), torch.zeros(batch, 1, 0, rank))
+                for _ in self.layers]
+
+    @staticmethod
+    def causal_mask(q_len: int, total: int) -> torch.Tensor:
+        """HF's 4-D float mask [1, 1, q_len, total]: the dtype's min above the diagonal."""
+        m = torch.full((q_len, total), torch.finfo(torch.float32).min).triu(total - q_len + 1)
+        return m[None, None]
+
+    def generate(self, prompt, new, step=None, forced=None):
+        step = self if step is None else step
+        t = prompt.shape[1]
+        past = self.empty_cache(prompt.shape[0])
+        logits, past = step(prompt, torch.arange(t), self.causal_mask(t, t), past)
+        logits = [logits[:, -1]]
+        tokens = [_next(logits, forced, 0)]
+        for i in range(new - 1):
+            out, past = step(tokens[-1], torch.tensor([t + i]), self.causal_mask(1, t + i + 1), past)
+            logits.append(out[:, -1])
+            tokens.append(_next(logits, forced, i + 1))
+        return torch.cat(tokens, 1), logits
+
+
 # ------------------------------------------------------------------------------ registry
 CODEBASES = {
     "torchtune": TorchtuneModel,
@@ -596,6 +718,7 @@ CODEBASES = {
     "gemma": GemmaModel,
     "deepseek": DeepSeekModel,
     "window": WindowModel,
+    "latent-hf": LatentHFModel,
 }
 
 

@@ -90,11 +90,3 @@ def test_latent_attention_refuses_queries_that_do_not_fit():
         latent(q, torch.randn(2, HEADS, 1, 32), seq.buffers)
     with pytest.raises(ValueError, match=r"expected queries \[batch=2, heads=k\*1, tq, head_dim=64\]"):
         latent(torch.randn(2, HEADS, 1, 32), torch.randn(2, HEADS, 1, ROPE), seq.buffers)
-
-
-def test_latent_attention_opcheck():
-    seq = latent_sequence("k4v2")
-    seq.write(80)
-    q, q_pe = torch.randn(2, HEADS, 1, RANK), torch.randn(2, HEADS, 1, ROPE)
-    torch.library.opcheck(torch.ops.kvarn.latent_attention.default,
-                          (q, q_pe, seq.buffers, None, 0.1, True, 0))

@@ -108,6 +108,21 @@ def _opcheck_attention(preset="k4v2"):
         op(q, st.buffers, None, 0.2, True, 0).sum().backward()
 
 
+def _opcheck_latent_attention():
+    """A latent state (the latent as keys, the RoPE key as values at LATENT_ROPE_BITS, one
+    head) with per-tile key frames; decode and multi-query steps, a mask, a window."""
+    from kvarn_compile.config import LATENT_ROPE_BITS, get_config
+
+    st = packed_state(get_config("k4v2", group_size=32, value_bits=LATENT_ROPE_BITS, key_frame="auto"),
+                      heads=1, head_dim=64, value_head_dim=16)
+    k, v = torch.randn(2, 1, 100, 64), torch.randn(2, 1, 100, 16)
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    op = torch.ops.kvarn.latent_attention.default
+    _opcheck(op, (torch.randn(2, 6, 1, 64), torch.randn(2, 6, 1, 16), st.buffers, None, 0.1, True, 0))
+    _opcheck(op, (torch.randn(2, 6, 5, 64), torch.randn(2, 6, 5, 16), st.buffers,
+                  torch.rand(2, 1, 5, CAP) > 0.2, 0.1, True, 16))
+
+
 def _filled(tokens=(100, 70), **alloc):
     """A 2-row state holding ``tokens`` per row (rows of different lengths)."""
     st = packed_state(PRESETS["k4v2"], **alloc)
@@ -338,7 +353,7 @@ OPCHECKS = {
     "append_": _opcheck_append_, "commit_": _opcheck_commit_, "attention": _opcheck_attention,
     "reorder_": _opcheck_reorder_, "adopt_": _opcheck_adopt_, "append_from_": _opcheck_append_from_,
     "cp_append_": _opcheck_cp_append_, "cp_append_from_": _opcheck_cp_append_from_,
-    "cp_attention": _opcheck_cp_attention, "append_keyed": _opcheck_append_keyed,
+    "cp_attention": _opcheck_cp_attention, "latent_attention": _opcheck_latent_attention, "append_keyed": _opcheck_append_keyed,
     "attention_keyed": _opcheck_attention_keyed, "reorder_keyed": _opcheck_reorder_keyed,
     "positions_start": _opcheck_positions_start, "tile_partials_": _opcheck_tile_partials_,
     "tile_partials_triton_": _opcheck_tile_partials_triton_, "tune_observe_": _opcheck_tune_observe_,
