@@ -19,6 +19,10 @@ The one module that decides which kernel runs where:
 * ``kvarn::append_`` / ``commit_`` on **CUDA**: the reference bookkeeping with the Triton
   tile quantizer for the tiles a write freezes (per-tile key frames included).
 * ``kvarn::tile_partials_triton_`` on **CUDA**: the standalone Triton decode kernel.
+* ``kvarn::latent_attention`` (absorbed multi-head latent attention over a latent state): on
+  **CPU** one call of the C++ latent kernel (``csrc/latent_attention.cpp``: sink, tiles,
+  tail, key frames, fp8 scales, every visibility); on **CUDA** the exact region in torch and
+  the tiles through ``kernels/triton/latent_attention.py``, merged by log-sum-exp.
 
 A kernel runs only where it computes exactly what the reference computes. The CUDA path
 needs :func:`kernel_applies`: every quantized token is visible to every query (always true
@@ -43,7 +47,8 @@ from kvarn_compile.ops import append as append_ref, attention as attention_ref, 
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
-__all__ = ["kernel_applies", "attention", "attention_cpu", "freeze_tiles_triton", "freeze_tiles_cpu",
+__all__ = ["kernel_applies", "attention", "attention_cpu", "latent_attention_cpu", "latent_attention_cuda",
+           "merge_latent_partials", "freeze_tiles_triton", "freeze_tiles_cpu",
            "cuda_checks_on", "cuda_checks_deferred", "deferred_checks", "prepare_device",
            "raise_device_errors"]
 
@@ -154,6 +159,105 @@ def attention_cpu(q, buffers, mask, scale, causal, window):
     if out is None:
         out = attention_ref.attention(q, buffers, mask, scale, causal, window)
     return out if out.is_contiguous() else out.contiguous()
+
+
+@library.latent_attention.register_kernel("cpu")
+def latent_attention_cpu(q, q_pe, buffers, mask, scale, causal, window):
+    """The CPU kernel of ``kvarn::latent_attention``: the C++ latent kernel
+    (``cpu_attention.latent_attention_state``: the reference's checks, then sink, tiles and
+    tail in one call, exact for every visibility, fp8 scales and key frames included) where
+    it reads the state, else the reference (``KVARN_CPU_KERNEL=0``, a state of other bit
+    widths or storage dtypes)."""
+    out = None
+    if cpu_attention.available():
+        out = cpu_attention.latent_attention_state(q, q_pe, buffers, mask, scale=scale,
+                                                   causal=causal, window=window)
+    if out is None:
+        out = attention_ref.latent_attention(q, q_pe, buffers, mask, scale, causal, window)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def merge_latent_partials(o_part: torch.Tensor, lse_part: torch.Tensor,
+                          rot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 [B, Hq, Tq, D] in the original frame, lse [B, Hq, Tq]) from the partials of
+    ``kernels/triton/latent_attention.latent_tile_partials``: each frame's splits merged by
+    lse, the rotated frame's output rotated back (``@ rot.T``; default
+    ``rotation_matrix(D)``), the frames merged."""
+    from kvarn_compile.kernels.triton.attention import combine_splits
+
+    d = o_part.shape[-1]
+    rot = rotation_matrix(d, o_part.device) if rot is None else rot
+    out, lse = combine_splits(o_part[:, :, :, 0], lse_part[:, :, :, 0])
+    out = out @ rot.T
+    if o_part.shape[3] == 2:
+        out_p, lse_p = combine_splits(o_part[:, :, :, 1], lse_part[:, :, :, 1])
+        out, lse = regions.merge_regions(out, lse, out_p, lse_p)
+    return out, lse
+
+
+def latent_attention_cuda(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[torch.Tensor],
+                          mask: torch.Tensor | None = None, scale: float | None = None,
+                          causal: bool = True, window: int = 0, *, checked: bool = True,
+                          return_lse: bool = False, **kernel_options):
+    """``kvarn::latent_attention`` with the packed tiles on the Triton kernel
+    (``kernels/triton/latent_attention.py``): the exact region (sink + tail) in torch as the
+    reference does it (one attention of [q | q_pe] over [latent | RoPE key],
+    ``latent_fields`` + ``regions.exact_region``), the tiles by ``latent_tile_partials`` (fp8
+    factors, key frames, causal bounds, window and mask applied in the kernel), merged by
+    lse. Returns [B, Hq, Tq, D] in q's dtype, contiguous (with ``return_lse``: (out fp32,
+    lse fp32 [B, Hq, Tq])).
+
+    No host sync but ``checked``'s mask-length check (``check_mask``: it reads the row
+    lengths; ``checked=False`` inside a CUDA graph capture). ``kernel_options`` go to
+    ``latent_tile_partials`` (num_splits, block_m, block_n, num_warps, input_precision,
+    prefetch)."""
+    from kvarn_compile.kernels.triton.latent_attention import latent_tile_partials
+
+    f = unpack(buffers)
+    attention_ref.check_latent_queries(q, q_pe, f)
+    if checked:
+        attention_ref.check_mask(f, mask)
+    geo = Geometry.of(f)
+    d, r, bsz, tq = geo.head_dim, geo.value_head_dim, q.shape[0], q.shape[2]
+    scale = (d + r) ** -0.5 if scale is None else float(scale)
+    out, lse = regions.exact_region(torch.cat([q, q_pe.to(q.dtype)], -1),
+                                    attention_ref.latent_fields(f), mask, scale, causal, window)
+    if geo.max_tiles:
+        dev = q.device
+        rot = rotation_matrix(d, dev)
+        q32 = q.float().contiguous()
+        q_rot = (q32 @ rot).contiguous()
+        pe_rot = (q_pe.float() @ rotation_matrix(r, dev)).contiguous()
+        kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
+        bias = None
+        if mask is not None:
+            m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+            cols = geo.sink + torch.arange(geo.max_tiles * geo.group, device=dev)
+            bias = regions.bias_at(m4, cols[None, :].expand(bsz, -1), (bsz, m4.shape[1], tq))
+        factors = None
+        if f.layout.fp8_factors:
+            factors = (f.k.row_factor, f.k.col_factor, f.v.row_factor, f.v.col_factor)
+        o_part, lse_part = latent_tile_partials(
+            q_rot, q32 if f.k_plain is not None else None, pe_rot, *f.k.core, *f.v.core,
+            f.k_plain, f.n_tiles, kv_lo if window > 0 else None,
+            kv_hi if causal and tq > 1 else None, bias, scale, factors=factors, **kernel_options)
+        out_t, lse_t = merge_latent_partials(o_part, lse_part, rot)
+        out, lse = regions.merge_regions(out, lse, out_t, lse_t)
+    if return_lse:
+        return out, lse
+    return out.to(q.dtype).contiguous()
+
+
+@library.latent_attention.register_kernel("cuda")
+def _latent_attention_cuda(q, q_pe, buffers, mask, scale, causal, window):
+    """The CUDA kernel of ``kvarn::latent_attention``: :func:`latent_attention_cuda` where
+    Triton is available, else the reference."""
+    from kvarn_compile.kernels import triton_available
+
+    if triton_available():
+        return latent_attention_cuda(q, q_pe, buffers, mask, scale, causal, window,
+                                     checked=cuda_checks_on())
+    return attention_ref.latent_attention(q, q_pe, buffers, mask, scale, causal, window).contiguous()
 
 
 @library.attention.register_kernel("cuda")

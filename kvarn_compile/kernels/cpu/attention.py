@@ -32,6 +32,11 @@ Keys and values may have different head dims (multi-head latent attention decomp
 D = 192 for q and K, Dv = 128 for V and the output): scores run over D with the D-sized
 rotation, values and the output over Dv, the tile output rotated back with the Dv-sized one.
 
+:func:`latent_attention_state` is ``kvarn::latent_attention`` (multi-head latent attention in
+its absorbed form over a latent state: the latent as the keys, the shared RoPE key as the
+values; ``csrc/latent_attention.cpp``): the structure of the many-queries path, one
+dequantized tile block serving the scores and, read as values, the output.
+
 :func:`append_decode` is the decode-step append fast path (``csrc/append.cpp``);
 :func:`register_native_ops` makes it the native AutogradCPU kernel of the append ops
 (``csrc/ops.cpp``: no Python on a compiled decode step's append).
@@ -55,8 +60,8 @@ import torch
 from kvarn_compile.kernels.cpu.build import KernelBuildError, build_extension, load, mode, usable
 
 __all__ = ["available", "build", "tile_attention", "decode_attention", "append_decode", "bits_of",
-           "attention_state", "register_native_ops", "note_released", "state_members",
-           "SUPPORTED_BITS", "KernelBuildError"]
+           "attention_state", "latent_attention_state", "register_native_ops", "note_released",
+           "state_members", "SUPPORTED_BITS", "LATENT_TASK_ROWS", "KernelBuildError"]
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +226,43 @@ def attention_state(q: torch.Tensor, buffers: list[torch.Tensor] | tuple[torch.T
         rot_t = _rotations(dv)[1]
     return _module().kvarn_attention_state(q, buffers, mask, rot, rot_t, float(scale), bool(causal),
                                            int(window), CHUNK_TASK_ROWS, int(max_decode_queries))
+
+
+#: Query rows (query heads x query tokens) per task of the latent kernel: its two fp32
+#: accumulators [D, rows], three query blocks [rows, D + Dv] and one dequantized tile
+#: [D + Dv, G] stay in L2 (~1 MB at DeepSeek's D = 512, Dv = 64, G = 128; 32 and 128 rows
+#: ran a 64-query block over 4k tokens 10% slower on one thread).
+LATENT_TASK_ROWS = 64
+
+
+def latent_attention_state(q: torch.Tensor, q_pe: torch.Tensor,
+                           buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                           mask: torch.Tensor | None, *, scale: float, causal: bool,
+                           window: int) -> torch.Tensor | None:
+    """``kvarn::latent_attention`` (``ops.attention.latent_attention``) of q [B, Hq, Tq, D]
+    and q_pe [B, Hq, Tq, Dv] over a latent state (the latent as its keys, the RoPE key as
+    its values) in one C++ call (``csrc/latent_attention.cpp``), which also reads the
+    members, bit widths and mask from the flat buffer list and does the reference's checks
+    (queries and RoPE queries that match the state, a mask as long as it: ``ValueError``).
+
+    Per (batch row, kv head, block of queries, range of tiles) task, each key tile is
+    dequantized once into an fp32 block [D + Dv, G] with its value (RoPE) tile: the block
+    gives all the task's query rows their scores (GEMM against the rotated [q | q_pe], the
+    un-rotated q for a plain key tile) and, read as values, their output (GEMM with the
+    softmax weights); the exact sink and tail are scored with the un-rotated [q | q_pe].
+    One online softmax per row; the ranges are merged by log-sum-exp and the rotated part
+    rotated back once. Everything the reference supports: fp8 scales, per-tile key frames,
+    masks, causal, windows, rows of different lengths, queries that see nothing (zeros).
+    Output [B, Hq, Tq, D] in q's dtype; None where the kernel does not read the state
+    (other bit widths, storage dtypes or layouts): run the reference then.
+    """
+    d, dv = buffers[0].shape[-1], buffers[1].shape[-1]     # sink_k, sink_v: the state's dims
+    if d < 2 or dv < 2 or d % 2 or dv % 2:                  # (no rotation of that size)
+        return None
+    rot, rot_t = _rotations(d)
+    return _module().kvarn_latent_attention_state(q, q_pe, buffers, mask, rot, rot_t, _rotations(dv)[0],
+                                                  float(scale), bool(causal), int(window),
+                                                  LATENT_TASK_ROWS)
 
 
 def state_members() -> list[str]:

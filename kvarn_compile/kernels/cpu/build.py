@@ -9,9 +9,10 @@ without any logging set up) with the time it took; :func:`is_built` tells before
 main job makes the build a phase of its own):
 
 * ``attention``: ``attention.cpp`` (the decode / tile attention; it defines the module),
-  ``append.cpp`` (the decode-step append fast path) and ``ops.cpp`` (that append as the
-  native AutogradCPU kernel of ``kvarn::append_`` / ``append_from_``), with
-  ``-ffp-contract=fast``; launchers in ``kernels/cpu/attention.py``;
+  ``latent_attention.cpp`` (``kvarn::latent_attention``; helpers shared with attention.cpp in
+  ``attention_common.h``), ``append.cpp`` (the decode-step append fast path) and ``ops.cpp``
+  (that append as the native AutogradCPU kernel of ``kvarn::append_`` / ``append_from_``),
+  with ``-ffp-contract=fast``; launchers in ``kernels/cpu/attention.py``;
 * ``quantize``: ``quantize.cpp`` (the tile quantizer), with ``-ffp-contract=off
   -fno-fast-math`` (no fused multiply-add: every product rounds as in torch, so the
   result is the reference's bit for bit); launchers in ``kernels/cpu/quantize.py``.
@@ -55,7 +56,8 @@ _COMMON = ["-O3", "-march=native"]
 _EXTENSIONS: dict[str, tuple[tuple[str, ...], list[str]]] = {
     # -fopenmp: at::parallel_for is inlined here as an OpenMP region (without it the loop
     # runs on one thread); libgomp resolves to torch's own copy.
-    "attention": (("attention.cpp", "append.cpp", "ops.cpp"), [*_COMMON, "-ffp-contract=fast", "-fopenmp"]),
+    "attention": (("attention.cpp", "latent_attention.cpp", "append.cpp", "ops.cpp"),
+                  [*_COMMON, "-ffp-contract=fast", "-fopenmp"]),
     # -ffp-contract=off: no fused multiply-add, every product rounds as in torch.
     "quantize": (("quantize.cpp",), [*_COMMON, "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]),
 }

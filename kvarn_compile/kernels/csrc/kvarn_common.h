@@ -25,6 +25,13 @@ bool kvarn_append_decode(torch::Tensor k, torch::Tensor v, torch::Tensor sink_k,
 void kvarn_register_native_ops(std::vector<std::string> valid_methods);
 void kvarn_note_released(torch::Tensor t);
 
+// kvarn::latent_attention over a latent state's flat buffer list (latent_attention.cpp),
+// bound in attention.cpp.
+torch::Tensor kvarn_latent_attention_state(torch::Tensor q, torch::Tensor q_pe, std::vector<torch::Tensor> b,
+                                           std::optional<torch::Tensor> mask, torch::Tensor rot,
+                                           torch::Tensor rot_t, torch::Tensor rot_pe, double scale,
+                                           bool causal, int64_t window, int64_t task_rows);
+
 namespace kvarn {
 
 // ---------------------------------------------------------------- state layout
