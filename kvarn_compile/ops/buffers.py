@@ -80,14 +80,23 @@ def releasable(tensor: torch.Tensor) -> bool:
     return not tensor.untyped_storage().is_shared() and not tensor.is_pinned()
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter, or None where it has none: an inference tensor (under
+    ``torch.inference_mode`` the compiled code's aliases of a model buffer are), whose writes
+    are then not counted, so every check below answers "may have changed" and the data
+    decides."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def untouched_since_release(tensor: torch.Tensor) -> bool:
     """Released, and no in-place op has run on ``tensor`` (or a view of its buffer) since:
     its version counter is the one recorded right after the release. (A write that bypasses
     the dispatcher, through a raw pointer, goes unseen here: such memory is freed again on
     the next release that follows a counted write.)"""
     storage = tensor.untyped_storage()
-    return getattr(storage, _RELEASED, None) is not None \
-        and getattr(storage, _VERSION, None) == tensor._version
+    version = _version(tensor)
+    return getattr(storage, _RELEASED, None) is not None and version is not None \
+        and getattr(storage, _VERSION, None) == version
 
 
 def claim(tensor: torch.Tensor) -> None:
@@ -154,7 +163,7 @@ def release_storage(tensor: torch.Tensor) -> int:
     first = getattr(storage, _RELEASED, None) is None
     if first:
         setattr(storage, _RELEASED, freed)
-    setattr(storage, _VERSION, tensor._version)
+    setattr(storage, _VERSION, _version(tensor))
     from kvarn_compile.kernels.cpu import attention as cpu_attention
 
     cpu_attention.note_released(tensor)      # the native append kernel's own record
@@ -171,14 +180,15 @@ def released(tensor: torch.Tensor) -> bool:
 def mark_seen(tensor: torch.Tensor) -> None:
     """Record that a compiled call has taken in what ``tensor`` (a model-owned buffer kept in
     full precision, e.g. on CUDA, where it cannot be freed) holds now: its version counter."""
-    setattr(tensor.untyped_storage(), _SEEN, tensor._version)
+    setattr(tensor.untyped_storage(), _SEEN, _version(tensor))
 
 
 def unchanged_since_seen(tensor: torch.Tensor) -> bool:
     """True when no in-place op has run on ``tensor`` (or a view of its buffer) since
     :func:`mark_seen`: a host-side test (the version counter), no read of the data, so a
     step that asks it can be captured in a CUDA graph."""
-    return getattr(tensor.untyped_storage(), _SEEN, None) == tensor._version
+    version = _version(tensor)
+    return version is not None and getattr(tensor.untyped_storage(), _SEEN, None) == version
 
 
 def unwritten_since_release(tensor: torch.Tensor) -> bool:

@@ -245,8 +245,9 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
 def _pair_latent(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
     """:func:`_pair` for absorbed multi-head latent attention (``site.latent``): the latent
     cache (read by one score product and by the ·v product) becomes the state's keys, the
-    RoPE key cache its values; both are written in place without a heads axis. Decides
-    which query axis is heads and which queries (``LatentParts.resolve``)."""
+    RoPE key cache its values; both hold one head ([B, T, C] written in place, or
+    [B, 1, T, C] written in place or grown by ``torch.cat``). Decides which query axis is
+    heads and which queries (``LatentParts.resolve``)."""
     lat = site.latent
     ra, wa = _trace(site.k, site.k_labels, "latent keys", writes)
     rp, wp = _trace(lat.k_pe, lat.k_pe_labels, "RoPE keys", writes)

@@ -128,7 +128,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     ang = pos.float()[:, None] * freqs[None]
     cos, sin = ang.cos().repeat(1, 2)[None, :, None], ang.sin().repeat(1, 2)[None, :, None]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
 class _Norm(nn.Module):

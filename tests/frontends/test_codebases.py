@@ -306,3 +306,21 @@ def test_an_uncompiled_forward_over_a_packed_stacked_cache_stops_before_it_runs(
         assert type(torch.zeros_like(model.cache_k)) is torch.Tensor
         model.reset()                                     # zero_() on both buffers
         torch.testing.assert_close(step(ids[:, :40], 0), want[0], rtol=0, atol=0)
+
+
+def test_deepseek_own_loop_under_inference_mode_in_bf16():
+    """DeepSeek-V3's generate runs under ``torch.inference_mode`` in bf16, two prompts in a
+    cache sized for more rows: Inductor's aliases of the model's buffers are inference
+    tensors there (no version counter), and the adoption step must not trip over them."""
+    torch._dynamo.reset()
+    model = build("deepseek", mla=(64, 32, 16, 32), absorb=True, max_batch=4).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    backend = kvarn_backend("k4v4", group_size=32)
+    m = copy.deepcopy(model)
+    with torch.inference_mode():
+        tokens, got = m.generate(ids, NEW, step=torch.compile(m, backend=backend))
+        _, fp = copy.deepcopy(model).generate(ids, NEW, forced=tokens)
+        with reference(backend.config):
+            _, quantized = copy.deepcopy(model).generate(ids, NEW, forced=tokens)
+    assert len(backend.report.rewritten) == 4 and not backend.report.unchanged, str(backend.report)
+    _errors([g.float() for g in got], [f.float() for f in fp], [q.float() for q in quantized])

@@ -60,7 +60,9 @@ bool untouched_since_release(const at::Tensor& t) {
   auto it = released.find(impl);
   if (it == released.end()) return false;
   auto alive = it->second.storage.lock();
-  return alive.get() == impl && it->second.version == t._version();
+  // an inference tensor (an alias made under torch.inference_mode) counts no versions: it
+  // may have been written, the data decides (as in Python)
+  return alive.get() == impl && !t.is_inference() && it->second.version == t._version();
 }
 
 // The dispatch keys of a plain dense CPU tensor (set at registration): a fake, functional,
@@ -121,7 +123,7 @@ void append_autograd_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet ks, 
 }  // namespace
 
 void kvarn_note_released(torch::Tensor t) {
-  if (!t.defined() || !t.has_storage()) return;
+  if (!t.defined() || !t.has_storage() || t.is_inference()) return;
   const c10::Storage& st = t.storage();
   std::lock_guard<std::mutex> lock(registry_mutex);
   if (released.size() > 4096)        // storages gone since: drop them
