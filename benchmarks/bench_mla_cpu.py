@@ -5,9 +5,11 @@
 ``memory``: one layer's packed state, filled to ``tokens`` tokens, bytes counted from its live
 tensors and divided by the tokens, against the bf16 cache of the same layer:
 
-* ``latent``: what transformers' DeepSeek-V3 caches per token (the normed latent, 512
-  channels, and the shared RoPE key, 64), as ``KVarNCache`` packs it: the latent at the
-  preset's key bits, the RoPE key at ``hf.LATENT_ROPE_BITS``; bf16: 1,152 bytes;
+* ``latent``: what the absorbed form caches per token (the normed latent, 512 channels, and
+  the shared RoPE key, 64; also what transformers' DeepSeek-V3 caches), as ``kvarn_backend``
+  (``kvarn::latent_attention``) and ``KVarNCache`` pack it: the latent at the preset's key
+  bits, the RoPE key at ``LATENT_ROPE_BITS``, one packed copy of the latent serving the
+  scores and the values; bf16: 1,152 bytes;
 * ``decompressed``: DeepSeek's "naive" cache (128 heads of 192-channel keys and
   128-channel values), as ``kvarn_backend`` packs it; bf16: 81,920 bytes.
 
@@ -18,7 +20,11 @@ agreement and KL(uncompressed || packed) of the next-token distributions:
   latent, 16-channel RoPE key) with ``KVarNCache``, against its own uncompressed forward;
 * ``decompressed_codebase``: the tiny DeepSeek-style model of
   ``kvarn_compile.testing.codebases`` (K 48 = 32 + 16 RoPE channels, V 32) compiled with
-  ``kvarn_backend``, driven by its own loop, against the same model uncompressed.
+  ``kvarn_backend``, driven by its own loop, against the same model uncompressed;
+* ``absorbed_codebase``: the same model in DeepSeek's default absorbed form (64-channel latent
+  and 16-channel RoPE key cached, ``kvarn::latent_attention``), same protocol;
+* ``latent_hf_codebase``: the absorbed form as an HF-style patch spells it (matmul, [B, 1, T, C]
+  ``torch.cat`` caches), same protocol.
 
 Random weights: these say the packed cache follows the model closely, not how a trained
 model's answers change. Prints JSON.
@@ -39,6 +45,7 @@ from _common import env  # noqa: E402
 
 from kvarn_compile import get_config, kvarn_backend  # noqa: E402
 from kvarn_compile import hf  # noqa: E402
+from kvarn_compile.config import LATENT_ROPE_BITS  # noqa: E402
 from kvarn_compile.ops.append import append_  # noqa: E402
 from kvarn_compile.state import allocate_layer  # noqa: E402
 
@@ -62,7 +69,7 @@ def memory(preset: str, tokens_list) -> dict:
     base = get_config(preset)
     out = {}
     for tokens in tokens_list:
-        lat = _filled_bytes(base.replace(value_bits=hf.LATENT_ROPE_BITS), heads=1, d=512, dv=64,
+        lat = _filled_bytes(base.replace(value_bits=LATENT_ROPE_BITS), heads=1, d=512, dv=64,
                             tokens=tokens) / tokens
         out[f"latent_{tokens}"] = dict(bytes_per_token=round(lat, 1), bf16=1152,
                                        ratio=round(1152 / lat, 3))
@@ -103,11 +110,13 @@ def hf_deepseek_v3(preset: str, prompt: int, new: int) -> dict:
     return _scores(ref, torch.cat(got)) | dict(state_bytes=cache.nbytes)
 
 
-def decompressed_codebase(preset: str, prompt: int, new: int) -> dict:
+def _codebase(name: str, preset: str, prompt: int, new: int, **cfg) -> dict:
+    """A codebase model (``kvarn_compile.testing.codebases``) compiled with ``kvarn_backend`` and
+    driven by its own loop, teacher-forced on the uncompressed model's greedy tokens."""
     from kvarn_compile.testing.codebases import build, run_generate
 
     torch._dynamo.reset()
-    model = build("deepseek", mla=(64, 32, 16, 32), max_len=prompt + new + 1)
+    model = build(name, max_len=prompt + new + 2, **cfg)
     ids = torch.randint(0, 128, (1, prompt), generator=torch.Generator().manual_seed(1))
     backend = kvarn_backend(preset, compiler="eager")
     fp_tokens, fp = run_generate(copy.deepcopy(model), ids, new)
@@ -115,7 +124,7 @@ def decompressed_codebase(preset: str, prompt: int, new: int) -> dict:
     _, got = run_generate(m, ids, new, step=torch.compile(m, backend=backend), forced=fp_tokens)
     report = backend.report
     return _scores(torch.cat(fp), torch.cat(got)) | dict(
-        rewritten=len(report.rewritten), sites=len(report.sites))
+        rewritten=len(report.rewritten), sites=len(report.sites), state_bytes=backend.nbytes)
 
 
 def main() -> None:
@@ -126,12 +135,17 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=["k4v2"])
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    out = {"env": env(), "latent_rope_bits": hf.LATENT_ROPE_BITS, "results": {}}
+    out = {"env": env(), "latent_rope_bits": LATENT_ROPE_BITS, "results": {}}
     for preset in args.presets:
         out["results"][preset] = dict(
             memory=memory(preset, args.tokens),
             hf_deepseek_v3=hf_deepseek_v3(preset, args.prompt, args.new),
-            decompressed_codebase=decompressed_codebase(preset, args.prompt, args.new))
+            decompressed_codebase=_codebase("deepseek", preset, args.prompt, args.new,
+                                            mla=(64, 32, 16, 32)),
+            absorbed_codebase=_codebase("deepseek", preset, args.prompt, args.new,
+                                        mla=(64, 32, 16, 32), absorb=True),
+            latent_hf_codebase=_codebase("latent-hf", preset, args.prompt, args.new,
+                                         mla=(64, 32, 16, 32)))
         print(json.dumps({preset: out["results"][preset]}), file=sys.stderr)
     print(json.dumps(out, indent=1))
 
