@@ -236,7 +236,11 @@ class KVarNBackend:
                     use_context_parallel_ops(new_gm, self.context_parallel.key)
 
             ctx = rewrite_context(self, get_state=get_state,
-                                  separate_adopt=self.knob_tuner is not None)
+                                  separate_adopt=self.knob_tuner is not None,
+                                  latent_refused=None if self.context_parallel is None else (
+                                      "absorbed multi-head latent attention has no context-"
+                                      "parallel form yet: this site keeps its full-precision "
+                                      "cache under context_parallel"))
             extra, reports = run_rewrite(self, gm, new_gm, list(example_inputs), ctx, what="graph",
                                          seen=None, rename=lambda n: tag + self._site_names.get(n, n),
                                          finish=use_context_parallel)

@@ -222,26 +222,39 @@ def _pv_product(n: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None, 
     return w, v, [names[c] for c in vs], None if out_perm == (0, 1, 2, 3) else out_perm, weight_roles
 
 
+def _headless_einsum(n: fx.Node) -> tuple | None:
+    """A two-operand einsum of a 4-D operand and a 3-D one without a heads axis into a 4-D
+    result (``bshc,btc->bsht``, ``bsht,btc->bshc``): (4-D operand, 3-D operand, their letters,
+    the result's, and by role the letters: batch (in all three), the 3-D operand's own one
+    (in the result), the contracted one, the two of the 4-D operand's in the result), or
+    None."""
+    spec = _einsum(n)
+    if spec is None:
+        return None
+    eq, (a, b) = spec
+    ins, out = eq.split("->")
+    xs, ys = ins.split(",")
+    if not (len(xs) == len(out) == 4 and len(ys) == 3 and len(set(xs)) == 4
+            and len(set(ys)) == 3 and len(set(out)) == 4):
+        return None
+    batch = [c for c in out if c in xs and c in ys]
+    own = [c for c in out if c in ys and c not in xs]
+    contracted = [c for c in xs if c in ys and c not in out]
+    free = [c for c in out if c in xs and c not in ys]
+    if len(batch) != 1 or len(own) != 1 or len(contracted) != 1 or len(free) != 2:
+        return None
+    return a, b, xs, ys, out, batch[0], own[0], contracted[0], free
+
+
 def _headless_product(s: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple, tuple] | None:
     """(q, k, k's labels, q's axis roles, the scores' axis roles) of a q·kᵀ einsum over keys
     without a heads axis (``bshc,btc->bsht``: 4-D queries, 3-D keys shared by every query
     head). Roles as in :class:`LatentParts`."""
-    spec = _einsum(s)
+    spec = _headless_einsum(s)
     if spec is None:
         return None
-    eq, (q, k) = spec
-    ins, out = eq.split("->")
-    qs, ks = ins.split(",")
-    if not (len(qs) == len(out) == 4 and len(ks) == 3 and len(set(qs)) == 4
-            and len(set(ks)) == 3 and len(set(out)) == 4):
-        return None
-    b = [c for c in out if c in qs and c in ks]
-    key = [c for c in out if c in ks and c not in qs]
-    d = [c for c in qs if c in ks and c not in out]
-    free = [c for c in out if c in qs and c not in ks]
-    if len(b) != 1 or len(key) != 1 or len(d) != 1 or len(free) != 2:
-        return None
-    role = {b[0]: "b", key[0]: "k", d[0]: "d", free[0]: "x", free[1]: "y"}
+    q, k, qs, ks, out, b, key, d, free = spec
+    role = {b: "b", key: "k", d: "d", free[0]: "x", free[1]: "y"}
     return (q, k, [{"b": "b", "k": "s", "d": "d"}[role[c]] for c in ks],
             tuple(role[c] for c in qs), tuple(role[c] for c in out))
 
@@ -300,23 +313,12 @@ def _latent_scores(s: Any) -> tuple[tuple, tuple, float, list[fx.Node]] | None:
 def _headless_pv(n: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple, tuple] | None:
     """(weights, v, v's labels, the weights' axis roles, the output's axis roles) of a
     weights·v einsum over values without a heads axis (``bsht,btc->bshc``); the two axes
-    of heads and queries are marked ``f`` in both (matched to the scores by position)."""
-    spec = _einsum(n)
+    of heads and queries keep their letters (matched to the scores' by position)."""
+    spec = _headless_einsum(n)
     if spec is None:
         return None
-    eq, (w, v) = spec
-    ins, out = eq.split("->")
-    ws, vs = ins.split(",")
-    if not (len(ws) == len(out) == 4 and len(vs) == 3 and len(set(ws)) == 4
-            and len(set(vs)) == 3 and len(set(out)) == 4):
-        return None
-    b = [c for c in out if c in ws and c in vs]
-    key = [c for c in ws if c in vs and c not in out]
-    d = [c for c in out if c in vs and c not in ws]
-    free = [c for c in out if c in ws and c not in vs]
-    if len(b) != 1 or len(key) != 1 or len(d) != 1 or len(free) != 2:
-        return None
-    role = {b[0]: "b", key[0]: "k", d[0]: "d"}
+    w, v, ws, vs, out, b, d, key, _ = spec
+    role = {b: "b", key: "k", d: "d"}
     return (w, v, [{"b": "b", "k": "s", "d": "d"}[role[c]] for c in vs],
             tuple(role.get(c, c) for c in ws), tuple(role.get(c, c) for c in out))
 

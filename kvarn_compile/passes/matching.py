@@ -233,13 +233,18 @@ def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Matc
                           "over an encoder's K/V, written once); it keeps its full-precision cache")
     m = _Match(site, wk, wv, rk, rv, perm, batch)
     _read_kind(m, tq, kn[2])
-    if site.mask is not None:
-        ms = site.mask.shape()
+    _check_mask_shape(m, tq)
+    return m
+
+
+def _check_mask_shape(m: _Match, tq: Any) -> None:
+    """The site's mask (if any) is [batch|1, heads|1, queries|1, the key length read]."""
+    if m.site.mask is not None:
+        ms = m.site.mask.shape()
         cols = m.lk if m.lo is None else example(m.lk) - example(m.lo)
         if ms is None or not 2 <= len(ms) <= 4 or not same_size(ms[-1], cols) \
                 or not (same_size(ms[-2], tq) or same_size(ms[-2], 1)):
             raise Unsupported("the attention mask is not [batch|1, heads|1, queries, cache length]")
-    return m
 
 
 def _pair_latent(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
@@ -344,12 +349,7 @@ def _pair_latent(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -
         raise Unsupported(f"the cache update writes {t} tokens for {tq} queries")
     m = _Match(site, wa, wp, ra, rp, perm, b)
     _read_kind(m, tq, t)
-    if site.mask is not None:
-        ms = site.mask.shape()
-        cols = m.lk if m.lo is None else example(m.lk) - example(m.lo)
-        if ms is None or not 2 <= len(ms) <= 4 or not same_size(ms[-1], cols) \
-                or not (same_size(ms[-2], tq) or same_size(ms[-2], 1)):
-            raise Unsupported("the attention mask is not [batch|1, heads|1, queries, cache length]")
+    _check_mask_shape(m, tq)
     return m
 
 

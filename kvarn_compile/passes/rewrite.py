@@ -114,6 +114,9 @@ class RewriteContext:
     #: inputs mode: adopt a prompt with a separate ``kvarn::adopt_`` before ``kvarn::append_``
     #: (the knob tuner instruments ``append_`` nodes) instead of ``kvarn::append_from_``
     separate_adopt: bool = False
+    #: why absorbed multi-head latent attention sites stay unchanged in this compile (a
+    #: front-end whose ops have no latent form: context parallelism); None: rewrite them
+    latent_refused: str | None = None
     #: filled by rewrite_graph (inputs mode): (graph input index, site report) of every
     #: model-owned cache tensor the caller must free after each call (see _hand_over)
     released_inputs: list[tuple[int, SiteReport]] = dataclasses.field(default_factory=list)
@@ -325,11 +328,12 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
     for m in matches:
         name = site_name(m.site.out)
         latent = m.site.latent is not None
-        if latent and keyed:
-            reports.append(SiteReport(name, False, m.site.form, reason=(
-                "the Inductor pre-grad pass (inductor_pass) does not rewrite absorbed multi-head "
-                "latent attention; compile with backend=kvarn_backend(...) to pack its latent cache"),
-                graph=graph_id))
+        refused = ctx.latent_refused or (
+            "the Inductor pre-grad pass (inductor_pass) does not rewrite absorbed multi-head "
+            "latent attention; compile with backend=kvarn_backend(...) to pack its latent cache"
+            if keyed else None)
+        if latent and refused:
+            reports.append(SiteReport(name, False, m.site.form, reason=refused, graph=graph_id))
             continue
         raw = example(m.wk.new)
         batch, heads, _, dim = (_bhsd_size(raw, a) for a in m.perm)

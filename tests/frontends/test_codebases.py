@@ -324,3 +324,24 @@ def test_deepseek_own_loop_under_inference_mode_in_bf16():
             _, quantized = copy.deepcopy(model).generate(ids, NEW, forced=tokens)
     assert len(backend.report.rewritten) == 4 and not backend.report.unchanged, str(backend.report)
     _errors([g.float() for g in got], [f.float() for f in fp], [q.float() for q in quantized])
+
+
+def test_absorbed_latent_cache_read_by_an_eager_call_in_between():
+    """A compiled prefill packs the absorbed model's [B, S, C] latent buffers; a decode step
+    run uncompiled reads them: they are dequantized into the model's buffers first (the
+    report says so), and the next compiled steps pack them again. Every step stays close to
+    the uncompressed model (a step reading the released buffers would be ~100% off)."""
+    torch._dynamo.reset()
+    model = build("deepseek", mla=(64, 32, 16, 32), absorb=True)
+    ids = _prompt(70)
+    fp, m = copy.deepcopy(model), copy.deepcopy(model)
+    backend = kvarn_backend("k4v4", group_size=32, compiler="eager")
+    step = torch.compile(m, backend=backend)
+    with torch.no_grad():
+        for start, end, fn in ((0, PROMPT, step), (PROMPT, PROMPT + 1, m),
+                               (PROMPT + 1, PROMPT + 2, step), (PROMPT + 2, PROMPT + 3, step)):
+            got, want = fn(ids[:, start:end], start), fp(ids[:, start:end], start)
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < 0.05, (start, rel)
+    assert len(backend.report.rewritten) == 4, str(backend.report)
+    assert any("was dequantized into the model's buffer" in n for n in backend.report.notes)

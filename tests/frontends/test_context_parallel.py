@@ -195,6 +195,29 @@ def _model_run(mode: str, cp) -> dict:
         torch._dynamo.reset()       # (the backend's states go with its graphs)
 
 
+def _latent_run(cp) -> dict:
+    """The absorbed-MLA DeepSeek-style model (its own loop) with
+    ``kvarn_backend(context_parallel=...)``: its sites have no context-parallel form, so they
+    must stay unchanged (full precision) and the logits equal the uncompressed model's."""
+    import copy
+
+    import torch._dynamo
+
+    from kvarn_compile import kvarn_backend
+    from kvarn_compile.testing.codebases import build, run_generate
+
+    torch._dynamo.reset()
+    model = build("deepseek", mla=(64, 32, 16, 32), absorb=True, max_len=120)
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    tokens, fp = run_generate(copy.deepcopy(model), ids, 3)
+    backend = kvarn_backend(**PRESET, compiler="eager", context_parallel=cp)
+    m = copy.deepcopy(model)
+    _, got = run_generate(m, ids, 3, step=torch.compile(m, backend=backend), forced=tokens)
+    return dict(reasons=[r.reason for r in backend.report.sites if not r.rewritten],
+                rewritten=len(backend.report.rewritten),
+                max_diff=max((g - f).abs().max().item() for g, f in zip(got, fp)))
+
+
 def _worker(rank: int, world: int, port: int, what: str, outdir: str) -> None:
     result: dict = {}
     try:
@@ -207,6 +230,8 @@ def _worker(rank: int, world: int, port: int, what: str, outdir: str) -> None:
             result["ops"] = _ops_scenario(handle)
         elif what == "models":
             result["models"] = {mode: _model_run(mode, handle.group) for mode in MODEL_MODES}
+        elif what == "latent":
+            result["latent"] = _latent_run(handle.group)
         elif what == "failure":
             config = get_config(**PRESET)
             state = cp.allocate(handle, config, batch=1, kv_heads=1, head_dim=32, max_len=MAX_LEN,
@@ -323,6 +348,18 @@ def test_models_generate_the_one_process_tokens(model_runs):
 
 def test_inductor_generates_the_one_process_tokens(model_runs):
     _check_models(model_runs, ["inductor_static"])
+
+
+def test_absorbed_latent_attention_stays_unchanged_under_context_parallel():
+    """kvarn::latent_attention has no context-parallel form: under
+    ``kvarn_backend(context_parallel=...)`` an absorbed-MLA site is left in full precision with
+    that reason (rewriting it would attend each rank's tiles only), exactly the model."""
+    for r in _run("latent"):
+        assert "exception" not in r, r["exception"]
+        out = r["latent"]
+        assert out["rewritten"] == 0 and len(out["reasons"]) == 4, out
+        assert all("no context-parallel form yet" in why for why in out["reasons"]), out
+        assert out["max_diff"] < 1e-4, out
 
 
 def test_a_failing_rank_ends_the_other_with_an_error():

@@ -286,3 +286,27 @@ inline void row_codes_any(int bits, const uint8_t* p, int nbytes, float* out) {
 }
 
 }  // namespace
+
+// The exact-region slots among [s0, min(slots, s0 + block)) that hold a token some query of
+// the task may see (lo_min <= position <= hi_max): their positions and slots in order, and
+// the range of those positions (pmin > pmax when none). Sink (tail false): slot sl holds
+// position sl. Tail ring: slot sl holds position base + (sl - (base - S)) mod W, with off0
+// that offset at slot 0 and base the first tail position. Returns how many.
+inline int exact_slots(bool tail, int s0, int slots, int block, int64_t base, int64_t off0,
+                       int64_t S, int64_t W, int64_t len, int64_t lo_min, int64_t hi_max,
+                       int64_t* pos, int* slot, int64_t& pmin, int64_t& pmax) {
+  int cnt = 0;
+  int64_t off = tail ? (off0 + s0) % W : 0;
+  pmin = std::numeric_limits<int64_t>::max();
+  pmax = -1;
+  for (int sl = s0; sl < std::min(slots, s0 + block); ++sl) {
+    int64_t p;
+    bool ok;
+    if (tail) { p = base + off; if (++off == W) off = 0; ok = p < len && len > S; }
+    else { p = sl; ok = p < len; }
+    if (!ok || p < lo_min || p > hi_max) continue;
+    pos[cnt] = p; slot[cnt] = sl; ++cnt;
+    pmin = std::min(pmin, p); pmax = std::max(pmax, p);
+  }
+  return cnt;
+}

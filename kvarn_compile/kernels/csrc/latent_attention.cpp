@@ -339,17 +339,9 @@ void run_latent(const Latent& a) {
           int64_t off0 = tail ? (0 - (base - a.S)) % a.W : 0;
           if (off0 < 0) off0 += a.W;
           for (int s0 = 0; s0 < slots; s0 += XB) {
-            int cnt = 0;
-            int64_t off = tail ? (off0 + s0) % a.W : 0, pmin = std::numeric_limits<int64_t>::max(), pmax = -1;
-            for (int sl = s0; sl < std::min(slots, s0 + XB); ++sl) {
-              int64_t p;
-              bool ok;
-              if (tail) { p = base + off; if (++off == a.W) off = 0; ok = p < len && len > a.S; }
-              else { p = sl; ok = p < len; }
-              if (!ok || p < lo_min || p > hi_max) continue;
-              pos[cnt] = p; slot[cnt] = sl; ++cnt;
-              pmin = std::min(pmin, p); pmax = std::max(pmax, p);
-            }
+            int64_t pmin, pmax;
+            const int cnt = exact_slots(tail, s0, slots, XB, base, off0, a.S, a.W, len, lo_min,
+                                        hi_max, pos.data(), slot.data(), pmin, pmax);
             if (!cnt) continue;
             const int n = (cnt + 15) / 16 * 16;
             for (int i = 0; i < cnt; ++i) {   // KV [C, n]: keys [latent | RoPE key], zero padded
