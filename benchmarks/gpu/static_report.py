@@ -295,6 +295,47 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
                 cfg, build, num_warps, tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
 
 
+def _latent_case(*, d=512, dv=64, g=128, kb=4, vb=8, hq=16, frames=False, precision="fp16"):
+    """The split-K tile kernel of ``kvarn::latent_attention`` (absorbed multi-head latent
+    attention: the latent, ``d`` channels at ``kb`` bits, read for the scores and the output;
+    the RoPE key, ``dv`` at ``vb`` bits), one kv head for ``hq`` query heads, one query
+    token, in the launcher's default config (``latent_attention.default_config``)."""
+    from kvarn_compile.kernels.triton import latent_attention as L
+
+    cfg_k = L.default_config(d, hq, torch.device("cuda"))
+    block_n = min(g, cfg_k["block_n"])
+    nf = 2 if frames else 1
+
+    def build():
+        f16, u8 = torch.float16, torch.uint8
+        b, h, n, split, tq = 1, 1, 4, 4, 1
+        q, qp = torch.zeros(b, hq, tq, d), torch.zeros(b, hq, tq, dv)
+        kc = torch.zeros(b, h, n, d, g * kb // 8, dtype=u8)
+        krs, kcs = torch.zeros(b, h, n, d, dtype=f16), torch.zeros(b, h, n, g, dtype=f16)
+        vc = torch.zeros(b, h, n, g, dv * vb // 8, dtype=u8)
+        vrs, vcs = torch.zeros(b, h, n, g, dtype=f16), torch.zeros(b, h, n, dv, dtype=f16)
+        fac = torch.zeros(b, h, n, 1, dtype=f16)
+        nt = torch.zeros(b, dtype=torch.int64)
+        ids, cnt = torch.zeros(b, h, nf, n, dtype=torch.int32), torch.zeros(b, h, nf, dtype=torch.int32)
+        o, lse = torch.zeros(b, hq, tq, nf, split, d), torch.zeros(b, hq, tq, nf, split)
+        return L._latent_tiles_kernel.warmup(
+            q, q, *q.stride()[:3], qp, *qp.stride()[:3], kc, krs, krs, kcs, vc, vrs, vrs, vcs,
+            fac, fac, fac, fac, nt, nt, nt, q, 0, 0, 0, ids, cnt, o, lse, 1.0, h, n, tq,
+            GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), BLOCK_DC=cfg_k["block_dc"], DV=dv,
+            BLOCK_DV=_block(dv), G=g, K_BITS=kb, V_BITS=vb, NF=nf, SPLIT=split,
+            BLOCK_M=cfg_k["block_m"], BLOCK_N=block_n, PREFETCH=True, HAS_LO=False, HAS_HI=False,
+            HAS_BIAS=False, HAS_FACTORS=False, INPUT_PRECISION=precision, grid=(1,),
+            num_warps=cfg_k["num_warps"], num_stages=1)
+
+    cfg = dict(kernel="_latent_tiles_kernel", k_bits=kb, v_bits=vb, D=d, DV=dv, G=g,
+               group_q=hq, BLOCK_M=cfg_k["block_m"], BLOCK_N=block_n, BLOCK_DC=cfg_k["block_dc"],
+               frames=frames, input_precision=precision, num_warps=cfg_k["num_warps"])
+    # one latent tile serves scores and output: codes and scales of it and of the RoPE tile
+    return Case(f"latent_kernel_k{kb}v{vb}_d{d}v{dv}g{g}_n{block_n}_{precision}"
+                + ("_frames" if frames else ""), "decode", cfg, build, cfg_k["num_warps"],
+                tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
+
+
 def _combine_case(split=16, d=128):
     from kvarn_compile.kernels.triton import attention as A
 
@@ -433,9 +474,10 @@ _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
 
 def cases(quick: bool) -> list[Case]:
     """Quick (CI): the decode kernel and the decode template in their production configs,
-    the append (tile quantizer) kernel at D = G = 128 and 64 and the decode step's append, and
-    the decode kernel, the decode step's append and the key quantizer for keys and values of
-    different head dims (D = 192, Dv = 128). Full: also the other code widths and precisions,
+    the append (tile quantizer) kernel at D = G = 128 and 64 and the decode step's append, the
+    decode kernel, the decode step's append and the key quantizer for keys and values of
+    different head dims (D = 192, Dv = 128), and the latent attention kernel (D = 512,
+    Dv = 64). Full: also the other code widths and precisions,
     the autotune configs, the combine kernel, the prefill template and more D = 192 configs."""
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
@@ -450,6 +492,9 @@ def cases(quick: bool) -> list[Case]:
         _decode_kernel_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16, block_n=128),
         _append_decode_case(h=16, d=192, dv=128),
         _quantize_case("k", 4, d=192),   # (V tiles of Dv = 128: quantize_v2_d128_g128 below)
+        # absorbed multi-head latent attention (DeepSeek: latent 512 at 4 bits, RoPE key 64 at
+        # 8 bits, 16 query heads per kv head)
+        _latent_case(),
     ]
     if quick:
         return out
@@ -485,6 +530,10 @@ def cases(quick: bool) -> list[Case]:
                        hq=16, h=16),
         _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
                        d=192, dv=128, hq=16, h=16),
+        _latent_case(frames=True),
+        _latent_case(g=64),
+        _latent_case(kb=2),
+        _latent_case(hq=128),
     ]
     return out
 

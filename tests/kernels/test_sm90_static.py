@@ -20,7 +20,9 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "static_report.py"
 
 #: The quick cases, by family: decode kernels and templates, append kernels (the tile quantizer,
 #: the decode step's append).
-DECODE = ("decode_kernel_k4v2_d128g128_n128_fp16", "kvarn_decode_k4v2_n128_m16_fp16")
+DECODE = ("decode_kernel_k4v2_d128g128_n128_fp16", "kvarn_decode_k4v2_n128_m16_fp16",
+          # absorbed multi-head latent attention: latent 512 (4-bit), RoPE key 64 (8-bit)
+          "latent_kernel_k4v8_d512v64g128_n32_fp16")
 APPEND = ("quantize_k4_d128_g128", "quantize_k4_d64_g64", "append_decode_h8_d128_g128")
 #: Keys and values of different head dims (MLA decompressed: D = 192, padded to 256 on the
 #: score side, Dv = 128): the decode kernel, the decode step's append and the key quantizer.
