@@ -469,6 +469,56 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                 outer_trips=g // block_n if family == "decode" else 1)
 
 
+def _latent_template_case(*, d=512, dv=64, g=128, kb=4, vb=8, hq=16, frames=False,
+                          precision="fp16", split=4):
+    """The ``kvarn_latent`` template (the Inductor lowering of ``kvarn::latent_tile_partials_``,
+    whose loop is the latent kernel's ``_latent_range``) rendered standalone with the
+    constexprs ``lowering/latent.py`` passes, in the config it offers first (the launcher's
+    ``latent_attention.default_config``), one query token, no mask."""
+    from kvarn_compile.kernels.triton import latent_attention as L
+    from kvarn_compile.lowering.latent import TEMPLATE_FILE
+    from kvarn_compile.lowering.tile_templates import render_standalone
+
+    cfg_k = L.default_config(d, hq, torch.device("cuda"))
+    block_n = min(g, cfg_k["block_n"])
+    nf = 2 if frames else 1
+
+    def build():
+        f16, u8, i32, i64 = torch.float16, torch.uint8, torch.int32, torch.int64
+        b, h, n, tq = 1, 1, 4, 1
+        q = torch.zeros(b, hq, tq, d)
+        tensors = dict(Q=q, **({"QP": q} if frames else {}), QPE=torch.zeros(b, hq, tq, dv),
+                       KC=torch.zeros(b, h, n, d, g * kb // 8, dtype=u8),
+                       KRS=torch.zeros(b, h, n, d, dtype=f16), KRZ=torch.zeros(b, h, n, d, dtype=f16),
+                       KCS=torch.zeros(b, h, n, g, dtype=f16),
+                       VC=torch.zeros(b, h, n, g, dv * vb // 8, dtype=u8),
+                       VRS=torch.zeros(b, h, n, g, dtype=f16), VRZ=torch.zeros(b, h, n, g, dtype=f16),
+                       VCS=torch.zeros(b, h, n, dv, dtype=f16),
+                       **({"IDS": torch.zeros(b, h, 2, n, dtype=i32),
+                           "CNT": torch.zeros(b, h, 2, dtype=i32)} if frames else {}),
+                       NT=torch.zeros(b, dtype=i64), KVLO=torch.zeros(b, tq, dtype=i64),
+                       KVHI=torch.zeros(b, tq, dtype=i64))
+        tensors["LSE"] = torch.zeros(b, hq, tq, nf, split)
+        out = torch.zeros(b, hq, tq, nf, split, d)
+        ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), BLOCK_DC=cfg_k["block_dc"], DV=dv,
+                  BLOCK_DV=_block(dv), G=g, BLOCK_N=block_n, K_BITS=kb, V_BITS=vb, NF=nf,
+                  SPLIT=split, SPLIT_MAX=split, BLOCK_M=cfg_k["block_m"], PREFETCH=1,
+                  HAS_BIAS=False, HAS_FACTORS=False, INPUT_PRECISION=precision, SM_SCALE=0.088,
+                  KVARN_SRC=0)
+        kernel = render_standalone(TEMPLATE_FILE, tensors, ce, _RENDER_DIR, out_rank=6)
+        args = [*tensors.values(), out]
+        for t in (*tensors.values(), out):
+            args += [*t.stride(), *t.shape]
+        return kernel.warmup(*args, grid=(1,), num_warps=cfg_k["num_warps"], num_stages=1, **ce)
+
+    cfg = dict(kernel="kvarn_latent_template", k_bits=kb, v_bits=vb, D=d, DV=dv, G=g,
+               group_q=hq, BLOCK_M=cfg_k["block_m"], BLOCK_N=block_n, BLOCK_DC=cfg_k["block_dc"],
+               frames=frames, input_precision=precision, num_warps=cfg_k["num_warps"])
+    return Case(f"kvarn_latent_k{kb}v{vb}_d{d}v{dv}g{g}_n{block_n}_{precision}"
+                + ("_frames" if frames else ""), "decode", cfg, build, cfg_k["num_warps"],
+                tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
+
+
 _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
 
 
@@ -478,7 +528,8 @@ def cases(quick: bool) -> list[Case]:
     decode kernel, the decode step's append and the key quantizer for keys and values of
     different head dims (D = 192, Dv = 128), and the latent attention kernel (D = 512,
     Dv = 64). Full: also the other code widths and precisions,
-    the autotune configs, the combine kernel, the prefill template and more D = 192 configs."""
+    the autotune configs, the combine kernel, the prefill template, more D = 192 configs and
+    the latent attention's template (``kvarn_latent``)."""
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
         _decode_kernel_case(4, 2, "fp16", block_n=128),
@@ -534,6 +585,9 @@ def cases(quick: bool) -> list[Case]:
         _latent_case(g=64),
         _latent_case(kb=2),
         _latent_case(hq=128),
+        # the same loop as the Inductor template of the latent attention's lowering
+        _latent_template_case(),
+        _latent_template_case(frames=True),
     ]
     return out
 

@@ -5,7 +5,10 @@
 
 ``register()`` installs the lowering of ``torch.ops.kvarn.attention.default`` (and of the
 internal ``kvarn::tile_partials_``, and of ``kvarn::positions_start`` for one position:
-``lowering/positions.py``) in ``torch._inductor.lowering.user_lowerings``
+``lowering/positions.py``), and of ``kvarn::latent_attention`` with its internal
+``kvarn::latent_tile_partials_`` (``lowering/latent.py``: on CUDA the split decomposition
+with the ``kvarn_latent`` template; elsewhere the op's own kernel, one fallback call) in
+``torch._inductor.lowering.user_lowerings``
 and hooks the autotune feedback saver that records winners in
 :data:`kvarn_compile.autotune.DB`. What each lowering offered and picked is appended to
 :data:`DECISIONS` (the backend copies it into ``backend.report.notes``).
@@ -42,7 +45,7 @@ import threading
 import torch
 
 from kvarn_compile import _torch_compat, ops  # noqa: F401  (ops: registers torch.ops.kvarn)
-from kvarn_compile.lowering import attention, decisions, positions, tiles
+from kvarn_compile.lowering import attention, decisions, latent, positions, tiles
 from kvarn_compile.lowering.decisions import (
     DECISIONS, PATHS, LoweringDecision, current_path, finish_decision, record_decision,
     spec_label, tune_key, use_path,
@@ -76,8 +79,12 @@ def register() -> None:
         ind = _torch_compat.inductor()
         attention.externs()
         tiles.externs()
+        latent.externs()
         ind.user_lowerings[torch.ops.kvarn.attention.default] = attention.lower_attention
         ind.user_lowerings[torch.ops.kvarn.tile_partials_.default] = tiles.lower_tile_partials
+        ind.user_lowerings[torch.ops.kvarn.latent_attention.default] = latent.lower_latent_attention
+        ind.user_lowerings[torch.ops.kvarn.latent_tile_partials_.default] = \
+            latent.lower_latent_tile_partials
         ind.user_lowerings[torch.ops.kvarn.positions_start.default] = positions.lower_positions_start
         if not _saver_added:
             ind.add_feedback_saver(decisions.feedback_saver)
@@ -96,6 +103,8 @@ def unregister() -> None:
         ind = _torch_compat.inductor()
         ind.user_lowerings.pop(torch.ops.kvarn.attention.default, None)
         ind.user_lowerings.pop(torch.ops.kvarn.tile_partials_.default, None)
+        ind.user_lowerings.pop(torch.ops.kvarn.latent_attention.default, None)
+        ind.user_lowerings.pop(torch.ops.kvarn.latent_tile_partials_.default, None)
         ind.user_lowerings.pop(torch.ops.kvarn.positions_start.default, None)
         _torch_compat.tag_inductor_caches(_cache_tag(), remove=True)
         _registered = False
@@ -112,4 +121,5 @@ def _cache_tag() -> str:
 # before any compiled graph that uses them can be loaded.
 attention.externs()
 tiles.externs()
+latent.externs()
 _torch_compat.register_cache_salt("lowering", cache_salt)

@@ -9,6 +9,8 @@ tile region alone over every tile slot, static shapes, in the flash-decoding con
 multi-head latent attention in its absorbed form over a *latent state* (the latent as the
 state's keys, the shared RoPE key as its values): scores ``q·latentᵀ + q_pe·ropeᵀ``, output
 ``p·latent`` - one packed copy of the latent serves the score and the value side.
+``latent_tile_partials(...)`` is its tile region alone (the reference of
+``kvarn::latent_tile_partials_``): per key frame, over every tile slot, static shapes.
 
 The dual-scale tile math is written once (:func:`tile_scores`, :func:`tile_values`) and
 used by both: per tile, the key row scale is folded into q, the key column scale into the
@@ -30,7 +32,7 @@ from kvarn_compile.state import Geometry, StateFields, unpack
 
 __all__ = ["attention", "latent_attention", "tile_region", "latent_tile_region", "tile_partials", "tile_inputs", "tile_scores", "tile_values", "query_frames",
            "tile_key_values", "tile_value_scores", "check_queries", "check_latent_queries", "latent_fields", "check_query_shape", "check_mask", "check_mask_covers", "TILE_ARGS",
-           "TILE_CHUNK"]
+           "TILE_CHUNK", "latent_tile_partials", "LATENT_TILE_ARGS"]
 
 #: Tiles processed at once by the reference attention (bounds its scratch memory).
 TILE_CHUNK = 64
@@ -40,6 +42,14 @@ TILE_CHUNK = 64
 TILE_ARGS = ("q_rot", "q_plain", "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
              "v_codes", "v_row_scale", "v_row_zero", "v_col_scale", "k_plain", "n_tiles",
              "kv_lo", "kv_hi", "bias")
+
+#: The tensor arguments of ``kvarn::latent_tile_partials_``, in order (None where absent:
+#: ``q_plain``, ``tile_ids``, ``tile_count`` without key frames, the factors without fp8
+#: scales, ``bias`` without a mask).
+LATENT_TILE_ARGS = ("q_rot", "q_plain", "q_pe_rot", "k_codes", "k_row_scale", "k_row_zero",
+                    "k_col_scale", "v_codes", "v_row_scale", "v_row_zero", "v_col_scale",
+                    "k_row_factor", "k_col_factor", "v_row_factor", "v_col_factor", "tile_ids",
+                    "tile_count", "n_tiles", "kv_lo", "kv_hi", "bias")
 
 
 # ------------------------------------------------------------------------------ tile math
@@ -373,4 +383,82 @@ def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
     if split_max > 1:
         out = torch.cat([out, out.new_zeros(bsz, hq, tq, split_max - 1, dv)], 3)
         lse = torch.cat([lse, lse.new_full((bsz, hq, tq, split_max - 1), regions.NEG_INF)], 3)
+    return out, lse
+
+
+def _factored(scale: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """A tile scale with its fp8 per-vector factor [.., 1] applied (fp32), or as stored."""
+    return scale if factor is None else scale.float() * factor.float()
+
+
+def latent_tile_partials(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k_row_zero, k_col_scale,
+                         v_codes, v_row_scale, v_row_zero, v_col_scale, k_row_factor,
+                         k_col_factor, v_row_factor, v_col_factor, tile_ids, tile_count, n_tiles,
+                         kv_lo, kv_hi, bias, scale: float, split_max: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent attention partials over every packed tile slot of a latent state, per key
+    frame, static shapes (one split).
+
+    The reference of ``kvarn::latent_tile_partials_`` and of its Triton template (the
+    launcher ``kernels/triton/latent_attention.latent_tile_partials`` computes the same with
+    SPLIT splits). Arguments (:data:`LATENT_TILE_ARGS`): q_rot fp32 [B, Hq, Tq, D] (q @ H_D),
+    q_plain the un-rotated queries (key frames only), q_pe_rot [B, Hq, Tq, Dv] (q_pe @ H_Dv);
+    the latent tiles (the state's K tiles) and the RoPE-key tiles (its V tiles); the fp8
+    scales' per-vector factors [B, H, N, 1] or None; tile_ids int [B, H, 2, N] and
+    tile_count [B, H, 2] (key frames only: frame f covers the tiles
+    ``tile_ids[b, h, f, :tile_count[b, h, f]]``, ``frame_tile_lists`` of the state's
+    ``k_plain``; they must be below n_tiles); n_tiles [B]; kv_lo, kv_hi [B, Tq] (query t sees
+    tokens kv_lo <= j < kv_hi, ``regions.tile_bounds``); bias [B, Hq or 1, Tq, N * G] or None.
+
+    Returns (o_part fp32 [B, Hq, Tq, NF, SPLIT_MAX, D], lse_part fp32 [B, Hq, Tq, NF,
+    SPLIT_MAX]); NF = 2 with key frames (frame 0: the rotated tiles with q_rot, output in
+    the rotated frame; frame 1: the plain tiles with q_plain, output un-rotated), else 1
+    (every tile with q_rot). Split 0 holds the frame's whole region, the others are empty
+    (o = 0, lse = -inf); each frame's partial is normalized by its own softmax sum::
+
+        s[t] = scale * (cs_k[t] * ((q * rs_k) @ code_k[:, t] + q @ rz_k)
+                        + rs_v[t] * ((q_pe * cs_v) @ code_v[t, :]) + rz_v[t] * sum(q_pe * cs_v))
+        o[c] = sum_t p[t] * (code_k[c, t] * rs_k[c] + rz_k[c]) * cs_k[t] / sum(p)
+    """
+    bsz, hq, tq, d = q_rot.shape
+    heads, n_max = k_codes.shape[1], k_codes.shape[2]
+    g, dv = k_col_scale.shape[-1], v_col_scale.shape[-1]
+    kb, vb = 8 * k_codes.shape[-1] // g, 8 * v_codes.shape[-1] // dv
+    grp = hq // heads
+    krs, kcs = _factored(k_row_scale, k_row_factor), _factored(k_col_scale, k_col_factor)
+    vrs, vcs = _factored(v_row_scale, v_row_factor), _factored(v_col_scale, v_col_factor)
+    pe = q_pe_rot.float().reshape(bsz, heads, grp, tq, 1, dv)
+    rope = tile_value_scores(pe, v_codes, vrs, v_row_zero, vcs, vb)               # [B,H,g,Tq,N*G]
+    j = torch.arange(n_max * g, device=q_rot.device)
+    visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
+               & (j[None, None, :] < (n_tiles * g)[:, None, None]))[:, None, None]  # [B,1,1,Tq,N*G]
+    if bias is not None:
+        bias = bias.float().expand(bsz, hq, tq, n_max * g).reshape(rope.shape)
+    frames = [q_rot] if tile_ids is None else [q_rot, q_plain]
+    member = None
+    if tile_ids is not None:      # membership [B, H, 2, N] from the per-frame tile lists
+        listed = torch.arange(n_max, device=q_rot.device) < tile_count[..., None]
+        member = torch.zeros(bsz, heads, 2, n_max, dtype=torch.int32, device=q_rot.device)
+        member = member.scatter_add(-1, tile_ids.long(), listed.int()) > 0
+    outs, lses = [], []
+    for frame, q_f in enumerate(frames):
+        q_t = q_f.float().reshape(bsz, heads, grp, tq, 1, d)
+        scores = (tile_scores(q_t, k_codes, krs, k_row_zero, kcs, kb) + rope) * scale
+        if bias is not None:
+            scores = scores + bias
+        seen = visible
+        if member is not None:
+            seen = seen & member[:, :, frame].repeat_interleave(g, -1)[:, :, None, None, :]
+        scores = scores.masked_fill(~seen, regions.NEG_INF)
+        p, denom, m_ref = regions.safe_lse(scores)
+        p, lse = regions.normalized(p, denom, m_ref)
+        out = tile_key_values(p, k_codes, krs, k_row_zero, kcs, kb).sum(-2)      # [B,H,g,Tq,D]
+        outs.append(out.reshape(bsz, hq, tq, 1, d))
+        lses.append(lse.reshape(bsz, hq, tq, 1))
+    out = torch.stack(outs, 3)                                                    # [B,Hq,Tq,NF,1,D]
+    lse = torch.stack(lses, 3)
+    if split_max > 1:
+        nf = len(frames)
+        out = torch.cat([out, out.new_zeros(bsz, hq, tq, nf, split_max - 1, d)], 4)
+        lse = torch.cat([lse, lse.new_full((bsz, hq, tq, nf, split_max - 1), regions.NEG_INF)], 4)
     return out, lse

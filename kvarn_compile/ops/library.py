@@ -61,6 +61,12 @@ Helpers the rewrite and the lowering insert::
                           Tensor(a!) lse_part, float scale, int split_max) -> Tensor
                           # the tile region, lowered to templates
     kvarn::tile_partials_triton_(<same>) -> Tensor   # CUDA only: the standalone Triton kernel
+    kvarn::latent_tile_partials_(Tensor q_rot, Tensor? q_plain, Tensor q_pe_rot,
+                                 <8 tile tensors>, <4 fp8 factors: Tensor?>, Tensor? tile_ids,
+                                 Tensor? tile_count, Tensor n_tiles, Tensor kv_lo, Tensor kv_hi,
+                                 Tensor? bias, Tensor(a!) lse_part, float scale,
+                                 int split_max) -> Tensor
+                          # the tile region of latent_attention, per key frame, lowered to a template
     kvarn::tune_observe_(Tensor(a!) token, Tensor[] buffers, Tensor k, Tensor v,
                          Tensor start_pos, str tuner, str site, int recent, int hold) -> ()
                          # implemented by kvarn_compile.autotune.tuning (knob tuning)
@@ -75,7 +81,7 @@ from kvarn_compile.state import field_indices
 
 __all__ = ["append_", "commit_", "attention", "latent_attention", "adopt_", "append_from_", "append_keyed",
            "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_", "register_plain_kernel",
-           "tile_partials_triton_", "tune_observe_"]
+           "tile_partials_triton_", "latent_tile_partials_", "tune_observe_"]
 
 
 def _check_devices(op: str, buffers: list[torch.Tensor], **tensors: torch.Tensor | None) -> None:
@@ -380,6 +386,42 @@ def tile_partials_triton_(q_rot: torch.Tensor, q_plain: torch.Tensor | None,
 tile_partials_triton_.register_fake(_tile_partials_fake)
 
 
+@torch.library.custom_op("kvarn::latent_tile_partials_", mutates_args=("lse_part",))
+def latent_tile_partials_(q_rot: torch.Tensor, q_plain: torch.Tensor | None, q_pe_rot: torch.Tensor,
+                          k_codes: torch.Tensor, k_row_scale: torch.Tensor,
+                          k_row_zero: torch.Tensor, k_col_scale: torch.Tensor,
+                          v_codes: torch.Tensor, v_row_scale: torch.Tensor,
+                          v_row_zero: torch.Tensor, v_col_scale: torch.Tensor,
+                          k_row_factor: torch.Tensor | None, k_col_factor: torch.Tensor | None,
+                          v_row_factor: torch.Tensor | None, v_col_factor: torch.Tensor | None,
+                          tile_ids: torch.Tensor | None, tile_count: torch.Tensor | None,
+                          n_tiles: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+                          bias: torch.Tensor | None, lse_part: torch.Tensor, scale: float,
+                          split_max: int) -> torch.Tensor:
+    """Per-frame, per-split partials of ``latent_attention``'s packed tiles
+    (``attention_ref.latent_tile_partials``): writes the lse into ``lse_part``
+    [B, Hq, Tq, NF, SPLIT_MAX] (filled with -inf by the caller) and returns the normalized
+    o_part [B, Hq, Tq, NF, SPLIT_MAX, D]; NF = 2 with per-tile key frames (``q_plain``,
+    ``tile_ids`` and ``tile_count`` come together or not at all), else 1. It exists for the
+    lowering (``lowering/latent.py``), whose Triton template competes for it."""
+    o, lse = attention_ref.latent_tile_partials(
+        q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes,
+        v_row_scale, v_row_zero, v_col_scale, k_row_factor, k_col_factor, v_row_factor,
+        v_col_factor, tile_ids, tile_count, n_tiles, kv_lo, kv_hi, bias, scale, split_max)
+    lse_part.copy_(lse)
+    return o
+
+
+@latent_tile_partials_.register_fake
+def _latent_tile_partials_fake(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k_row_zero,
+                               k_col_scale, v_codes, v_row_scale, v_row_zero, v_col_scale,
+                               k_row_factor, k_col_factor, v_row_factor, v_col_factor, tile_ids,
+                               tile_count, n_tiles, kv_lo, kv_hi, bias, lse_part, scale, split_max):
+    b, hq, tq, d = q_rot.shape
+    nf = 1 if tile_ids is None else 2
+    return q_rot.new_empty(b, hq, tq, nf, split_max, d, dtype=torch.float32)
+
+
 @torch.library.custom_op("kvarn::tune_observe_", mutates_args=("token",))
 def tune_observe_(token: torch.Tensor, buffers: list[torch.Tensor], k: torch.Tensor,
                   v: torch.Tensor, start_pos: torch.Tensor, tuner: str, site: str, recent: int,
@@ -411,7 +453,8 @@ def _tune_observe_fake(token, buffers, k, v, start_pos, tuner, site, recent, hol
 _CACHE_OPS = ("append_", "commit_", "reorder_", "adopt_", "append_from_", "cp_append_",
               "cp_append_from_")
 _NO_VERSION_BUMP = torch.library.Library("kvarn", "IMPL")
-for _name in _CACHE_OPS + ("tile_partials_", "tile_partials_triton_", "tune_observe_"):
+for _name in _CACHE_OPS + ("tile_partials_", "tile_partials_triton_", "latent_tile_partials_",
+                           "tune_observe_"):
     _NO_VERSION_BUMP.impl(_name, torch.library.fallthrough_kernel, "ADInplaceOrView",
                           allow_override=True)   # the default since torch 2.12
 

@@ -334,6 +334,47 @@ def _opcheck_tile_partials_triton_():
             _opcheck(op, tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
 
 
+def _latent_tile_args(tq=1, frames=False, bias=False, factors=False, split_max=2):
+    """The arguments of kvarn::latent_tile_partials_ over a latent state's tiles (as the
+    lowering's decomposition passes them): key frames with their per-frame tile lists,
+    fp8-style per-vector factors (here on fp16 scales: opcheck's test_schema cannot compare
+    fp8 tensors on CPU), a mask bias with one row for every query head."""
+    from kvarn_compile.config import LATENT_ROPE_BITS, get_config
+    from kvarn_compile.kernels.triton.latent_attention import frame_tile_lists
+    from kvarn_compile.ops import regions
+    from kvarn_compile.quant.rotation import rotation_matrix
+    from kvarn_compile.state import unpack
+
+    cfg = get_config("k4v2", group_size=32, value_bits=LATENT_ROPE_BITS,
+                     key_frame="auto" if frames else "rotated")
+    st = packed_state(cfg, heads=1, head_dim=64, value_head_dim=16)
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn(2, 1, 100, 64, generator=gen), torch.randn(2, 1, 100, 16, generator=gen)
+    k[:, :, :40, 3] += 300.0                     # plain key frames for the first tile
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    f = unpack(st.buffers)
+    q, q_pe = torch.randn(2, 6, tq, 64, generator=gen), torch.randn(2, 6, tq, 16, generator=gen)
+    kv_lo, kv_hi = regions.tile_bounds(f, tq, True, 0)
+    n_max = f.k.codes.shape[2]
+    ids = count = None
+    if frames:
+        assert f.k_plain.any() and not f.k_plain.all()
+        ids, count = frame_tile_lists(f.k_plain, f.n_tiles)
+    fac = [torch.rand(2, 1, n_max, 1, generator=gen).half() + 0.5 if factors else None
+           for _ in range(4)]
+    lse = torch.full((2, 6, tq, 2 if frames else 1, split_max), float("-inf"))
+    return (q @ rotation_matrix(64), q if frames else None, q_pe @ rotation_matrix(16),
+            *f.k.core, *f.v.core, *fac, ids, count, f.n_tiles, kv_lo, kv_hi,
+            torch.randn(2, 1, tq, n_max * 32, generator=gen) if bias else None, lse, 0.1,
+            split_max)
+
+
+def _opcheck_latent_tile_partials_():
+    op = torch.ops.kvarn.latent_tile_partials_.default
+    _opcheck(op, _latent_tile_args())
+    _opcheck(op, _latent_tile_args(tq=5, frames=True, bias=True, factors=True, split_max=3))
+
+
 def _opcheck_tune_observe_():
     from kvarn_compile.autotune import KnobTuning, tuning
 
@@ -357,6 +398,7 @@ OPCHECKS = {
     "attention_keyed": _opcheck_attention_keyed, "reorder_keyed": _opcheck_reorder_keyed,
     "positions_start": _opcheck_positions_start, "tile_partials_": _opcheck_tile_partials_,
     "tile_partials_triton_": _opcheck_tile_partials_triton_, "tune_observe_": _opcheck_tune_observe_,
+    "latent_tile_partials_": _opcheck_latent_tile_partials_,
 }
 
 
