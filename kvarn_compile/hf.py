@@ -21,7 +21,10 @@ shared RoPE key as "values", one head) is packed as a latent cache: the latent a
 key bits, the RoPE key at :data:`LATENT_ROPE_BITS`. Its model up-projects what the cache hands
 back before any attention, so ``update`` always returns the latents dequantized (transient,
 for this layer's step; each step dequantizes the whole cache, as the sdpa hand-off does), and
-``use_kvarn_attention`` refuses such models.
+``use_kvarn_attention`` refuses such models. (``kvarn_backend`` instead rewrites their
+attention into ``kvarn::latent_attention`` over the packed latent, the up-projection absorbed
+into the queries and the output: no dequantized copy; :func:`static_cache_for` allocates
+such a model's StaticCache with the latent shapes.)
 """
 
 from __future__ import annotations
@@ -395,11 +398,17 @@ def static_cache_for(model, max_cache_len: int, *, batch: int = 1):
     param = next(model.parameters())
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     v_dim = getattr(_text_config(model.config), "v_head_dim", None)
-    if not isinstance(v_dim, int) or v_dim == head_dim or _mla_latents(model.config) is not None:
+    latents = _mla_latents(model.config)
+    if latents is not None:
+        # multi-head latent attention (transformers' DeepSeek-V2/V3 family) caches one head
+        # of the latent ("keys") and of the RoPE key ("values") per token
+        heads, head_dim, v_dim = 1, latents[0], latents[1]
+    elif not isinstance(v_dim, int) or v_dim == head_dim:
         cache.early_initialization(batch, heads, head_dim, param.dtype, param.device)
         return cache
-    # values of another head dim (MiMo-V2-Flash: K 192, V 128): StaticCache.early_initialization
-    # gives every layer one head dim; its layers size K and V from what they are handed
+    # values of another head dim (MiMo-V2-Flash: K 192, V 128; MLA latents): StaticCache
+    # .early_initialization gives every layer one head dim; its layers size K and V from what
+    # they are handed
     keys = torch.zeros(batch, heads, 0, head_dim, dtype=param.dtype, device=param.device)
     values = torch.zeros(batch, heads, 0, v_dim, dtype=param.dtype, device=param.device)
     for layer in cache.layers:

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from kvarn_compile.passes.fx_utils import Unsupported, arg, example, is_op, single_user
 
-__all__ = ["AttentionSite", "LatentParts", "MaskSpec", "ATTENTIONS"]
+__all__ = ["AttentionSite", "LatentParts", "Decompression", "MaskSpec", "ATTENTIONS", "decompressed_latent"]
 
 
 @dataclasses.dataclass
@@ -73,6 +73,26 @@ class AttentionSite:
     #: multi-head latent attention in its absorbed form (:class:`LatentParts`): ``q``/``k``
     #: are one of its two score products, ``v`` the latent the ·v product reads
     latent: "LatentParts | None" = None
+    #: multi-head latent attention decompressed on read (:class:`Decompression`): the
+    #: up-projection the rewrite folds into the queries and the output
+    decompression: "Decompression | None" = None
+
+
+@dataclasses.dataclass
+class Decompression:
+    """The up-projection of a latent cache decompressed on read (transformers' DeepSeek-V2/V3
+    family: ``kv_b_proj(latent)`` split into per-head no-RoPE keys and values): ``weight``
+    [heads * (nope + v_dim), C] (no bias). The rewrite absorbs it: the queries' no-RoPE part
+    times each head's key block becomes the latent-space query, and the attention's latent
+    output times each head's value block the output."""
+
+    weight: fx.Node
+    heads: int
+    nope: int
+    v_dim: int
+    #: the attention reads positions [0, stop) of the decompressed keys and values
+    #: (transformers' sdpa prefill over an empty StaticCache), None: all of them
+    stop: Any = None
 
 
 @dataclasses.dataclass
@@ -538,6 +558,116 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
     return AttentionSite("matmul-softmax-matmul" if is_op(n, "matmul") else "einsum-softmax-einsum",
                          n, q, k, v, mask, scale, False, chain, k_labels=k_labels,
                          v_labels=v_labels, q_perm=q_perm, out_perm=out_perm)
+
+
+def _slice_last(index: Any) -> slice | None:
+    """The slice of ``x[..., a:b]`` (Ellipsis then one slice), else None."""
+    if isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis \
+            and isinstance(index[1], slice) and index[1].step in (None, 1):
+        return index[1]
+    return None
+
+
+def decompressed_latent(site: AttentionSite) -> AttentionSite | None:
+    """The absorbed form of an attention over keys and values decompressed from a latent
+    cache on read (transformers' DeepseekV3Attention / expand_kv)::
+
+        kv = linear(latent, W).view(B, T, H, nope + vd).transpose(1, 2)
+        k_nope, v = torch.split(kv, [nope, vd], dim=-1)
+        k = kv.new_empty(B, H, T, nope + rope); k[..., :nope].copy_(k_nope)
+        k[..., nope:].copy_(k_pe.expand(-1, H, -1, -1))
+        attention(torch.cat((q_nope, q_pe), dim=-1), k, v)
+
+    as an :class:`AttentionSite` over the latent (keys and values) and the RoPE key with
+    :class:`LatentParts` and a :class:`Decompression`, or None when ``site`` is not that
+    (the caches themselves are traced when the site is paired)."""
+    k, v, q = site.k, site.v, site.q
+    sliced, stop = _position_prefix(k, v)
+    if sliced:                  # transformers' sdpa prefill: key[:, :, :q_len], value[:, :, :q_len]
+        k, v = k.args[0], v.args[0]
+    if site.latent is not None or not is_op(k, "new_empty") or site.k_labels != ["b", "q", "s", "d"] \
+            or site.v_labels != ["b", "q", "s", "d"] or site.q_perm is not None \
+            or not is_op(q, "cat") or site.enable_gqa:
+        return None
+    fills = {}
+    for view in k.users:
+        if view in site.nodes:
+            continue
+        sl = _slice_last(view.args[1]) if is_op(view, "getitem") and len(view.args) == 2 else None
+        writes = list(view.users)
+        if sl is None or len(writes) != 1 or not is_op(writes[0], "copy_") \
+                or writes[0].args[0] is not view or writes[0].users:
+            return None
+        fills[(sl.start, sl.stop)] = (view, writes[0], writes[0].args[1])
+    kv_val = example(k)
+    if kv_val is None or kv_val.dim() != 4 or len(fills) != 2:
+        return None
+    width = kv_val.shape[-1]
+    nope = next((b for a, b in fills if a in (None, 0) and isinstance(b, int)), None)
+    if nope is None or (nope, None) not in fills or not 0 < nope < width:
+        return None
+    (v0, c0, k_nope), (v1, c1, k_pe) = fills.get((None, nope)) or fills[(0, nope)], fills[(nope, None)]
+    # the no-RoPE keys and the values: the two parts of one split of the up-projection
+    if not (is_op(k_nope, "getitem") and k_nope.args[1] == 0 and is_op(v, "getitem")
+            and v.args[1] == 1 and k_nope.args[0] is v.args[0] and is_op(v.args[0], "split")):
+        return None
+    split = v.args[0]
+    sizes, dim = arg(split, 1, "split_size_or_sections"), arg(split, 2, "dim", 0)
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and sizes[0] == nope
+            and dim in (-1, 3)):
+        return None
+    vd = sizes[1]
+    tr = split.args[0]
+    if not (is_op(tr, "transpose") and sorted(int(d) % 4 for d in tr.args[1:3]) == [1, 2]):
+        return None
+    view = tr.args[0]
+    lin = view.args[0] if view.op == "call_method" and view.target in ("view", "reshape") else None
+    if not (is_op(lin, "linear") and len(lin.args) >= 2 and arg(lin, 2, "bias") is None):
+        return None
+    latent, weight = lin.args[:2]
+    wv, lv = example(weight), example(latent)
+    heads = kv_val.shape[1]
+    if wv is None or lv is None or wv.dim() != 2 or lv.dim() != 4 or not isinstance(heads, int) \
+            or wv.shape[0] != heads * (nope + vd) or wv.shape[1] != lv.shape[-1]:
+        return None
+    # the RoPE key: one head broadcast to every query head
+    if not (k_pe.op == "call_method" and k_pe.target == "expand"):
+        return None
+    parts = q.args[0] if q.args and isinstance(q.args[0], (list, tuple)) else None
+    if parts is None or len(parts) != 2 or arg(q, 1, "dim", 0) not in (-1, 3):
+        return None
+    q_nope, q_pe = parts
+    qn, qp = example(q_nope), example(q_pe)
+    if qn is None or qp is None or qn.shape[-1] != nope or qp.shape[-1] != width - nope:
+        return None
+    roles = ("b", "x", "y", "d")
+    latent_parts = LatentParts(q_pe, k_pe, ["b", "q", "s", "d"], roles, roles,
+                               ("b", "x", "y", "k"), roles, heads="x")
+    nodes = list(dict.fromkeys(site.nodes + sliced + [c0, c1, v0, v1, k, k_nope, v, split, tr,
+                                                     view, lin, q]))
+    return dataclasses.replace(
+        site, form=f"multi-head latent attention decompressed on read ({site.form}), absorbed",
+        q=q_nope, k=latent, v=latent, nodes=nodes, latent=latent_parts,
+        decompression=Decompression(weight, heads, nope, vd, stop))
+
+
+def _position_prefix(k: Any, v: Any) -> tuple[list[fx.Node], Any]:
+    """``k[:, :, :n]`` and ``v[:, :, :n]`` (one prefix of the positions of both, [B, H, S, D]):
+    (the two slicing nodes, n); else ([], None)."""
+    if not (is_op(k, "getitem") and is_op(v, "getitem") and len(k.args) == len(v.args) == 2):
+        return [], None
+    ik, iv = k.args[1], v.args[1]
+    if not (isinstance(ik, tuple) and isinstance(iv, tuple) and len(ik) == len(iv) == 4):
+        return [], None
+    full = slice(None)
+    for a, b in zip(ik, iv):
+        if not (isinstance(a, slice) and isinstance(b, slice)) or a != b and not (
+                a.start == b.start and a.stop is b.stop and a.step == b.step):
+            return [], None
+    if ik[0] != full or ik[1] != full or ik[3] != full or ik[2].start not in (None, 0) \
+            or ik[2].step not in (None, 1) or ik[2].stop is None:
+        return [], None
+    return [k, v], ik[2].stop
 
 
 def _leads_to_qk(node: Any) -> bool:

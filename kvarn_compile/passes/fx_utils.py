@@ -47,6 +47,8 @@ _ALIASES: dict[str, tuple[Any, ...]] = {
     "permute": (torch.permute,),
     "unsqueeze": (torch.unsqueeze,),
     "squeeze": (torch.squeeze,),
+    "split": (torch.split, torch.functional.split),
+    "linear": (torch.nn.functional.linear, torch._C._nn.linear),
     "flatten": (torch.flatten,),
     "index_put_": (torch.ops.aten.index_put_, torch.ops.aten.index_put_.default,
                    torch.index_put_),

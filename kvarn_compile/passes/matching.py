@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kvarn_compile.passes.attention_forms import AttentionSite
+from kvarn_compile.passes.attention_forms import AttentionSite, decompressed_latent
 from kvarn_compile.passes.cache_writes import CacheWrite, resolve_write
 from kvarn_compile.passes.fx_utils import (
     Unsupported, _noop_cast, concrete, describe, example, is_op, is_size_query, same_size,
@@ -163,6 +163,10 @@ def _same_positions(wk: CacheWrite, wv: CacheWrite) -> None:
 
 
 def _pair(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -> _Match:
+    if site.latent is None:
+        # keys and values decompressed from a latent cache on read (transformers'
+        # DeepSeek-V2/V3 family): paired as the absorbed form over that cache
+        site = decompressed_latent(site) or site
     if site.latent is not None:
         return _pair_latent(site, writes)
     rk, wk = _trace(site.k, site.k_labels, "keys", writes)
@@ -265,6 +269,11 @@ def _pair_latent(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -
     if rv.source is not ra.source or wv is not wa:
         raise Unsupported("the ·v product reads neither cache the two score products read (in "
                           "absorbed multi-head latent attention the values are the latent)")
+    if site.decompression is not None and site.decompression.stop is not None:
+        # the attention reads a prefix of what it decompressed: that prefix of the caches
+        if any(r.stop is not None or r.start is not None for r in (ra, rp, rv)):
+            raise Unsupported("the attention reads a part of a part of the latent cache")
+        ra.stop = rp.stop = rv.stop = site.decompression.stop
     if ra.source is rp.source:
         raise Unsupported("the latent and the RoPE key share one cache tensor")
     if ra.axes != rp.axes or ra.axes != rv.axes:
@@ -326,8 +335,10 @@ def _pair_latent(site: AttentionSite, writes: dict[fx.Node, list[CacheWrite]]) -
         site.mask.perm = perms["mask_perm"]
     qs = [concrete(qv.shape[a]) for a in site.q_perm]
     ps = [concrete(pv.shape[a]) for a in perms["pe_perm"]]
-    if qs[-1] != c or ps[-1] != r or not same_size(qs[0], b) or not same_size(ps[0], b) \
-            or ps[1] != qs[1] or not isinstance(qs[1], int):
+    dec = site.decompression          # (the queries' no-RoPE part, absorbed when rewritten)
+    if qs[-1] != (c if dec is None else dec.nope) or ps[-1] != r or not same_size(qs[0], b) \
+            or not same_size(ps[0], b) or ps[1] != qs[1] or not isinstance(qs[1], int) \
+            or (dec is not None and dec.heads != qs[1]):
         raise Unsupported(f"the latent queries {qs} / RoPE queries {ps} do not fit a latent of "
                           f"{c} and a RoPE key of {r} channels")
     if c % 16 or r % 16:

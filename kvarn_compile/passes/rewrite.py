@@ -407,8 +407,16 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                 mask = _top_left_causal(graph, m, q, heads * dim, raw.device)
             if latent:
                 q_pe = _permuted(graph, m.site.latent.q_pe, m.site.latent.pe_perm)
+                dec = m.site.decompression
+                if dec is not None:     # the up-projection folded into the queries
+                    w3 = graph.call_method("view", (dec.weight, dec.heads, dec.nope + dec.v_dim, -1))
+                    w_k = graph.call_function(operator.getitem, (w3, (slice(None), slice(None, dec.nope))))
+                    q = graph.call_function(torch.einsum, ("bhsn,hnc->bhsc", q, w_k))
                 att = graph.call_function(torch.ops.kvarn.latent_attention.default,
                                           (q, q_pe, bufs, mask, float(scale), m.causal, 0))
+                if dec is not None:     # ... and into the output
+                    w_v = graph.call_function(operator.getitem, (w3, (slice(None), slice(dec.nope, None))))
+                    att = graph.call_function(torch.einsum, ("bhsc,hvc->bhsv", att, w_v))
             elif keyed:
                 att = graph.call_function(torch.ops.kvarn.attention_keyed.default,
                                           (q, append, mask, ctx.state_key(name),

@@ -516,6 +516,51 @@ def test_latent_attention_cache_packs_the_latent_and_keeps_the_model_close():
         use_kvarn_attention(copy.deepcopy(model))
 
 
+@pytest.mark.parametrize("cache_kind, attn", [("dynamic", "sdpa"), ("static", "sdpa"),
+                                              ("dynamic", "eager")])
+def test_deepseek_v3_under_kvarn_backend_absorbs_its_latent_attention(cache_kind, attn):
+    """Under ``kvarn_backend``, transformers' DeepSeek-V3 attention (the latent and the RoPE
+    key cached, keys and values decompressed from them on read by kv_b_proj) is rewritten into
+    kvarn::latent_attention over the packed latent, with the up-projection folded into the
+    queries and the output: every site of the prefill and the decode graphs. It reads the
+    same packed latent as KVarNCache (which hands the model the latents dequantized), so the
+    logits equal that eager run to float rounding, every step."""
+    from kvarn_compile import kvarn_backend
+    from kvarn_compile.hf import static_cache_for
+    from kvarn_compile.testing import record_graphs
+
+    torch._dynamo.reset()
+    model = _deepseek_v3()
+    model.config._attn_implementation = attn
+    model.generation_config.eos_token_id = None
+    ids = prompt(70)
+    want = generate(model, ids, new_cache(model, max_len=100, preset="k4v4"), 6)
+    compiled = copy.deepcopy(model)
+    backend = record_graphs(kvarn_backend("k4v4", group_size=G, compiler="eager"))
+    compiled.forward = torch.compile(compiled.forward, backend=backend)
+    cache = static_cache_for(compiled, 100) if cache_kind == "static" else T.DynamicCache(config=model.config)
+    got = generate(compiled, ids, cache, 6)
+    torch._dynamo.reset()
+    report = backend.report
+    assert len(report.rewritten) >= 4 and not report.unchanged, str(report)   # prefill + decode
+    form = "scaled_dot_product_attention" if attn == "sdpa" else "matmul-softmax-matmul"
+    for site in report.sites:
+        assert site.attention == (f"multi-head latent attention decompressed on read ({form}), "
+                                  "absorbed"), site.line()
+    decode = backend.graph_log[-1][1]
+    assert "kvarn.latent_attention(" in decode and "einsum('bhsn,hnc->bhsc'" in decode \
+        and "einsum('bhsc,hvc->bhsv'" in decode, decode
+    assert "sdpa(" not in decode and ".new_empty(" not in decode and "softmax(" not in decode
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert ((a - b).norm() / b.norm()).item() < 1e-4
+    with torch.no_grad():
+        fp = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(got.logits, fp.logits))
+    assert 1e-3 < rel < 0.1, rel          # the preset's error, not nothing
+
+
 @pytest.mark.parametrize("kind, extra", [
     ("qwen2", {}),                              # q/k/v bias, GQA
     ("mistral", {"sliding_window": 24}),        # GQA + a window shorter than the sequence
