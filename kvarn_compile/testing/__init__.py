@@ -19,7 +19,7 @@ __all__ = [
     "SMALL_G", "SMALL_D", "SMALL_H", "SMALL_CAP", "small_presets", "small_kv",
     "packed_state", "attend", "assert_attention_matches", "bits_equal", "snapshot", "assert_unchanged",
     "tile_buffers", "assert_tiles_equal_reference", "assert_states_identical", "PackedSequence",
-    "TILE_BUFFERS", "FACTOR_BUFFERS",
+    "TILE_BUFFERS", "FACTOR_BUFFERS", "latent_sequence", "latent_rows",
     # rewritten attention against the true K/V
     "kvarn_ops_reference", "quantization_bound", "check_numerics",
     # lowering

@@ -213,6 +213,43 @@ class PackedSequence:
         return [x.shape[1] for x in self.k]
 
 
+def latent_sequence(preset: str = "k4v2", *, rank: int = 64, rope: int = 16, heads: int = 1,
+                    group: int = 32, max_len: int = 256, outliers: bool = False,
+                    dtype: torch.dtype = torch.float32, **overrides) -> PackedSequence:
+    """An empty *latent state* (absorbed multi-head latent attention: the latent, ``rank``
+    channels, as the keys at the preset's key bits; the RoPE key, ``rope``, as the values at
+    ``LATENT_ROPE_BITS``) with the tokens it should hold; ``outliers``: per-tile key frames
+    (``key_frame="auto"``) and keys written with a huge channel (tiles stored plain)."""
+    from kvarn_compile.config import LATENT_ROPE_BITS, get_config
+
+    overrides.setdefault("key_frame", "auto" if outliers else "rotated")
+    overrides.setdefault("value_bits", LATENT_ROPE_BITS)
+    cfg = get_config(preset, group_size=group, **overrides)
+    return PackedSequence(cfg, heads=heads, head_dim=rank, value_head_dim=rope, max_len=max_len,
+                          dtype=dtype, outliers=outliers)
+
+
+def latent_rows(preset: str = "k4v2", *, tq: int = 1, frames: bool = False, **kw) -> PackedSequence:
+    """A :func:`latent_sequence` (group 32) with two rows of 85 and 160 tokens: row 0 a sink,
+    one tile and a partial tail; row 1 a sink and four tiles, the last frozen by the write of
+    the newest ``tq`` tokens (the queries), so a multi-query step needs causal bounds inside
+    the tiles. ``frames``: a mix of key frames in row 1 (the tiles written with a huge latent
+    channel stored plain, the later ones rotated)."""
+    from kvarn_compile.state import unpack
+
+    seq = latent_sequence(preset, outliers=frames, **kw)
+    seq.write(75)
+    seq.outliers = False
+    seq.write(85 - tq, start=[0, 75])                # row 0 restarts, row 1 goes on
+    seq.write(tq)
+    f = unpack(seq.buffers)
+    assert f.n_tiles.tolist() == [1, 4] and f.lengths.tolist() == [85, 160]
+    if frames:
+        plain = f.k_plain[1, 0, :4].bool()
+        assert plain.any() and not plain.all(), "expected a mix of key frames in row 1"
+    return seq
+
+
 # ============================================================================ rewritten attention
 
 

@@ -28,7 +28,7 @@ from kvarn_compile.config import LATENT_ROPE_BITS
 from kvarn_compile.kernels.cpu import attention as cpu_attention
 from kvarn_compile.ops import attention as attention_ref
 from kvarn_compile.state import unpack
-from kvarn_compile.testing import PackedSequence, oracle_latent_attention
+from kvarn_compile.testing import PackedSequence, latent_sequence, oracle_latent_attention
 
 RANK, ROPE, HEADS = 64, 16, 6               # the small geometry (tests/ops/test_latent_attention.py)
 DS_RANK, DS_ROPE, DS_HEADS = 512, 64, 16    # DeepSeek-V2/V3: kv_lora_rank, qk_rope_head_dim, heads
@@ -43,15 +43,6 @@ def kernel_calls(monkeypatch):
     monkeypatch.setattr(cpu_attention, "latent_attention_state",
                         lambda *a, **kw: calls.append(r := real(*a, **kw)) or r)
     return calls
-
-
-def latent_sequence(*, rank=RANK, rope=ROPE, heads=1, group=32, outliers=False, preset="k4v2",
-                    max_len=256, dtype=torch.float32, **extra) -> PackedSequence:
-    extra.setdefault("key_frame", "auto" if outliers else "rotated")
-    extra.setdefault("value_bits", LATENT_ROPE_BITS)
-    cfg = get_config(preset, group_size=group, **extra)
-    return PackedSequence(cfg, heads=heads, head_dim=rank, value_head_dim=rope, max_len=max_len,
-                          dtype=dtype, outliers=outliers)
 
 
 def queries(seq: PackedSequence, q_heads: int, tq: int, dtype=torch.float32, seed=0):

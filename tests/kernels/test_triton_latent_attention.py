@@ -29,7 +29,7 @@ from kvarn_compile.kernels.triton.latent_attention import (
 from kvarn_compile.ops import attention as attention_ref, regions
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import unpack
-from kvarn_compile.testing import PackedSequence, oracle_latent_attention
+from kvarn_compile.testing import PackedSequence, latent_rows, oracle_latent_attention
 
 assert triton_available(), "triton must run here (TRITON_INTERPRET=1 on CPU, or CUDA)"
 
@@ -40,25 +40,9 @@ RANK, ROPE, HEADS, CAP, G = 64, 16, 6, 256, 32
 
 def latent_state(preset: str = "k4v2", *, frames: bool = False, rank: int = RANK, rope: int = ROPE,
                  kv_heads: int = 1, tq: int = 1, **extra) -> PackedSequence:
-    """Two rows of different lengths, 85 and 160 tokens: row 0 holds a sink, one tile and a
-    partial tail; row 1 a sink and four tiles, the last frozen by the write of the newest
-    ``tq`` tokens (the queries), so a multi-query step needs causal bounds inside the tiles.
-    ``frames``: per-tile key frames with a mix in row 1 (tiles written with a huge latent
-    channel are stored plain, the later ones rotated)."""
-    cfg = get_config(preset, group_size=G, value_bits=LATENT_ROPE_BITS,
-                     key_frame="auto" if frames else "rotated", **extra)
-    seq = PackedSequence(cfg, heads=kv_heads, head_dim=rank, value_head_dim=rope, max_len=CAP,
-                         outliers=frames)
-    seq.write(75)
-    seq.outliers = False
-    seq.write(85 - tq, start=[0, 75])                # row 0 restarts, row 1 goes on
-    seq.write(tq)
-    f = unpack(seq.buffers)
-    assert f.n_tiles.tolist() == [1, 4] and f.lengths.tolist() == [85, 160]
-    if frames:
-        plain = f.k_plain[1, 0, :4].bool()
-        assert plain.any() and not plain.all(), "expected a mix of key frames in row 1"
-    return seq
+    """:func:`kvarn_compile.testing.latent_rows` in this file's geometry."""
+    return latent_rows(preset, tq=tq, frames=frames, rank=rank, rope=rope, heads=kv_heads,
+                       group=G, max_len=CAP, **extra)
 
 
 def queries(tq: int, rank: int = RANK, rope: int = ROPE, heads: int = HEADS, seed: int = 0):

@@ -35,7 +35,7 @@ from kvarn_compile.lowering import decompose, latent
 from kvarn_compile.ops import attention as attention_ref, regions
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import unpack
-from kvarn_compile.testing import PackedSequence, no_graph_caches
+from kvarn_compile.testing import PackedSequence, latent_rows, no_graph_caches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,24 +59,9 @@ TEMPLATE_INPUTS = dict(
 
 
 def latent_state(*, tq: int = 1, frames: bool = False, fp8: bool = False) -> PackedSequence:
-    """Two rows of 85 and 160 tokens (one and four tiles; row 1's last tile frozen by the
-    write of the newest ``tq`` tokens, the queries); ``frames``: per-tile key frames with a
-    mix in row 1 (tiles written with a huge latent channel are stored plain)."""
+    """:func:`kvarn_compile.testing.latent_rows` (fp8 scales with ``fp8``)."""
     extra = {"scale_dtype": "float8_e4m3fn"} if fp8 else {}
-    cfg = get_config("k4v2", group_size=G, value_bits=LATENT_ROPE_BITS,
-                     key_frame="auto" if frames else "rotated", **extra)
-    seq = PackedSequence(cfg, heads=1, head_dim=RANK, value_head_dim=ROPE, max_len=CAP,
-                         outliers=frames)
-    seq.write(75)
-    seq.outliers = False
-    seq.write(85 - tq, start=[0, 75])                # row 0 restarts, row 1 goes on
-    seq.write(tq)
-    f = unpack(seq.buffers)
-    assert f.n_tiles.tolist() == [1, 4] and f.lengths.tolist() == [85, 160]
-    if frames:
-        plain = f.k_plain[1, 0, :4].bool()
-        assert plain.any() and not plain.all(), "expected a mix of key frames in row 1"
-    return seq
+    return latent_rows(tq=tq, frames=frames, rank=RANK, rope=ROPE, group=G, max_len=CAP, **extra)
 
 
 def case_inputs(name: str, seed: int = 1):

@@ -11,20 +11,11 @@ import pytest
 import torch
 
 import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
-from kvarn_compile import get_config
-from kvarn_compile.config import LATENT_ROPE_BITS
 from kvarn_compile.ops import append as append_ref
-from kvarn_compile.testing import PackedSequence, oracle_latent_attention
+from kvarn_compile.testing import latent_sequence, oracle_latent_attention
 
 RANK, ROPE, HEADS = 64, 16, 6
 CAP = 256
-
-
-def latent_sequence(preset: str, *, outliers: bool = False, **extra) -> PackedSequence:
-    extra.setdefault("key_frame", "auto" if outliers else "rotated")
-    cfg = get_config(preset, group_size=32, value_bits=LATENT_ROPE_BITS, **extra)
-    return PackedSequence(cfg, heads=1, head_dim=RANK, value_head_dim=ROPE, max_len=CAP,
-                          outliers=outliers)
 
 
 def latent(q, q_pe, buffers, mask=None, *, scale=None, causal=True, window=0):
