@@ -184,15 +184,24 @@ def _einsum_roles(a: str, b: str, out: str, a_only: str, b_only: str):
     letter only ``a`` and ``out`` share, the letter only ``b`` and ``out`` share, the letter
     only ``a`` and ``b`` share (contracted)), or None. Batch and heads are the two letters
     all three share; batch is the one written first in ``out``."""
-    if not (len(a) == len(b) == len(out) == 4 and len(set(a)) == len(set(b)) == len(set(out)) == 4):
+    letters = _letters(a, b, out, 4)
+    if letters is None:
         return None
-    shared = [c for c in out if c in a and c in b]
-    x = [c for c in out if c in a and c not in b]
-    y = [c for c in out if c in b and c not in a]
-    z = [c for c in a if c in b and c not in out]
+    shared, x, y, z = letters
     if len(shared) != 2 or len(x) != 1 or len(y) != 1 or len(z) != 1:
         return None
     return shared[0], shared[1], x[0], y[0], z[0]
+
+
+def _letters(a: str, b: str, out: str, b_dims: int) -> tuple[list, list, list, list] | None:
+    """The letters of an einsum ``a,b->out`` (``a`` and ``out`` 4-D, ``b`` ``b_dims``-D, no
+    repeated letter) by where they occur: in all three (in ``out``'s order), in ``a`` and
+    ``out`` only, in ``b`` and ``out`` only, in ``a`` and ``b`` only (contracted); or None."""
+    if not (len(a) == len(out) == 4 and len(b) == b_dims and len(set(a)) == 4
+            and len(set(b)) == b_dims and len(set(out)) == 4):
+        return None
+    return ([c for c in out if c in a and c in b], [c for c in out if c in a and c not in b],
+            [c for c in out if c in b and c not in a], [c for c in a if c in b and c not in out])
 
 
 def _qk_product(s: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None, tuple] | None:
@@ -254,13 +263,10 @@ def _headless_einsum(n: fx.Node) -> tuple | None:
     eq, (a, b) = spec
     ins, out = eq.split("->")
     xs, ys = ins.split(",")
-    if not (len(xs) == len(out) == 4 and len(ys) == 3 and len(set(xs)) == 4
-            and len(set(ys)) == 3 and len(set(out)) == 4):
+    letters = _letters(xs, ys, out, 3)
+    if letters is None:
         return None
-    batch = [c for c in out if c in xs and c in ys]
-    own = [c for c in out if c in ys and c not in xs]
-    contracted = [c for c in xs if c in ys and c not in out]
-    free = [c for c in out if c in xs and c not in ys]
+    batch, free, own, contracted = letters
     if len(batch) != 1 or len(own) != 1 or len(contracted) != 1 or len(free) != 2:
         return None
     return a, b, xs, ys, out, batch[0], own[0], contracted[0], free
