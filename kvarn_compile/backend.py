@@ -240,7 +240,11 @@ class KVarNBackend:
                                   latent_refused=None if self.context_parallel is None else (
                                       "absorbed multi-head latent attention has no context-"
                                       "parallel form yet: this site keeps its full-precision "
-                                      "cache under context_parallel"))
+                                      "cache under context_parallel"),
+                                  weights_refused=None if self.context_parallel is None else (
+                                      "the attention weights are returned (output_attentions), "
+                                      "which context_parallel does not compute from the ranks' "
+                                      "tiles: this site keeps its full-precision cache"))
             extra, reports = run_rewrite(self, gm, new_gm, list(example_inputs), ctx, what="graph",
                                          seen=None, rename=lambda n: tag + self._site_names.get(n, n),
                                          finish=use_context_parallel)

@@ -397,10 +397,12 @@ def _dequantized_tile(f: StateFields[torch.Tensor], row: int, tile: int
 def materialize(buffers: list[torch.Tensor], rotated_tiles: bool = False,
                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized K [B, H, max_len, D] and V [B, H, max_len, Dv] (zeros past each row's
-    length). Test oracle only.
+    length).
 
-    This is exactly what the runtime never builds; tests compare the fused attention
-    against plain attention over these tensors.
+    This is what the attention never builds; tests compare the fused attention against
+    plain attention over these tensors. At run time only the attention weights a model
+    returns (``kvarn::attention_weights``) and a cache handed back to a full-precision
+    graph read it.
     """
     from kvarn_compile.quant.quantize import QuantizedTiles, dequantize_kv
 

@@ -11,6 +11,9 @@ state's keys, the shared RoPE key as its values): scores ``q·latentᵀ + q_pe·
 ``p·latent`` - one packed copy of the latent serves the score and the value side.
 ``latent_tile_partials(...)`` is its tile region alone (the reference of
 ``kvarn::latent_tile_partials_``): per key frame, over every tile slot, static shapes.
+``attention_weights(q, buffers, ...)``, the reference (and only implementation) of
+``kvarn::attention_weights``, gives the softmax weights ``attention`` applies, for models
+that return them (``output_attentions``): the one place the keys are dequantized whole.
 
 The dual-scale tile math is written once (:func:`tile_scores`, :func:`tile_values`) and
 used by both: per tile, the key row scale is folded into q, the key column scale into the
@@ -30,7 +33,7 @@ from kvarn_compile.quant.quantize import unpack_codes
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
 
-__all__ = ["attention", "latent_attention", "tile_region", "latent_tile_region", "tile_partials", "tile_inputs", "tile_scores", "tile_values", "query_frames",
+__all__ = ["attention", "attention_weights", "latent_attention", "tile_region", "latent_tile_region", "tile_partials", "tile_inputs", "tile_scores", "tile_values", "query_frames",
            "tile_key_values", "tile_value_scores", "check_queries", "check_latent_queries", "latent_fields", "check_query_shape", "check_mask", "check_mask_covers", "TILE_ARGS",
            "TILE_CHUNK", "latent_tile_partials", "LATENT_TILE_ARGS"]
 
@@ -270,6 +273,41 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     if return_lse:
         return out, lse
     return out.to(q.dtype)
+
+
+def attention_weights(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
+                      scale: float | None, causal: bool, window: int, keys: int) -> torch.Tensor:
+    """The softmax weights fp32 [B, Hq, Tq, keys] that :func:`attention` (same arguments)
+    applies to the values at key positions 0..keys-1: the keys as the attention reads them
+    (sink and tail exact, the tiles dequantized), the same causal, window and mask rules, 0
+    past each row's length and for a query that sees nothing. For models that return their
+    attention weights; it dequantizes every key of the cache."""
+    from kvarn_compile.ops.append import materialize
+
+    f = unpack(buffers)
+    check_queries(q, f)
+    check_mask(f, mask)
+    scale = f.sink_k.shape[-1] ** -0.5 if scale is None else scale
+    bsz, heads, _, d = f.sink_k.shape
+    hq, tq = q.shape[1], q.shape[2]
+    k_all, _ = materialize(buffers, dtype=torch.float32)                    # [B, H, cap+W, D]
+    n = min(keys, int(f.capacity[0]))
+    k_all = k_all[:, :, :n]
+    scores = torch.matmul(q.float().reshape(bsz, heads, (hq // heads) * tq, d),
+                          k_all.transpose(-1, -2)).reshape(bsz, hq, tq, n) * scale
+    pos = torch.arange(n, device=q.device)[None, :].expand(bsz, n)
+    q_pos = regions.query_positions(f.lengths, tq)
+    allowed = (pos < f.lengths[:, None])[:, None, :].expand(bsz, tq, n)
+    if causal:
+        allowed = allowed & (pos[:, None, :] <= q_pos[:, :, None])
+    if window > 0:
+        allowed = allowed & (pos[:, None, :] > q_pos[:, :, None] - window)
+    bias = regions.bias_at(mask, pos, (bsz, hq, tq))
+    if bias is not None:
+        scores = scores + bias
+    p, denom, m_ref = regions.safe_lse(scores.masked_fill(~allowed[:, None], regions.NEG_INF))
+    p, _ = regions.normalized(p, denom, m_ref)
+    return torch.nn.functional.pad(p, (0, keys - n))
 
 
 def check_latent_queries(q: torch.Tensor, q_pe: torch.Tensor, f: StateFields[torch.Tensor]) -> None:

@@ -16,6 +16,8 @@ Packed-state ops (``buffers``: a layer's flat state, see :mod:`kvarn_compile.sta
                    bool check_finite, str name) -> ()
     kvarn::attention(Tensor q, Tensor[] buffers, Tensor? mask, float scale, bool causal,
                      int window) -> Tensor
+    kvarn::attention_weights(<the six arguments of attention>, SymInt keys) -> Tensor
+        # the softmax weights attention applies, fp32 [B, Hq, Tq, keys] (output_attentions)
     kvarn::reorder_(Tensor(a!)[] buffers, Tensor rows, str name) -> ()     # beam search
     kvarn::latent_attention(Tensor q, Tensor q_pe, Tensor[] buffers, Tensor? mask, float scale,
                             bool causal, int window) -> Tensor
@@ -79,7 +81,7 @@ import torch
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, context_parallel, keyed
 from kvarn_compile.state import field_indices
 
-__all__ = ["append_", "commit_", "attention", "latent_attention", "adopt_", "append_from_", "append_keyed",
+__all__ = ["append_", "commit_", "attention", "attention_weights", "latent_attention", "adopt_", "append_from_", "append_keyed",
            "attention_keyed", "reorder_", "reorder_keyed", "cp_append_", "cp_append_from_", "cp_attention", "positions_start", "tile_partials_", "register_plain_kernel",
            "tile_partials_triton_", "latent_tile_partials_", "tune_observe_"]
 
@@ -141,6 +143,20 @@ def _out_shape(q: torch.Tensor, buffers: list[torch.Tensor]) -> tuple[int, ...]:
 def _attention_fake(q, buffers, mask, scale, causal, window):
     _check_devices("attention", buffers, queries=q)
     return q.new_empty(_out_shape(q, buffers))   # contiguous, whatever q's strides (as the kernels)
+
+
+@torch.library.custom_op("kvarn::attention_weights", mutates_args=())
+def attention_weights(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
+                      scale: float, causal: bool, window: int, keys: int) -> torch.Tensor:
+    """The softmax weights fp32 [B, Hq, Tq, keys] ``attention`` (same arguments) applies, at
+    key positions 0..keys-1 (a model that returns its attention weights)."""
+    return attention_ref.attention_weights(q, buffers, mask, scale, causal, window, keys)
+
+
+@attention_weights.register_fake
+def _attention_weights_fake(q, buffers, mask, scale, causal, window, keys):
+    _check_devices("attention_weights", buffers, queries=q)
+    return q.new_empty((*q.shape[:-1], keys), dtype=torch.float32)
 
 
 @torch.library.custom_op("kvarn::latent_attention", mutates_args=())

@@ -76,6 +76,11 @@ class AttentionSite:
     #: multi-head latent attention decompressed on read (:class:`Decompression`): the
     #: up-projection the rewrite folds into the queries and the output
     decompression: "Decompression | None" = None
+    #: the attention weights are also read elsewhere (returned: ``output_attentions``): the
+    #: node of the chain whose other readers get ``kvarn::attention_weights``, and its axes'
+    #: roles (batch, heads, queries, keys: ``"b"``, ``"h"``, ``"t"``, ``"k"``)
+    weights: fx.Node | None = None
+    weight_roles: tuple[str, ...] = ("b", "h", "t", "k")
 
 
 @dataclasses.dataclass
@@ -455,21 +460,25 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
     else:
         w = headless[0]
     chain = [n]
+    # the weights may be read elsewhere at one point of the chain (returned to the caller:
+    # output_attentions), which then reads kvarn::attention_weights instead
+    shared: fx.Node | None = None
     while isinstance(w, fx.Node) and not is_op(w, "softmax"):
         if is_op(w, "dropout"):
             if arg(w, 1, "p", 0.5) not in (0, 0.0) and arg(w, 2, "training", True):
                 raise Unsupported("attention dropout in training mode")
         elif not (w.op == "call_method" and w.target in _CASTS + ("contiguous",)):
             return None
-        if not single_user(w):
-            raise Unsupported("the attention weights (after the softmax) are also used elsewhere")
+        shared = _weights_reader(w, shared, headless)
         chain.append(w)
         w = w.args[0]
     if not is_op(w, "softmax") or not _softmax_dim_ok(w):
         return None
-    if not single_user(w):
-        raise Unsupported("the attention weights (softmax output) are also used elsewhere")
+    shared = _weights_reader(w, shared, headless)
     chain.append(w)
+    if shared is not None and not _read_after(shared, n, chain):
+        raise Unsupported("the attention weights (softmax output) are also read before the "
+                          "attention output is computed")
     s = w.args[0]
     mask: MaskSpec | None = None
     scale_after, scale_before = 1.0, 1.0
@@ -563,7 +572,30 @@ def _eager_chain(n: fx.Node) -> AttentionSite | None:
         return None
     return AttentionSite("matmul-softmax-matmul" if is_op(n, "matmul") else "einsum-softmax-einsum",
                          n, q, k, v, mask, scale, False, chain, k_labels=k_labels,
-                         v_labels=v_labels, q_perm=q_perm, out_perm=out_perm)
+                         v_labels=v_labels, q_perm=q_perm, out_perm=out_perm, weights=shared,
+                         weight_roles=weight_roles)
+
+
+def _read_after(x: fx.Node, n: fx.Node, chain: list[fx.Node]) -> bool:
+    """Every reader of ``x`` outside ``chain`` comes after ``n`` in the graph."""
+    later, node = set(), n.next
+    while node.op != "root":
+        later.add(node)
+        node = node.next
+    return all(u in later for u in x.users if u not in chain)
+
+
+def _weights_reader(w: fx.Node, shared: fx.Node | None, headless: Any) -> fx.Node | None:
+    """``w``, a node of the chain from the softmax to the ·v product, when something outside
+    the chain reads it too (the weights returned), else ``shared`` (the one found so far):
+    one such node per chain, and none in the absorbed latent form."""
+    if single_user(w):
+        return shared
+    if shared is not None or headless is not None:
+        raise Unsupported("the attention weights (softmax output) are also used elsewhere"
+                          + (" in an absorbed latent attention" if headless is not None
+                             else ", at two points of the chain"))
+    return w
 
 
 def _slice_last(index: Any) -> slice | None:

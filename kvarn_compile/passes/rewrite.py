@@ -117,6 +117,10 @@ class RewriteContext:
     #: why absorbed multi-head latent attention sites stay unchanged in this compile (a
     #: front-end whose ops have no latent form: context parallelism); None: rewrite them
     latent_refused: str | None = None
+    #: why sites whose attention weights are read elsewhere (``output_attentions``) stay
+    #: unchanged in this compile (a front-end without ``kvarn::attention_weights`` for its
+    #: states); None: rewrite them
+    weights_refused: str | None = None
     #: filled by rewrite_graph (inputs mode): (graph input index, site report) of every
     #: model-owned cache tensor the caller must free after each call (see _hand_over)
     released_inputs: list[tuple[int, SiteReport]] = dataclasses.field(default_factory=list)
@@ -177,6 +181,25 @@ def _key_length(graph: fx.Graph, m: _Match, w: CacheWrite, row: int) -> Any:
     past_len = graph.call_function(
         operator.floordiv, (graph.call_method("numel", (w.start,)), m.batch * row))
     return graph.call_function(operator.add, (past_len, graph.call_method("size", (w.new, w.axis))))
+
+
+def _returned_weights(graph: fx.Graph, m: _Match, q: fx.Node, bufs: list[fx.Node],
+                      mask: fx.Node | None, scale: float, row: int) -> None:
+    """The attention weights the model also returns (``output_attentions``), computed from the
+    packed cache by ``kvarn::attention_weights`` (the same arguments as the attention), laid
+    out and cast as the model's own, for every reader of them outside the attention."""
+    shared = m.site.weights
+    keys = _key_length(graph, m, m.wk, row)
+    wts = graph.call_function(torch.ops.kvarn.attention_weights.default,
+                              (q, bufs, mask, scale, m.causal, 0, keys))
+    wts = _permuted(graph, wts, tuple("bhtk".index(r) for r in m.site.weight_roles))
+    want = example(shared)
+    if want is not None and want.dtype != torch.float32:
+        wts = graph.call_method("to", (wts, want.dtype))
+    wts.meta["example_value"] = want
+    for user in list(shared.users):
+        if user not in m.site.nodes:
+            user.replace_input_with(shared, wts)
 
 
 def _top_left_causal(graph: fx.Graph, m: _Match, q: fx.Node, row: int,
@@ -335,6 +358,13 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
         if latent and refused:
             reports.append(SiteReport(name, False, m.site.form, reason=refused, graph=graph_id))
             continue
+        refused = ctx.weights_refused or (
+            "the attention weights are returned (output_attentions), which the Inductor pre-grad "
+            "pass (inductor_pass) does not compute from a packed cache; compile with "
+            "backend=kvarn_backend(...)" if keyed else None)
+        if m.site.weights is not None and refused:
+            reports.append(SiteReport(name, False, m.site.form, reason=refused, graph=graph_id))
+            continue
         raw = example(m.wk.new)
         batch, heads, _, dim = (_bhsd_size(raw, a) for a in m.perm)
         growth = {}
@@ -426,6 +456,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: RewriteCon
                                           (q, bufs, mask, float(scale), m.causal, 0))
             att = _permuted(graph, att, m.site.out_perm)
             att.meta["example_value"] = example(m.site.out)
+            if m.site.weights is not None:
+                _returned_weights(graph, m, q, bufs, mask, float(scale), heads * dim)
         m.site.out.replace_all_uses_with(att)
         # 4. the model's cache is no longer written; cat caches get a row-tagged handle
         handles = {}

@@ -94,6 +94,34 @@ def test_attention_with_mask_indexed_by_absolute_position(kind, tq):
     torch.testing.assert_close(out, v0.expand_as(out))
 
 
+@pytest.mark.parametrize("tq", [1, 9])
+@pytest.mark.parametrize("window", [0, 17])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_attention_weights_are_what_attention_applies(tq, window, masked):
+    """``kvarn::attention_weights`` (a model returning its weights): applied to the
+    dequantized values they give the attention's output; each query's weights sum to 1, and
+    they are 0 past each row's length, up to the ``keys`` columns asked for."""
+    seq = PackedSequence()
+    seq.write(75)
+    seq.write(58, start=[0, 75])        # rows of 58 and 133 tokens: tiles, tails, a restart
+    seq.write(tq)
+    q = torch.randn(2, 6, tq, D)
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, tq, CAP) > 0.3
+        mask[..., 0] = True
+    keys = 150                          # beyond both rows' lengths
+    w = torch.ops.kvarn.attention_weights(q, seq.buffers, mask, D ** -0.5, True, window, keys)
+    assert w.shape == (2, 6, tq, keys) and w.dtype == torch.float32
+    v = append_ref.materialize(seq.buffers, dtype=torch.float64)[1][:, :, :keys]
+    out = w.double() @ v.repeat_interleave(3, 1)
+    torch.testing.assert_close(out, oracle_attention(q, seq.buffers, mask, window=window),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 6, tq))
+    for row, n in enumerate(seq.lengths()):
+        assert not w[row, ..., n:].any()
+
+
 def test_attention_mask_shorter_than_the_cache_raises():
     seq = PackedSequence()
     seq.write(75)

@@ -108,6 +108,16 @@ def _opcheck_attention(preset="k4v2"):
         op(q, st.buffers, None, 0.2, True, 0).sum().backward()
 
 
+def _opcheck_attention_weights():
+    st = packed_state(PRESETS["k4v2"])
+    k, v = kv(2, 100)
+    append_ref.append_(st.buffers, k, v, torch.zeros(2, dtype=torch.long))
+    op = torch.ops.kvarn.attention_weights.default
+    _opcheck(op, (torch.randn(2, 6, 1, D), st.buffers, None, 0.2, True, 0, 100))
+    _opcheck(op, (torch.randn(2, 6, 5, D), st.buffers, torch.rand(2, 1, 5, CAP) > 0.2, 0.2, True,
+                  16, 120))
+
+
 def _opcheck_latent_attention():
     """A latent state (the latent as keys, the RoPE key as values at LATENT_ROPE_BITS, one
     head) with per-tile key frames; decode and multi-query steps, a mask, a window."""
@@ -394,7 +404,8 @@ OPCHECKS = {
     "append_": _opcheck_append_, "commit_": _opcheck_commit_, "attention": _opcheck_attention,
     "reorder_": _opcheck_reorder_, "adopt_": _opcheck_adopt_, "append_from_": _opcheck_append_from_,
     "cp_append_": _opcheck_cp_append_, "cp_append_from_": _opcheck_cp_append_from_,
-    "cp_attention": _opcheck_cp_attention, "latent_attention": _opcheck_latent_attention, "append_keyed": _opcheck_append_keyed,
+    "cp_attention": _opcheck_cp_attention, "latent_attention": _opcheck_latent_attention,
+    "attention_weights": _opcheck_attention_weights, "append_keyed": _opcheck_append_keyed,
     "attention_keyed": _opcheck_attention_keyed, "reorder_keyed": _opcheck_reorder_keyed,
     "positions_start": _opcheck_positions_start, "tile_partials_": _opcheck_tile_partials_,
     "tile_partials_triton_": _opcheck_tile_partials_triton_, "tune_observe_": _opcheck_tune_observe_,

@@ -353,12 +353,13 @@ def _spec(data):
 
 def must_rewrite(spec) -> bool:
     """A valid program whose meaning the pass can prove, so it must be rewritten (a refusal
-    of it is a failure, not an acceptable "unchanged"). Refusing the others is right: the
-    perturbations (a second reader, weights returned, soft-capping, a run-time scale, two
-    writes), masks computed from the scores, and a preallocated cache read without a mask
+    of it is a failure, not an acceptable "unchanged"; the weights returned as well, which
+    ``kvarn::attention_weights`` gives). Refusing the others is right: the perturbations (a
+    second reader, soft-capping, a run-time scale, two writes), masks computed from the scores, and a preallocated cache read without a mask
     (over all slots, or up to a position the pass cannot relate to the write: the model
     attends slots that may be unwritten)."""
-    if spec["perturb"] not in ("none", "v_cloned") or spec["mask"] == "float_from_scores":
+    if spec["perturb"] not in ("none", "v_cloned", "return_weights") \
+            or spec["mask"] == "float_from_scores":
         return False
     if spec["write"] == "cat":
         return True
