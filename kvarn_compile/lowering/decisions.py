@@ -14,10 +14,11 @@ import contextlib
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["DECISIONS", "LoweringDecision", "PATHS", "use_path", "current_path", "cache_salt",
-           "tune_key", "record_decision", "finish_decision", "feedback_saver", "spec_label"]
+           "tune_key", "record_decision", "finish_decision", "feedback_saver", "spec_label", "Offers"]
 
 PATHS = ("auto", "reference", "dense", "shared", "split")
 _state = threading.local()
@@ -107,6 +108,33 @@ def tune_key(op: str, *, q, k_codes, k_col_scale, v_codes, row_scale, v_col_scal
                    preset=preset_name(kb, vb, g, row_scale.get_dtype()), head_dim=d,
                    kv_heads=kc[1], q_heads=hq, batch=b, query=query_bucket(hq, kc[1], tq),
                    length_bucket=length_bucket(kc[2] * g), value_head_dim=0 if dv == d else dv)
+
+
+class Offers:
+    """The choices one lowering offers ``select_algorithm``, each tagged with its spec (what
+    the autotune database keeps of a winner: ``{"choice": ..., "config": ...}``). With a
+    winner replayed from the database (``replay``) only that spec is built."""
+
+    def __init__(self, replay: dict | None) -> None:
+        self.replay = replay
+        self.choices: list = []
+
+    def offer(self, spec: dict, make: Callable[[], None]) -> None:
+        """Build the choices of ``spec`` (``make`` appends them to :attr:`choices`), unless
+        another spec is being replayed."""
+        if self.replay is not None and spec != self.replay:
+            return
+        before = len(self.choices)
+        make()
+        for c in self.choices[before:]:
+            c.kvarn_spec = spec
+
+    def or_else(self, spec: dict, make: Callable[[], None]) -> None:
+        """Nothing offered (a replayed winner that cannot be built here): benchmark afresh,
+        offering ``spec``."""
+        if not self.choices:
+            self.replay = None
+            self.offer(spec, make)
 
 
 def record_decision(op: str, key, choices: list, inputs: list, replayed: bool) -> LoweringDecision:

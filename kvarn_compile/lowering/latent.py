@@ -43,8 +43,9 @@ import torch
 
 from kvarn_compile.lowering import decompose
 from kvarn_compile.lowering.decisions import (
-    current_path, finish_decision, record_decision, tune_key,
+    Offers, current_path, finish_decision, record_decision, tune_key,
 )
+from kvarn_compile.lowering.tiles import _block, _code_bits
 from kvarn_compile.ops.attention import LATENT_TILE_ARGS
 from kvarn_compile.state import StateLayout
 
@@ -102,11 +103,6 @@ class LatentConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_DC": self.block_dc,
                 "SPLIT": self.split, "PREFETCH": int(self.prefetch), "num_warps": self.num_warps,
                 "num_stages": 1}
-
-
-def _block(n: int) -> int:
-    """n rounded up to a power of two >= 16 (BLOCK_D / BLOCK_DV)."""
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def latent_configs(mode: str, *, d: int, rows: int, group: int, max_split: int,
@@ -236,12 +232,6 @@ def latent_tile_input_gen_fns(shapes: dict[str, list[int]], group: int, names: l
 
 
 # ------------------------------------------------------------------------------ tile lowering
-def _code_bits(codes, row_len: int) -> int:
-    """Code width of packed rows of ``row_len`` codes; 0 where the bytes hold no whole number."""
-    nbytes = int(codes.get_size()[-1])
-    return nbytes * 8 // row_len if row_len > 0 and (nbytes * 8) % row_len == 0 else 0
-
-
 def _template_reads(node_of: dict) -> bool:
     """Whether the template can read these tile inputs (by ``LATENT_TILE_ARGS`` name; the
     state's members of the same names): static shapes, tiles contiguous inside, power-of-two
@@ -312,21 +302,13 @@ def lower_latent_tile_partials(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k
               "split_max": int(split_max)}
     key = tune_key(LATENT_TILE_OP_NAME, q=q_rot, k_codes=k_codes, k_col_scale=k_col_scale,
                    v_codes=v_codes, row_scale=k_row_scale, v_col_scale=v_col_scale)
-    replay = autotune.DB.lookup(key) if key is not None else None
+    offers = Offers(autotune.DB.lookup(key) if key is not None else None)
+    choices, offer = offers.choices, offers.offer
     interpreted = device.type == "cpu"     # templates on CPU tensors: the Triton interpreter
-    choices: list = []
+    torch_spec = {"choice": "torch"}
 
-    def offer(spec: dict, make) -> None:
-        if replay is not None and spec != replay:
-            return
-        before = len(choices)
-        make()
-        for c in choices[before:]:
-            c.kvarn_spec = spec
-
-    def offer_torch() -> None:
-        offer({"choice": "torch"}, lambda: choices.append(
-            externs()["kvarn_latent_tile_partials_torch"].bind(inputs, layout, **kwargs)))
+    def add_torch() -> None:
+        choices.append(externs()["kvarn_latent_tile_partials_torch"].bind(inputs, layout, **kwargs))
 
     shapes = {"k_codes": static_ints(k_codes.get_size()) or [0, 0, 0]}
     template_ok = (triton_templates_available(device) and sizes is not None and key is not None
@@ -341,7 +323,7 @@ def lower_latent_tile_partials(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k
     # Under the interpreter the torch extern would always win the benchmark, so CPU Triton
     # mode lets the template configs compete alone.
     if not (template_ok and interpreted):
-        offer_torch()
+        offer(torch_spec, add_torch)
     if template_ok:
         from kvarn_compile.kernels import CUDA_PRECISION
 
@@ -359,13 +341,11 @@ def lower_latent_tile_partials(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k
                   latent_template().maybe_append_choice(
                       choices, input_nodes=inputs, layout=layout, mutated_inputs=[inputs[-1]],
                       call_sizes=[b * heads, rows], **common, **opts))
-    if not choices:   # a replayed winner that cannot be built here: benchmark afresh
-        replay = None
-        offer_torch()
+    offers.or_else(torch_spec, add_torch)
     gen_fns = latent_tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), names) \
         if len(choices) > 1 else None
     decision = record_decision(LATENT_TILE_OP_NAME, key, choices, inputs,
-                               replayed=replay is not None)
+                               replayed=offers.replay is not None)
     node, choice = ind.select_algorithm(LATENT_TILE_OP_NAME, choices, inputs, layout,
                                         input_gen_fns=gen_fns)
     finish_decision(decision, choice)

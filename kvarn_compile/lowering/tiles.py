@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from kvarn_compile.lowering.decisions import finish_decision, record_decision, tune_key
+from kvarn_compile.lowering.decisions import Offers, finish_decision, record_decision, tune_key
 from kvarn_compile.ops.attention import TILE_ARGS
 
 __all__ = ["lower_tile_partials", "externs", "TILE_OP_NAME", "fake_tile_fill", "tile_input_gen_fns",
@@ -197,22 +197,13 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
     choices_extern = externs()
     key = tune_key(TILE_OP_NAME, q=q_rot, k_codes=k_codes, k_col_scale=k_col_scale,
                    v_codes=v_codes, row_scale=k_row_scale, v_col_scale=v_col_scale)
-    replay = autotune.DB.lookup(key) if key is not None else None
+    offers = Offers(autotune.DB.lookup(key) if key is not None else None)
+    choices, offer = offers.choices, offers.offer
     interpreted = device.type == "cpu"     # templates on CPU tensors: the Triton interpreter
+    torch_spec = {"choice": "torch"}
 
-    choices: list = []
-
-    def offer(spec: dict, make) -> None:
-        if replay is not None and spec != replay:
-            return
-        before = len(choices)
-        make()
-        for c in choices[before:]:
-            c.kvarn_spec = spec
-
-    def offer_torch() -> None:
-        offer({"choice": "torch"}, lambda: choices.append(
-            choices_extern["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs)))
+    def add_torch() -> None:
+        choices.append(choices_extern["kvarn_tile_partials_torch"].bind(inputs, layout, **kwargs))
 
     shapes = {"k_codes": static_ints(k_codes.get_size()) or [0, 0, 0]}
     template_ok = (triton_templates_available(device) and sizes is not None and key is not None
@@ -220,7 +211,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
     # Under the interpreter the torch extern would always win the benchmark (the templates
     # run ~20x slower there), so CPU Triton mode lets the templates compete alone.
     if not (template_ok and interpreted):
-        offer_torch()
+        offer(torch_spec, add_torch)
     if template_ok:
         from kvarn_compile._torch_compat import kvarn_sources_hash
         from kvarn_compile.lowering import tile_templates as templates
@@ -261,12 +252,11 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                               choices, input_nodes=inputs, layout=layout,
                               mutated_inputs=[inputs[-1]], call_sizes=[b * hq, tq],
                               **common, **opts))
-    if not choices:   # a replayed winner that cannot be built here: benchmark afresh
-        replay = None
-        offer_torch()
+    offers.or_else(torch_spec, add_torch)
     gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), names) \
         if len(choices) > 1 else None
-    decision = record_decision(TILE_OP_NAME, key, choices, inputs, replayed=replay is not None)
+    decision = record_decision(TILE_OP_NAME, key, choices, inputs,
+                               replayed=offers.replay is not None)
     node, choice = ind.select_algorithm(TILE_OP_NAME, choices, inputs, layout,
                                                  input_gen_fns=gen_fns)
     finish_decision(decision, choice)
