@@ -218,6 +218,26 @@ def _latent_run(cp) -> dict:
                 max_diff=max((g - f).abs().max().item() for g, f in zip(got, fp)))
 
 
+def _weights_run(cp) -> dict:
+    """An eager attention that also returns its weights (``output_attentions``,
+    ``tests/passes/test_returned_weights.py``) with ``kvarn_backend(context_parallel=...)``:
+    ``kvarn::attention_weights`` has no context-parallel form (a rank holds only its share of
+    the tiles), so the site stays unchanged and the outputs equal the model's."""
+    import torch._dynamo
+
+    from kvarn_compile import kvarn_backend
+    from tests.passes.test_returned_weights import EagerWeights, _steps
+
+    torch._dynamo.reset()
+    backend = kvarn_backend(**PRESET, compiler="eager", context_parallel=cp)
+    module, plain = EagerWeights(), EagerWeights()
+    compiled = torch.compile(module, backend=backend)
+    diffs = [max((a - b).abs().max().item() for a, b in zip(compiled(*args), plain(*args)))
+             for args in _steps()]
+    return dict(reasons=[r.reason for r in backend.report.sites if not r.rewritten],
+                rewritten=len(backend.report.rewritten), max_diff=max(diffs))
+
+
 def _worker(rank: int, world: int, port: int, what: str, outdir: str) -> None:
     result: dict = {}
     try:
@@ -232,6 +252,7 @@ def _worker(rank: int, world: int, port: int, what: str, outdir: str) -> None:
             result["models"] = {mode: _model_run(mode, handle.group) for mode in MODEL_MODES}
         elif what == "latent":
             result["latent"] = _latent_run(handle.group)
+            result["weights"] = _weights_run(handle.group)
         elif what == "failure":
             config = get_config(**PRESET)
             state = cp.allocate(handle, config, batch=1, kv_heads=1, head_dim=32, max_len=MAX_LEN,
@@ -350,16 +371,21 @@ def test_inductor_generates_the_one_process_tokens(model_runs):
     _check_models(model_runs, ["inductor_static"])
 
 
-def test_absorbed_latent_attention_stays_unchanged_under_context_parallel():
-    """kvarn::latent_attention has no context-parallel form: under
-    ``kvarn_backend(context_parallel=...)`` an absorbed-MLA site is left in full precision with
-    that reason (rewriting it would attend each rank's tiles only), exactly the model."""
+def test_latent_attention_and_returned_weights_stay_unchanged_under_context_parallel():
+    """kvarn::latent_attention and kvarn::attention_weights have no context-parallel form:
+    under ``kvarn_backend(context_parallel=...)`` an absorbed-MLA site and an attention that
+    returns its weights are left in full precision with that reason (rewriting them would
+    read each rank's tiles only), exactly the model."""
     for r in _run("latent"):
         assert "exception" not in r, r["exception"]
         out = r["latent"]
         assert out["rewritten"] == 0 and len(out["reasons"]) == 4, out
         assert all("no context-parallel form yet" in why for why in out["reasons"]), out
         assert out["max_diff"] < 1e-4, out
+        out = r["weights"]
+        assert out["rewritten"] == 0 and len(out["reasons"]) == 2, out   # prefill, decode graphs
+        assert all("which context_parallel does not compute" in why for why in out["reasons"]), out
+        assert out["max_diff"] < 1e-5, out
 
 
 def test_a_failing_rank_ends_the_other_with_an_error():
