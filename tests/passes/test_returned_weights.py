@@ -7,7 +7,8 @@ readers ``kvarn::attention_weights``: the weights the attention applies, from th
 cache. Checked here over a prefill that freezes a tile and two decode steps: the rewritten
 decode graph is a golden string, the weights applied to the packed cache's dequantized
 values give the output, and both stay within the preset's bound of full precision. Its twin
-reads the weights before the output is computed and is left unchanged, with that reason.
+reads the weights before the output is computed and is left unchanged, with that reason; so
+is the site under the Inductor pre-grad pass, which has no keyed form of the op.
 """
 
 from __future__ import annotations
@@ -109,3 +110,22 @@ return (v2, v3)""")
         for got, want in steps:
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b)
+
+
+def test_inductor_pass_leaves_returned_weights_unchanged_with_the_reason():
+    """The Inductor pre-grad pass (keyed ops) has no ``kvarn::attention_weights``: the site is
+    reported with what to use instead, and the model computes what plain eager computes
+    (within Inductor's float noise)."""
+    from kvarn_compile import inductor_pass
+
+    torch._dynamo.reset()
+    kv = inductor_pass("k4v2", group_size=32, max_cache_len=CAP)
+    module, plain = EagerWeights(), EagerWeights()
+    compiled = torch.compile(module, options={"pre_grad_custom_pass": kv})
+    for args in list(_steps())[:2]:
+        for got, want in zip(compiled(*args), plain(*args)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert kv.report.sites and not kv.report.rewritten, str(kv.report)
+    for site in kv.report.sites:
+        assert "which the Inductor pre-grad pass (inductor_pass) does not compute from a packed " \
+               "cache; compile with backend=kvarn_backend(...)" in site.reason, site.line()
