@@ -13,7 +13,7 @@ state's keys, the shared RoPE key as its values): scores ``q·latentᵀ + q_pe·
 ``kvarn::latent_tile_partials_``): per key frame, over every tile slot, static shapes.
 ``attention_weights(q, buffers, ...)``, the reference (and only implementation) of
 ``kvarn::attention_weights``, gives the softmax weights ``attention`` applies, for models
-that return them (``output_attentions``): the one place the keys are dequantized whole.
+that return them (``output_attentions``), from the keys dequantized whole.
 
 The dual-scale tile math is written once (:func:`tile_scores`, :func:`tile_values`) and
 used by both: per tile, the key row scale is folded into q, the key column scale into the
@@ -290,7 +290,7 @@ def attention_weights(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.
     scale = f.sink_k.shape[-1] ** -0.5 if scale is None else scale
     bsz, heads, _, d = f.sink_k.shape
     hq, tq = q.shape[1], q.shape[2]
-    k_all, _ = materialize(buffers, dtype=torch.float32)                    # [B, H, cap+W, D]
+    k_all, _ = materialize(buffers, dtype=torch.float32)                    # [B, H, capacity, D]
     n = min(keys, int(f.capacity[0]))
     k_all = k_all[:, :, :n]
     scores = torch.matmul(q.float().reshape(bsz, heads, (hq // heads) * tq, d),
