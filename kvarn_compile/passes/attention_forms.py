@@ -180,6 +180,18 @@ def _einsum(n: fx.Node) -> tuple[str, list[fx.Node]] | None:
     return eq, ops
 
 
+def _einsum_parts(n: fx.Node) -> tuple[fx.Node, fx.Node, str, str, str] | None:
+    """(first operand, second operand, their letters, the result's letters) of a two-operand
+    einsum (:func:`_einsum`), or None."""
+    spec = _einsum(n)
+    if spec is None:
+        return None
+    eq, (a, b) = spec
+    ins, out = eq.split("->")
+    xs, ys = ins.split(",")
+    return a, b, xs, ys, out
+
+
 #: the roles of the score axes in kvarn's order: batch, heads, queries, keys
 _ROLES = ("b", "h", "t", "k")
 
@@ -216,12 +228,10 @@ def _qk_product(s: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None, 
     if is_op(s, "matmul"):
         q, kt = s.args[:2]
         return q, kt, ["b", "q", "d", "s"], None, _ROLES   # kᵀ: its transpose is the first read step
-    spec = _einsum(s)
+    spec = _einsum_parts(s)
     if spec is None:
         return None
-    eq, (q, k) = spec
-    ins, out = eq.split("->")
-    qs, ks = ins.split(",")
+    q, k, qs, ks, out = spec
     roles = _einsum_roles(qs, ks, out, "q", "k")
     if roles is None:
         return None
@@ -239,12 +249,10 @@ def _pv_product(n: fx.Node) -> tuple[fx.Node, fx.Node, list[str], tuple | None, 
     if is_op(n, "matmul"):
         w, v = n.args[:2]
         return w, v, ["b", "q", "s", "d"], None, _ROLES
-    spec = _einsum(n)
+    spec = _einsum_parts(n)
     if spec is None:
         return None
-    eq, (w, v) = spec
-    ins, out = eq.split("->")
-    ws, vs = ins.split(",")
+    w, v, ws, vs, out = spec
     roles = _einsum_roles(ws, vs, out, "w", "v")
     if roles is None:
         return None
@@ -262,12 +270,10 @@ def _headless_einsum(n: fx.Node) -> tuple | None:
     the result's, and by role the letters: batch (in all three), the 3-D operand's own one
     (in the result), the contracted one, the two of the 4-D operand's in the result), or
     None."""
-    spec = _einsum(n)
+    spec = _einsum_parts(n)
     if spec is None:
         return None
-    eq, (a, b) = spec
-    ins, out = eq.split("->")
-    xs, ys = ins.split(",")
+    a, b, xs, ys, out = spec
     letters = _letters(xs, ys, out, 3)
     if letters is None:
         return None

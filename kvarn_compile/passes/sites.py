@@ -207,8 +207,8 @@ def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
     "" when none of the checks below finds it."""
     import torch
 
-    from kvarn_compile.passes.attention_forms import (_einsum, _pv_product, _qk_product,
-                                                      _row_max_shift, _softmax_dim_ok)
+    from kvarn_compile.passes.attention_forms import (_pv_product, _qk_product, _row_max_shift,
+                                                      _softmax_dim_ok)
     from kvarn_compile.passes.fx_utils import arg, example, describe
 
     for n in steps:
@@ -234,9 +234,7 @@ def _blocker(softmax: fx.Node, product: fx.Node, steps: list[fx.Node]) -> str:
             shifted.add(shift[0])
     qk = _qk_product(product)
     if qk is None:
-        spec = _einsum(product)
-        eq = f"einsum '{spec[0]}'" if spec else _op_name(product)
-        return (f"its q·kᵀ product ({eq}) is not 4-D queries x keys over one contracted head "
+        return (f"its q·kᵀ product ({_describe_product(product)}) is not 4-D queries x keys over one contracted head "
                 "dim with batch and heads shared")
     roles = qk[4]
     if roles[3] != "k":
