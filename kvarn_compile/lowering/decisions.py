@@ -136,6 +136,17 @@ class Offers:
             self.replay = None
             self.offer(spec, make)
 
+    def select(self, op: str, key, inputs: list, layout, input_gen_fns) -> Any:
+        """Inductor's ``select_algorithm`` over the choices offered, logged as a
+        :class:`LoweringDecision` with its winner: the chosen node."""
+        from kvarn_compile._torch_compat import inductor
+
+        decision = record_decision(op, key, self.choices, inputs, replayed=self.replay is not None)
+        node, choice = inductor().select_algorithm(op, self.choices, inputs, layout,
+                                                   input_gen_fns=input_gen_fns)
+        finish_decision(decision, choice)
+        return node
+
 
 def record_decision(op: str, key, choices: list, inputs: list, replayed: bool) -> LoweringDecision:
     """Log a lowering about to autotune; the feedback saver fills in the timings."""

@@ -344,12 +344,7 @@ def lower_latent_tile_partials(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k
     offers.or_else(torch_spec, add_torch)
     gen_fns = latent_tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), names) \
         if len(choices) > 1 else None
-    decision = record_decision(LATENT_TILE_OP_NAME, key, choices, inputs,
-                               replayed=offers.replay is not None)
-    node, choice = ind.select_algorithm(LATENT_TILE_OP_NAME, choices, inputs, layout,
-                                        input_gen_fns=gen_fns)
-    finish_decision(decision, choice)
-    return node
+    return offers.select(LATENT_TILE_OP_NAME, key, inputs, layout, gen_fns)
 
 
 # ------------------------------------------------------------------------------ latent attention

@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from kvarn_compile.lowering.decisions import Offers, finish_decision, record_decision, tune_key
+from kvarn_compile.lowering.decisions import Offers, tune_key
 from kvarn_compile.ops.attention import TILE_ARGS
 
 __all__ = ["lower_tile_partials", "externs", "TILE_OP_NAME", "fake_tile_fill", "tile_input_gen_fns",
@@ -255,12 +255,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
     offers.or_else(torch_spec, add_torch)
     gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), names) \
         if len(choices) > 1 else None
-    decision = record_decision(TILE_OP_NAME, key, choices, inputs,
-                               replayed=offers.replay is not None)
-    node, choice = ind.select_algorithm(TILE_OP_NAME, choices, inputs, layout,
-                                                 input_gen_fns=gen_fns)
-    finish_decision(decision, choice)
-    return node
+    return offers.select(TILE_OP_NAME, key, inputs, layout, gen_fns)
 
 
 def _block(n: int) -> int:
