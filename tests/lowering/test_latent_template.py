@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from kvarn_compile import _torch_compat, autotune, lowering
+from kvarn_compile import _torch_compat, lowering
 from kvarn_compile.config import LATENT_ROPE_BITS, get_config
 from kvarn_compile.lowering import decompose, latent
 from kvarn_compile.ops import attention as attention_ref, regions
@@ -232,20 +232,6 @@ def test_the_split_decomposition_traced_with_make_fx_equals_the_op(name):
 
 
 # ------------------------------------------------------------------------------ lowering
-@pytest.fixture
-def fresh_inductor(tmp_path, monkeypatch):
-    """An empty Inductor cache and autotune database (a cache hit would skip the lowering;
-    an earlier winner would skip the benchmark)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("KVARN_AUTOTUNE_DB", str(tmp_path / "autotune.json"))
-    autotune.DB.clear()
-    lowering.register()
-    torch._dynamo.reset()
-    yield tmp_path
-    autotune.DB.clear()
-    torch._dynamo.reset()
-
-
 def _latent(q, q_pe, mask, *buffers, window=0):
     return torch.ops.kvarn.latent_attention(q, q_pe, list(buffers), mask, SCALE, True, window)
 

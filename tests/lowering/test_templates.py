@@ -61,20 +61,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def fresh_inductor(tmp_path, monkeypatch):
-    """An empty Inductor cache and autotune database per test (a cache hit would skip the
-    lowering; an earlier winner would skip the benchmark)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("KVARN_AUTOTUNE_DB", str(tmp_path / "autotune.json"))
-    autotune.DB.clear()
-    lowering.register()
-    torch._dynamo.reset()
-    yield tmp_path
-    autotune.DB.clear()
-    torch._dynamo.reset()
-
-
 def packed(preset: str, head_dim: int, kv_heads: int, lengths: list[int], tq: int,
            frames: bool = False, seed: int = 0, value_head_dim: int | None = None):
     """Batch rows of different lengths, the newest ``tq`` tokens of each written by a second
