@@ -327,11 +327,19 @@ def _latent_case(*, d=512, dv=64, g=128, kb=4, vb=8, hq=16, frames=False, precis
             HAS_BIAS=False, HAS_FACTORS=False, INPUT_PRECISION=precision, grid=(1,),
             num_warps=cfg_k["num_warps"], num_stages=1)
 
-    cfg = dict(kernel="_latent_tiles_kernel", k_bits=kb, v_bits=vb, D=d, DV=dv, G=g,
-               group_q=hq, BLOCK_M=cfg_k["block_m"], BLOCK_N=block_n, BLOCK_DC=cfg_k["block_dc"],
+    return _latent_row("_latent_tiles_kernel", "latent_kernel", build, cfg_k, block_n, kb=kb,
+                       vb=vb, d=d, dv=dv, g=g, hq=hq, frames=frames, precision=precision)
+
+
+def _latent_row(kernel: str, prefix: str, build, cfg_k: dict, block_n: int, *, kb, vb, d, dv, g,
+                hq, frames, precision) -> "Case":
+    """The report row of a latent attention kernel or template: one latent tile serves the
+    scores and the output, so a tile's bytes are the codes and scales of it and of the
+    RoPE tile."""
+    cfg = dict(kernel=kernel, k_bits=kb, v_bits=vb, D=d, DV=dv, G=g, group_q=hq,
+               BLOCK_M=cfg_k["block_m"], BLOCK_N=block_n, BLOCK_DC=cfg_k["block_dc"],
                frames=frames, input_precision=precision, num_warps=cfg_k["num_warps"])
-    # one latent tile serves scores and output: codes and scales of it and of the RoPE tile
-    return Case(f"latent_kernel_k{kb}v{vb}_d{d}v{dv}g{g}_n{block_n}_{precision}"
+    return Case(f"{prefix}_k{kb}v{vb}_d{d}v{dv}g{g}_n{block_n}_{precision}"
                 + ("_frames" if frames else ""), "decode", cfg, build, cfg_k["num_warps"],
                 tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
 
@@ -511,12 +519,8 @@ def _latent_template_case(*, d=512, dv=64, g=128, kb=4, vb=8, hq=16, frames=Fals
             args += [*t.stride(), *t.shape]
         return kernel.warmup(*args, grid=(1,), num_warps=cfg_k["num_warps"], num_stages=1, **ce)
 
-    cfg = dict(kernel="kvarn_latent_template", k_bits=kb, v_bits=vb, D=d, DV=dv, G=g,
-               group_q=hq, BLOCK_M=cfg_k["block_m"], BLOCK_N=block_n, BLOCK_DC=cfg_k["block_dc"],
-               frames=frames, input_precision=precision, num_warps=cfg_k["num_warps"])
-    return Case(f"kvarn_latent_k{kb}v{vb}_d{d}v{dv}g{g}_n{block_n}_{precision}"
-                + ("_frames" if frames else ""), "decode", cfg, build, cfg_k["num_warps"],
-                tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
+    return _latent_row("kvarn_latent_template", "kvarn_latent", build, cfg_k, block_n, kb=kb,
+                       vb=vb, d=d, dv=dv, g=g, hq=hq, frames=frames, precision=precision)
 
 
 _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
