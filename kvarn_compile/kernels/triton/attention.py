@@ -220,11 +220,29 @@ def _load_chunk(kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     row of codes is one contiguous run of bytes (16-byte vector loads). D / BLOCK_D: the
     keys' head dim; DV / BLOCK_DV: the values' (equal to D / BLOCK_D unless they differ)."""
     CH: tl.constexpr = G // BLOCK_N
+    j = (it // CH).to(tl.int64)
+    kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs = _load_tile_part(
+        kc, krs, krz, kcs, vc, vrs, vrz, vcs, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz,
+        s_vcs, j, (it % CH) * BLOCK_N, ok, D, BLOCK_D, DV, BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS)
+    if HAS_K_PLAIN:
+        plain = tl.load(kp + j * s_kp * ok).to(tl.int32) * ok
+    else:
+        plain = ok * 0
+    return kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs, plain
+
+
+@triton.jit
+def _load_tile_part(kc, krs, krz, kcs, vc, vrs, vrz, vcs,
+                    s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, j, c0, ok,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                    K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    """The loads of tokens c0 + [0, BLOCK_N) of tile j (int64), K and V sides, as stored
+    (``_load_chunk``'s first eight results); ``ok`` = 0 reads nothing (zeros). Shared by the
+    chunk loaders of ``kvarn::attention`` and ``kvarn::latent_attention``."""
     KPER: tl.constexpr = 8 // K_BITS
     K_ROW: tl.constexpr = G * K_BITS // 8
     V_ROW: tl.constexpr = DV * V_BITS // 8
-    j = (it // CH).to(tl.int64)
-    c0 = (it % CH) * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
@@ -246,11 +264,7 @@ def _load_chunk(kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     v_rs = tl.load(vrs + j * s_vrs + c0 + offs_n, mask=n_ok, other=0.0)
     v_rz = tl.load(vrz + j * s_vrz + c0 + offs_n, mask=n_ok, other=0.0)
     v_cs = tl.load(vcs + j * s_vcs + offs_dv, mask=dv_ok, other=0.0)
-    if HAS_K_PLAIN:
-        plain = tl.load(kp + j * s_kp * ok).to(tl.int32) * ok
-    else:
-        plain = ok * 0
-    return kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs, plain
+    return kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs
 
 
 @triton.jit

@@ -73,7 +73,9 @@ import triton
 import triton.language as tl
 
 from kvarn_compile.kernels import CUDA_PRECISION
-from kvarn_compile.kernels.triton.attention import _bits_of, _unpack_bytes, _unpack_bytes_f16
+from kvarn_compile.kernels.triton.attention import (
+    _bits_of, _load_tile_part, _unpack_bytes, _unpack_bytes_f16,
+)
 from kvarn_compile.kernels.triton.quantize import KERNEL_SCALE_DTYPES
 
 __all__ = ["latent_tile_partials", "frame_tile_lists", "default_config", "LATENT_SCALE_DTYPES"]
@@ -134,36 +136,16 @@ def _load_latent_chunk(kc, krs, krz, kcs, vc, vrs, vrz, vcs, krf, kcf, vrf, vcf,
     rs_v [BLOCK_N], rz_v [BLOCK_N], cs_v [BLOCK_DV]) with HAS_FACTORS's fp8 per-vector
     factors applied to the four scales (fp32)."""
     CH: tl.constexpr = G // BLOCK_N
-    KPER: tl.constexpr = 8 // K_BITS
-    K_ROW: tl.constexpr = G * K_BITS // 8
-    V_ROW: tl.constexpr = DV * V_BITS // 8
     pos = it // CH
     if INDIRECT:
         j = tl.load(ids + pos * ok).to(tl.int64)
     else:
         j = pos.to(tl.int64)
-    c0 = (it % CH) * BLOCK_N
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_kb = tl.arange(0, BLOCK_N // KPER)
-    offs_vb = tl.arange(0, BLOCK_DV * V_BITS // 8)
-    d_ok = offs_d < D * ok
-    dv_ok = offs_dv < DV * ok
-    n_ok = offs_n < BLOCK_N * ok
-    kbyte = tl.load(kc + j * s_kc + offs_d[:, None] * K_ROW + (c0 // KPER + offs_kb)[None, :],
-                    mask=d_ok[:, None], other=0)
-    k_rs = tl.load(krs + j * s_krs + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    k_rz = tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    k_cs = tl.load(kcs + j * s_kcs + c0 + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    v_ptrs = vc + j * s_vc + (c0 + offs_n)[:, None] * V_ROW + offs_vb[None, :]
-    if BLOCK_DV == DV:
-        vbyte = tl.load(v_ptrs, mask=n_ok[:, None], other=0)
-    else:
-        vbyte = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_vb < V_ROW)[None, :], other=0)
-    v_rs = tl.load(vrs + j * s_vrs + c0 + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    v_rz = tl.load(vrz + j * s_vrz + c0 + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    v_cs = tl.load(vcs + j * s_vcs + offs_dv, mask=dv_ok, other=0.0).to(tl.float32)
+    kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs = _load_tile_part(
+        kc, krs, krz, kcs, vc, vrs, vrz, vcs, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz,
+        s_vcs, j, (it % CH) * BLOCK_N, ok, D, BLOCK_D, DV, BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS)
+    k_rs, k_rz, k_cs = k_rs.to(tl.float32), k_rz.to(tl.float32), k_cs.to(tl.float32)
+    v_rs, v_rz, v_cs = v_rs.to(tl.float32), v_rz.to(tl.float32), v_cs.to(tl.float32)
     if HAS_FACTORS:
         jf = j * s_f * ok
         k_rs = k_rs * tl.load(krf + jf).to(tl.float32)
