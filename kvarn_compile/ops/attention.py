@@ -287,6 +287,9 @@ def attention_weights(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.
     f = unpack(buffers)
     check_queries(q, f)
     check_mask(f, mask)
+    if keys < 0:
+        raise ValueError(f"KVarN attention_weights: expected keys >= 0 (the key positions the "
+                         f"weights cover), but got {keys}.")
     scale = f.sink_k.shape[-1] ** -0.5 if scale is None else scale
     bsz, heads, _, d = f.sink_k.shape
     hq, tq = q.shape[1], q.shape[2]

@@ -122,6 +122,16 @@ def test_attention_weights_are_what_attention_applies(tq, window, masked):
         assert not w[row, ..., n:].any()
 
 
+def test_attention_weights_refuse_bad_queries_and_key_counts():
+    seq = PackedSequence()
+    seq.write(40)
+    with pytest.raises(ValueError, match="expected keys >= 0"):
+        torch.ops.kvarn.attention_weights(torch.randn(2, 6, 1, D), seq.buffers, None, 0.2, True, 0, -1)
+    with pytest.raises(ValueError, match="KVarN"):     # the attention's own query check
+        torch.ops.kvarn.attention_weights(torch.randn(2, 6, 1, D + 16), seq.buffers, None, 0.2,
+                                          True, 0, 40)
+
+
 def test_attention_mask_shorter_than_the_cache_raises():
     seq = PackedSequence()
     seq.write(75)
