@@ -256,11 +256,33 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _decode_loop(precision, block_n, kb, dv, vb, phased, num_warps, prefetch):
+    """The decode loop's path and its defaults, as the launchers pick them
+    (``attention.phased_decode``, ``DECODE_WARPS``, ``DECODE_PREFETCH``); ``phased`` False
+    forces the byte loop. Returns (phased, num_warps, prefetch, name suffix for non-defaults)."""
+    from kvarn_compile.kernels.triton import attention as A
+
+    auto = A.phased_decode(precision, block_n, kb, dv, vb)
+    phased = auto if phased is None else (phased and auto)
+    suffix = "" if phased == auto else "_bytes"
+    if num_warps is None:
+        num_warps = A.DECODE_WARPS[phased]
+    elif num_warps != A.DECODE_WARPS[phased]:
+        suffix += f"_w{num_warps}"
+    if prefetch is None:
+        prefetch = A.DECODE_PREFETCH[phased]
+    elif prefetch != A.DECODE_PREFETCH[phased]:
+        suffix += "_prefetch" if prefetch else "_noprefetch"
+    return phased, num_warps, prefetch, suffix
+
+
 def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=False, block_m=16,
-                        block_n=64, dv=None, num_warps=4):
+                        block_n=64, dv=None, num_warps=None, prefetch=None, phased=None):
     from kvarn_compile.kernels.triton import attention as A
 
     dv = d if dv is None else dv
+    phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, kb, dv, vb, phased,
+                                                       num_warps, prefetch)
 
     def build():
         f16, u8 = torch.float16, torch.uint8
@@ -280,18 +302,17 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
             q, *q.stride()[:3], kc, krs, krs, kcs, vc, vrs, vrs, vcs, nt, nt, nt, q, 0, 0, 0,
             q, kp, o, lse, 1.0, h, n, 1, GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), DV=dv,
             BLOCK_DV=_block(dv), G=g, K_BITS=kb,
-            V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=True, HAS_KV_START=False, HAS_KV_END=False,
-            HAS_BIAS=False, HAS_K_PLAIN=plain,
-            INPUT_PRECISION=precision, grid=(1,), num_warps=num_warps, num_stages=1)
+            V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch,
+            HAS_KV_START=False, HAS_KV_END=False, HAS_BIAS=False, HAS_K_PLAIN=plain,
+            INPUT_PRECISION=precision, PHASED=phased, grid=(1,), num_warps=num_warps, num_stages=1)
 
     cfg = dict(kernel="_kvarn_decode_attn_kernel", k_bits=kb, v_bits=vb, D=d, G=g,
                group_q=hq // h, BLOCK_M=block_m, BLOCK_N=block_n, input_precision=precision,
-               k_plain=plain, num_warps=num_warps)
+               k_plain=plain, num_warps=num_warps, prefetch=prefetch, phased=phased)
     if dv != d:
         cfg["DV"] = dv
     return Case(f"decode_kernel_k{kb}v{vb}_d{d}" + (f"v{dv}" if dv != d else "")
-                + f"g{g}_n{block_n}_{precision}" + ("_plain" if plain else "")
-                + (f"_w{num_warps}" if num_warps != 4 else ""), "decode",
+                + f"g{g}_n{block_n}_{precision}" + ("_plain" if plain else "") + suffix, "decode",
                 cfg, build, num_warps, tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
 
 
@@ -421,12 +442,20 @@ def _append_decode_case(*, b=1, h=8, d=128, g=128, sink=128, tail=255, tiles=4,
 
 
 def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=128, g=128,
-                   hq=32, h=8, tq=1, split=4, num_warps=4, num_stages=1, bias=False, plain=False,
-                   prefetch=True, dv=None):
+                   hq=32, h=8, tq=1, split=4, num_warps=None, num_stages=1, bias=False,
+                   plain=False, prefetch=None, dv=None, phased=None):
     from kvarn_compile.lowering.tile_templates import render_standalone
 
     family = "decode" if template.startswith("kvarn_decode") else "prefill"
     dv = d if dv is None else dv
+    suffix = ""
+    if family == "decode":
+        phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, kb, dv, vb,
+                                                           phased, num_warps, prefetch)
+    else:
+        phased, prefetch = False, False
+        num_warps = 4 if num_warps is None else num_warps
+        suffix = f"_w{num_warps}" if num_warps != 4 else ""
 
     def build():
         f16, u8, i64 = torch.float16, torch.uint8, torch.int64
@@ -453,7 +482,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                   SPLIT=split if family == "decode" else 1, SPLIT_MAX=split_max, BLOCK_M=block_m,
                   PREFETCH=int(prefetch),
                   HAS_BIAS=bias, HAS_K_PLAIN=plain, INPUT_PRECISION=precision, SM_SCALE=0.088,
-                  KVARN_SRC=0)
+                  KVARN_SRC=0, **({"PHASED": phased} if family == "decode" else {}))
         kernel = render_standalone(template, tensors, ce, _RENDER_DIR)
         args = [*tensors.values(), out]
         for t in (*tensors.values(), out):
@@ -464,13 +493,13 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                group_q=hq // h, TQ=tq, BLOCK_N=block_n, BLOCK_M=block_m,
                input_precision=precision, bias=bias, k_plain=plain, num_warps=num_warps,
                num_stages=num_stages, prefetch=prefetch)
+    if family == "decode":
+        cfg["phased"] = phased
     if dv != d:
         cfg["DV"] = dv
     name = f"{template.split('.')[0]}_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else "") \
         + f"_n{block_n}_m{block_m}" + ("_bias" if bias else "") \
-        + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") \
-        + ("_noprefetch" if not prefetch and family == "decode" else "") \
-        + (f"_w{num_warps}" if num_warps != 4 else "")
+        + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") + suffix
     return Case(name, family, cfg, build, num_warps,
                 tile_bytes(d, g, kb, vb, dv=dv) if family == "decode" else None,
                 inner_trips=1 if family == "decode" else g // block_n,
@@ -554,6 +583,11 @@ def cases(quick: bool) -> list[Case]:
     if quick:
         return out
     out += [
+        # the byte loop (``_decode_range_bytes``) in the production config: the phased loop's
+        # baseline
+        _decode_kernel_case(4, 2, "fp16", block_n=128, phased=False),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
+                       precision="fp16", phased=False),
         _decode_kernel_case(4, 2, "tf32"),
         _decode_kernel_case(2, 2, "tf32"),
         _decode_kernel_case(4, 2, "ieee"),     # exact fp32 FMA dots (no tensor cores)

@@ -30,11 +30,22 @@ class DecodeConfig:
     block_n: int      # tokens per inner step (divides G)
     block_m: int      # query rows per program (>= 16 for tl.dot)
     split: int        # tile-range splits walked in parallel (<= split_max)
-    num_warps: int
+    num_warps: int | None     # None: the loop's own (kernels.triton.attention.DECODE_WARPS)
     num_stages: int
-    prefetch: bool = True   # the next step's loads issued before this step's math
+    prefetch: bool | None = None   # the next step's loads issued before this step's math;
+    #                                None: the loop's own (DECODE_PREFETCH)
+
+    def resolved(self, phased: bool) -> "DecodeConfig":
+        """This config with the loop's defaults filled in (phased: the fp16 phased loop)."""
+        from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, DECODE_WARPS
+
+        return dataclasses.replace(
+            self, num_warps=DECODE_WARPS[phased] if self.num_warps is None else self.num_warps,
+            prefetch=DECODE_PREFETCH[phased] if self.prefetch is None else self.prefetch)
 
     def template_kwargs(self) -> dict[str, int]:
+        if self.num_warps is None or self.prefetch is None:
+            raise ValueError("Expected a resolved DecodeConfig (DecodeConfig.resolved).")
         return {"BLOCK_N": self.block_n, "BLOCK_M": self.block_m, "SPLIT": self.split,
                 "PREFETCH": int(self.prefetch), "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
@@ -95,23 +106,26 @@ def split_max(batch_kv_heads: int, tiles: int, sms: int) -> int:
 
 
 def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[DecodeConfig]:
-    """The default: BLOCK_N = G up to 128, the next step's loads issued first, 4 warps, the
-    lowering's split count: the fastest of the sweep on an H200 (k4v2, G = 128, 32k and 128k
+    """The default: BLOCK_N = G up to 128, the lowering's split count, and the loop's own
+    warps and prefetch (``DecodeConfig.resolved``: the phased fp16 loop 2 warps, its loads
+    where they are used; the byte loop 4 warps, the next step's loads issued first). The
+    byte loop's was the fastest of the sweep on an H200 (k4v2, G = 128, 32k and 128k
     tokens: 45 us and 168 us; BLOCK_N 64: 50 and 178; no prefetch: 56 and 205; 8 warps or
-    twice the splits: slower)."""
+    twice the splits: slower); the phased loop's comes from its sm_90 static report."""
     block_m = _pow2_at_least(rows)
     default = DecodeConfig(block_n=min(128, group), block_m=block_m, split=max_split,
-                           num_warps=4, num_stages=1)
+                           num_warps=None, num_stages=1)
     if mode == "default":
         candidates = [default]
     elif mode == "interpret":
         candidates = [default, DecodeConfig(block_n=max(16, min(64, group) // 2), block_m=block_m,
-                                            split=max(1, max_split // 2), num_warps=4, num_stages=1)]
+                                            split=max(1, max_split // 2), num_warps=None,
+                                            num_stages=1)]
     elif mode == "autotune":
         splits = sorted({max_split, max(1, max_split // 2), max(1, max_split // 4)})
         candidates = [default] + [
             DecodeConfig(bn, block_m, s, w, 1)
-            for bn, s, w in itertools.product((32, 64, 128), splits, (4, 8))]
+            for bn, s, w in itertools.product((32, 64, 128), splits, (2, 4, 8))]
     else:
         splits = sorted({max(1, max_split >> k) for k in range(6)})
         candidates = [default] + [

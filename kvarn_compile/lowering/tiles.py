@@ -214,6 +214,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
         offer(torch_spec, add_torch)
     if template_ok:
         from kvarn_compile._torch_compat import kvarn_sources_hash
+        from kvarn_compile.kernels.triton.attention import phased_decode
         from kvarn_compile.lowering import tile_templates as templates
 
         heads = shapes["k_codes"][1]
@@ -235,7 +236,8 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
             if rows <= heuristics.DECODE_ROWS_MAX:
                 for cfg in heuristics.decode_configs(mode, group=group, rows=rows,
                                                      max_split=int(split_max)):
-                    opts = cfg.template_kwargs()
+                    phased = phased_decode(decode_precision.strip("'"), cfg.block_n, kb, dv, vb)
+                    opts = dict(cfg.resolved(phased).template_kwargs(), PHASED=phased)
                     offer({"choice": "decode", "config": opts}, lambda opts=opts:
                           templates.decode_template().maybe_append_choice(
                               choices, input_nodes=inputs, layout=layout,

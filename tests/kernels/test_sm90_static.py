@@ -34,12 +34,11 @@ MLA = ("decode_kernel_k4v2_d192v128g128_n128_fp16", "append_decode_h16_d192v128_
 #: Known spills, each a strict xfail: the test fails once the spill is gone, so the entry
 #: must then be removed. The quantizer holds a whole 128 x 128 fp32 tile, its rotated copy
 #: and the normalization's row/column vectors in registers (~0.6 KB of spills at 8 warps).
-#: The decode loop in its production config (128-token steps, the next step's codes held in
-#: registers while this one is computed) spills 40-70 B with triton 3.9 (200 B with 3.6): it
-#: is still the fastest config measured on an H200 (6-10% ahead of 64-token steps, which do
-#: not spill; benchmarks/bench_decode_attention_gpu.py, template_sweep).
-KNOWN_SPILLS = {"quantize_k4_d128_g128", "decode_kernel_k4v2_d128g128_n128_fp16",
-                "kvarn_decode_k4v2_n128_m16_fp16"}
+KNOWN_SPILLS = {"quantize_k4_d128_g128"}
+#: The issue-bound estimate (static_report's model) the production decode loop must reach:
+#: 70% of H200 bandwidth, where the byte loop was at 43-47% (its per-code byte shuffles).
+DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.70,
+                       "kvarn_decode_k4v2_n128_m16_fp16": 0.70}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +85,18 @@ def test_decode_kernels_load_codes_in_16_byte_vectors(rows, name):
     assert "1B" not in row["loop_global_loads"], (
         f"{name} loads single bytes in its tile loop: {row['loop_global_loads']}")
     assert 0 < row["est_bandwidth_fraction"] <= 1
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_FRACTION_MIN))
+def test_production_decode_loop_is_near_the_memory_wall(rows, name):
+    """The phased fp16 loop of the production config (k4v2, D = G = 128, 4 query heads per
+    kv head): its instructions per packed tile leave issue enough headroom to stream codes
+    at >= 70% of HBM bandwidth by the static model."""
+    row = rows[name]
+    assert row["config"]["phased"], row["config"]
+    assert row["est_bandwidth_fraction"] >= DECODE_FRACTION_MIN[name], (
+        f"{name}: {row['loop_instructions']} instructions per tile, estimate "
+        f"{row['est_bandwidth_fraction']} of H200 bandwidth")
 
 
 @pytest.mark.parametrize("name", MLA)

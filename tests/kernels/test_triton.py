@@ -316,6 +316,70 @@ def test_decode_attention_steps_prefetch_and_fp16_codes(block_n, prefetch, preci
         torch.testing.assert_close(lse.double().cpu()[fin], ref_lse[fin], rtol=0, atol=3e-3)
 
 
+#: The phased fp16 loop's cases: (G, D, Dv, K bits, V bits, BLOCK_N, key frames). Multi-chunk
+#: tiles (BLOCK_N < G), a padded key head dim (D = 96 in a 128 block), keys and values of
+#: different head dims, every code width on both sides, one 16-token phase (2-bit keys at
+#: BLOCK_N 64, 2-bit values at Dv 64), per-tile key frames.
+PHASED_CASES = [(64, 64, 64, 4, 2, 32, False), (64, 96, 64, 2, 4, 64, False),
+                (32, 64, 128, 8, 8, 32, False), (64, 128, 64, 4, 2, 64, True),
+                (32, 64, 64, 8, 4, 16, False)]
+
+
+@pytest.mark.parametrize("g,d,dv,kb,vb,block_n,frames", PHASED_CASES)
+def test_phased_fp16_loop_matches_the_exact_loop(g, d, dv, kb, vb, block_n, frames):
+    """``_decode_range_phased`` (codes regrouped by their position in a 16-bit word, two per
+    MMA register) against the exact fp32 byte loop on the same tiles, with every mask the
+    loop takes: a window start and a causal end inside the quantized region, an additive
+    bias, rows with no tile; with and without the next chunk's loads in flight. The
+    difference is the fp16 rounding of the operands (11 significant bits)."""
+    from kvarn_compile.kernels.triton.attention import phased_decode
+    from kvarn_compile.quant.rotation import rotation_matrix
+
+    assert phased_decode("fp16", block_n, kb, dv, vb), "the case must take the phased loop"
+    b, h, n, group_q, tq = 2, 2, 3, 2, 3
+    gen = torch.Generator().manual_seed(g + d + dv + kb + vb + block_n)
+    x = torch.randn(b, h, n * g, d, generator=gen) * (0.5 + 2 * torch.rand(d, generator=gen))
+    if frames:
+        x[:, 0, :, 7] += 120 * torch.cos(0.4 * torch.arange(n * g, dtype=torch.float32))
+    k = quantize_kv(x.to(DEV), "k", bits=kb, group=g, key_frame="auto" if frames else "rotated")
+    v = quantize_kv(torch.randn(b, h, n * g, dv, generator=gen).to(DEV), "v", bits=vb, group=g)
+    assert frames == (k.plain is not None and 0 < int(k.plain.sum()) < k.plain.numel())
+    q = torch.randn(b, h * group_q, tq, d, generator=gen).to(DEV) * 2
+    extra = {"q_plain": q @ rotation_matrix(d, q.device).T} if frames else {}
+    n_tiles = torch.tensor([3, 0], device=DEV)
+    kv_start = torch.tensor([[0, 5, g + 3], [0, 0, 0]], device=DEV)
+    kv_end = torch.tensor([[n * g, 2 * g + 1, n * g - 7], [n * g, n * g, n * g]], device=DEV)
+    bias = torch.randn(b, 1, tq, n * g, generator=gen).to(DEV)
+    bias[0, 0, 1, g + 1] = float("-inf")
+    args = dict(scale=d ** -0.5, num_splits=2, kv_start=kv_start, kv_end=kv_end, bias=bias,
+                block_n=block_n, **extra)
+    ref_out, ref_lse = kvarn_decode_attention_tiles(q, k, v, n_tiles, input_precision="ieee",
+                                                    **args)
+    fin = torch.isfinite(ref_lse)
+    assert fin[0].all() and not fin[1].any()
+    mag = ref_out.abs().max().item()
+    for prefetch in (False, True):
+        out, lse = kvarn_decode_attention_tiles(q, k, v, n_tiles, input_precision="fp16",
+                                                prefetch=prefetch, **args)
+        assert torch.equal(torch.isneginf(lse), ~fin) and (out[~fin] == 0).all()
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=3e-3 * mag)
+        torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=1e-3, atol=3e-3)
+
+
+def test_phased_decode_takes_phases_at_least_16_wide():
+    """The phased loop needs 16 tokens per K phase and 16 channels per V phase (tl.dot's
+    smallest operand) and fp16 operands; the byte loop takes everything else."""
+    from kvarn_compile.kernels.triton.attention import phased_decode
+
+    assert phased_decode("fp16", 128, 4, 128, 2)
+    assert phased_decode("fp16", 32, 4, 64, 2) and phased_decode("fp16", 16, 8, 16, 8)
+    assert not phased_decode("fp16", 16, 4, 128, 2)       # 8 tokens per K phase
+    assert not phased_decode("fp16", 32, 2, 128, 2)       # 2-bit keys: 8 tokens per phase
+    assert not phased_decode("fp16", 128, 4, 32, 2)       # 2-bit values, Dv 32: 8 channels
+    assert not phased_decode("fp16", 128, 4, 68, 2)       # a V row of 17 bytes: no 16-bit words
+    assert not phased_decode("tf32", 128, 4, 128, 2) and not phased_decode("ieee", 128, 4, 128, 2)
+
+
 @pytest.mark.parametrize("split", [1, 4])
 def test_decode_attention_window_and_empty_splits(split):
     """kv_start lower bounds (incl. a fully masked query row), more splits than tiles."""

@@ -267,8 +267,294 @@ def _load_tile_part(kc, krs, krz, kcs, vc, vrs, vrz, vcs,
     return kbyte, k_rs, k_rz, k_cs, vbyte, v_rs, v_rz, v_cs
 
 
+# ------------------------------------------------------------------------------------------
+# The phased fp16 decode loop: codes unpacked two at a time, straight into MMA registers
+# ------------------------------------------------------------------------------------------
 @triton.jit
-def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+def _rows_f16(pair, R2: tl.constexpr, NW: tl.constexpr):
+    """int32 [R2, NW], each word two fp16 bit patterns (low half: row 2i, high half: row
+    2i + 1) -> fp16 [2 * R2, NW] in row order. The join / permute / reshape only relabels
+    registers: an MMA operand register holds two consecutive rows of its reduction dim, which
+    is what each word already is (no instruction per code)."""
+    x = tl.join(pair.to(tl.int16), (pair >> 16).to(tl.int16))     # [R2, NW, 2]
+    x = tl.reshape(tl.permute(x, (0, 2, 1)), [2 * R2, NW])
+    return x.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _phase_f16(t0, t1, k: tl.constexpr, BITS: tl.constexpr, R2: tl.constexpr, NW: tl.constexpr):
+    """Phase k (0 <= k < PER = 8 // BITS) of paired 16-bit code words (t0 = even | odd << 16,
+    t1 = t0 >> 8: the words' low and high bytes in the low byte of each half): the codes at
+    position k of every byte, as fp16 [2 * R2, 2 * NW] holding 1024 + code * 2^(BITS * k)
+    exactly; column b * NW + w is byte b of word w, i.e. code (16 // BITS) * w + b * PER + k
+    of its row. One AND-OR per two codes: a code stays where it is in its byte (scaled by a
+    power of two the caller takes off) and 0x6400 makes each half the fp16 number 1024 +
+    its low bits."""
+    MASK: tl.constexpr = ((1 << BITS) - 1) << (BITS * k)
+    lo = _rows_f16((t0 & (MASK | (MASK << 16))) | 0x64006400, R2, NW)
+    hi = _rows_f16((t1 & (MASK | (MASK << 16))) | 0x64006400, R2, NW)
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [2 * R2, 2 * NW])
+
+
+@triton.jit
+def _paired_words(ptr, row_e, row_o, row_words, w0, offs_w, ok_e, ok_o, ok_w):
+    """Words w0 + offs_w of rows row_e / row_o (int16 pointer, rows of row_words words)
+    loaded and paired: (t0 = even | odd << 16, t1 = t0 >> 8), int32 [len(row_e), len(offs_w)].
+    Masked words read 0."""
+    w = w0 + offs_w
+    e = tl.load(ptr + row_e[:, None].to(tl.int64) * row_words + w[None, :],
+                mask=ok_e[:, None] & ok_w[None, :], other=0).to(tl.int32)
+    o = tl.load(ptr + row_o[:, None].to(tl.int64) * row_words + w[None, :],
+                mask=ok_o[:, None] & ok_w[None, :], other=0).to(tl.int32)
+    t0 = (e & 0xFFFF) | (o << 16)
+    return t0, t0 >> 8
+
+
+@triton.jit
+def _tuple_max(xs, P: tl.constexpr):
+    m = xs[0]
+    for k in tl.static_range(1, P):
+        m = tl.maximum(m, xs[k])
+    return m
+
+
+@triton.jit
+def _tuple_sum(xs, P: tl.constexpr):
+    m = xs[0]
+    for k in tl.static_range(1, P):
+        m = m + xs[k]
+    return m
+
+
+@triton.jit
+def _interleave(xs, P: tl.constexpr, M: tl.constexpr, NW: tl.constexpr):
+    """P tensors [M, NW] -> [M, NW * P] with column w * P + v = xs[v][:, w] (P in 1, 2, 4).
+    join(a, b) appends a dim (0: a, 1: b), so the innermost join picks v's high bit."""
+    if P == 1:
+        out = xs[0]
+    elif P == 2:
+        out = tl.reshape(tl.join(xs[0], xs[1]), [M, NW * 2])
+    else:
+        tl.static_assert(P == 4, "phases per byte: 1, 2 or 4")
+        out = tl.reshape(tl.join(tl.join(xs[0], xs[2]), tl.join(xs[1], xs[3])), [M, NW * 4])
+    return out
+
+
+@triton.jit
+def _phase_columns(n, k: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
+    """The code index (within its row) of column n of phase k (``_phase_f16``): byte
+    n // NW of word n % NW, position k."""
+    return (16 // BITS) * (n % NW) + (n // NW) * (8 // BITS) + k
+
+
+@triton.jit
+def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, ok,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr):
+    """The K loads of chunk ``it`` for the phased loop (``ok`` = 0 reads zeros): the code
+    words of channel pairs (``_paired_words``), the channel scales and zeros, per K phase
+    its tokens' scales, the key-frame flag."""
+    CH: tl.constexpr = G // BLOCK_N
+    KPER: tl.constexpr = 8 // K_BITS
+    NKW: tl.constexpr = BLOCK_N * K_BITS // 16    # words per K row in a chunk
+    j = (it // CH).to(tl.int64)
+    c0 = (it % CH) * BLOCK_N
+    offs_h = tl.arange(0, BLOCK_D // 2)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, 2 * NKW)
+    offs_w = tl.arange(0, NKW)
+    k_t0, k_t1 = _paired_words((kc + j * s_kc).to(tl.pointer_type(tl.int16)), 2 * offs_h,
+                               2 * offs_h + 1, G * K_BITS // 16, c0 // (16 // K_BITS), offs_w,
+                               2 * offs_h < D * ok, 2 * offs_h + 1 < D * ok, offs_w < NKW)
+    d_ok = offs_d < D * ok
+    k_rs = tl.load(krs + j * s_krs + offs_d, mask=d_ok, other=0.0)
+    k_rz = tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0)
+    n_ok = offs_n < 2 * NKW * ok
+    k_cs = ()
+    for k in tl.static_range(KPER):
+        tok = c0 + _phase_columns(offs_n, k, K_BITS, NKW)
+        k_cs = k_cs + (tl.load(kcs + j * s_kcs + tok, mask=n_ok, other=0.0),)
+    if HAS_K_PLAIN:
+        plain = tl.load(kp + j * s_kp * ok).to(tl.int32) * ok
+    else:
+        plain = ok * 0
+    return k_t0, k_t1, k_rs, k_rz, k_cs, plain
+
+
+@triton.jit
+def _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, it, ok,
+                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    """The V loads of chunk ``it`` for the phased loop (``ok`` = 0 reads zeros): per K phase
+    the paired code words of its tokens (rows) and their scales and zeros; per V phase its
+    channels' scales."""
+    CH: tl.constexpr = G // BLOCK_N
+    KPER: tl.constexpr = 8 // K_BITS
+    VPER: tl.constexpr = 8 // V_BITS
+    NKW: tl.constexpr = BLOCK_N * K_BITS // 16
+    NVW: tl.constexpr = BLOCK_DV * V_BITS // 16   # words per V row, padded
+    NK: tl.constexpr = 2 * NKW
+    j = (it // CH).to(tl.int64)
+    c0 = (it % CH) * BLOCK_N
+    offs_n = tl.arange(0, NK)
+    offs_i = tl.arange(0, NK // 2)
+    offs_c = tl.arange(0, 2 * NVW)
+    offs_w = tl.arange(0, NVW)
+    vw = (vc + j * s_vc).to(tl.pointer_type(tl.int16))
+    n_ok = offs_n < NK * ok
+    i_ok = offs_i < (NK // 2) * ok
+    v_rs = ()
+    v_rz = ()
+    v_t0 = ()
+    v_t1 = ()
+    for k in tl.static_range(KPER):
+        tok = c0 + _phase_columns(offs_n, k, K_BITS, NKW)
+        v_rs = v_rs + (tl.load(vrs + j * s_vrs + tok, mask=n_ok, other=0.0),)
+        v_rz = v_rz + (tl.load(vrz + j * s_vrz + tok, mask=n_ok, other=0.0),)
+        t0, t1 = _paired_words(vw, c0 + _phase_columns(2 * offs_i, k, K_BITS, NKW),
+                               c0 + _phase_columns(2 * offs_i + 1, k, K_BITS, NKW),
+                               DV * V_BITS // 16, 0, offs_w, i_ok, i_ok,
+                               offs_w < DV * V_BITS // 16)
+        v_t0 = v_t0 + (t0,)
+        v_t1 = v_t1 + (t1,)
+    v_cs = ()
+    for v in tl.static_range(VPER):
+        ch = _phase_columns(offs_c, v, V_BITS, NVW)
+        v_cs = v_cs + (tl.load(vcs + j * s_vcs + ch, mask=ch < DV * ok, other=0.0),)
+    return v_t0, v_t1, v_rs, v_rz, v_cs
+
+
+@triton.jit
+def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+                         s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
+                         start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
+                         BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
+                         V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
+                         PREFETCH: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """``_decode_range`` with fp16 code operands, codes unpacked two per instruction.
+
+    The packed layouts stay as stored; the loop reads them as 16-bit words and regroups the
+    matmuls instead of the codes. A K row (one channel) holds 16 / K_BITS tokens per word;
+    the score matmul is split into KPER = 8 / K_BITS phases, phase k scoring the tokens at
+    position k of each byte (``_phase_columns``), with the words of channels 2i and 2i + 1
+    side by side in one 32-bit register (``_paired_words``): an MMA operand register holds
+    two consecutive rows of the reduction dim, so a phase's operand register is one AND-OR
+    of that pair (``_phase_f16``). The value matmul reduces over tokens: per K phase, its
+    probabilities [BLOCK_M, NK] against the V rows of that phase's tokens (paired the same
+    way), split into VPER = 8 / V_BITS phases of channels, one accumulator each, put back
+    in channel order at the end. Every code is 1024 + code * 2^s in fp16 (exact); the
+    1024 * rowsum of the other operand and the 2^s are taken off in fp32. Scores, masks and
+    the online softmax are those of ``_decode_range_bytes``.
+    """
+    CH: tl.constexpr = G // BLOCK_N
+    LOG2E: tl.constexpr = 1.4426950408889634
+    KPER: tl.constexpr = 8 // K_BITS
+    VPER: tl.constexpr = 8 // V_BITS
+    NKW: tl.constexpr = BLOCK_N * K_BITS // 16
+    NVW: tl.constexpr = BLOCK_DV * V_BITS // 16
+    NK: tl.constexpr = 2 * NKW
+    NV: tl.constexpr = 2 * NVW
+    offs_n = tl.arange(0, NK)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    accs = ()
+    for v in tl.static_range(VPER):
+        accs = accs + (tl.zeros([BLOCK_M, NV], dtype=tl.float32),)
+    it0 = start * CH
+    it1 = end * CH
+    if PREFETCH:
+        k_nxt = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it0,
+                               (it0 < it1).to(tl.int32), D, BLOCK_D, G, BLOCK_N, K_BITS,
+                               HAS_K_PLAIN)
+        v_nxt = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, it0,
+                               (it0 < it1).to(tl.int32), DV, BLOCK_DV, G, BLOCK_N, K_BITS,
+                               V_BITS)
+    for it in range(it0, it1):
+        if PREFETCH:
+            k_cur = k_nxt
+            v_cur = v_nxt
+            # the next chunk's loads first (the last chunk reloads itself: never out of range)
+            k_nxt = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp,
+                                   tl.minimum(it + 1, it1 - 1), (it < it1).to(tl.int32), D,
+                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN)
+            v_nxt = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs,
+                                   tl.minimum(it + 1, it1 - 1), (it < it1).to(tl.int32), DV,
+                                   BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS)
+        else:
+            k_cur = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp,
+                                   tl.minimum(it, it1 - 1), (it < it1).to(tl.int32), D,
+                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN)
+        k_t0, k_t1, k_rs, k_rz, k_cs, plain = k_cur
+        q_t = q
+        if HAS_K_PLAIN:
+            q_t = tl.where(plain != 0, q_plain, q)
+        a = (q_t * k_rs.to(tl.float32)[None, :]).to(tl.float16)
+        # every code comes as 1024 + code * 2^s: the matmul starts from a @ (-1024), the
+        # same products, so the fp32 accumulator cancels the 1024s exactly as it adds them
+        bias_k = tl.dot(a, tl.full([BLOCK_D, NK], -1024.0, tl.float16), out_dtype=tl.float32)
+        z_k = tl.sum(q_t * k_rz.to(tl.float32)[None, :], axis=1)   # the zero points' term
+        ss = ()
+        for k in tl.static_range(KPER):
+            SH = 1.0 / (1 << (K_BITS * k))
+            raw = tl.dot(a, _phase_f16(k_t0, k_t1, k, K_BITS, BLOCK_D // 2, NKW), bias_k,
+                         out_dtype=tl.float32)
+            s = (raw + (z_k * (1.0 / SH))[:, None]) \
+                * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
+            tok = it * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
+            if HAS_BIAS:
+                bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
+                               mask=m_valid[:, None], other=0.0)
+                s = s + bias.to(tl.float32) * LOG2E
+            if HAS_LO:
+                s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
+            if HAS_HI:
+                s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
+            ss = ss + (s,)
+        m_new = tl.maximum(m_i, tl.max(_tuple_max(ss, KPER), axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        ps = ()
+        for k in tl.static_range(KPER):
+            ps = ps + (tl.exp2(ss[k] - m_ref[:, None]),)
+        l_i = l_i * alpha + tl.sum(_tuple_sum(ps, KPER), axis=1)
+        m_i = m_new
+        # per K phase: its probabilities times the V rows of its tokens (loaded only now
+        # without PREFETCH: fewer registers live across the score matmuls)
+        if not PREFETCH:
+            v_cur = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs,
+                                   tl.minimum(it, it1 - 1), (it < it1).to(tl.int32), DV,
+                                   BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS)
+        v_t0, v_t1, v_rs, v_rz, v_cs = v_cur
+        pas = ()
+        bias_v = tl.zeros([BLOCK_M, NV], dtype=tl.float32)   # the -1024s, as for the scores
+        z_v = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k in tl.static_range(KPER):
+            pa = (ps[k] * v_rs[k].to(tl.float32)[None, :]).to(tl.float16)
+            bias_v = tl.dot(pa, tl.full([NK, NV], -1024.0, tl.float16), bias_v,
+                            out_dtype=tl.float32)
+            z_v += tl.sum(ps[k] * v_rz[k].to(tl.float32)[None, :], axis=1)
+            pas = pas + (pa,)
+        new_accs = ()
+        for v in tl.static_range(VPER):
+            SV = 1.0 / (1 << (V_BITS * v))
+            raw = bias_v
+            for k in tl.static_range(KPER):
+                raw = tl.dot(pas[k], _phase_f16(v_t0[k], v_t1[k], v, V_BITS, NK // 2, NVW), raw,
+                             out_dtype=tl.float32)
+            cs = v_cs[v].to(tl.float32)
+            new_accs = new_accs + (accs[v] * alpha[:, None] + raw * (cs * SV)[None, :]
+                                   + z_v[:, None] * cs[None, :],)
+        accs = new_accs
+    # [M, NV * VPER] (column n * VPER + v) -> channel order: n = b * NVW + w, channel
+    # (16 // V_BITS) * w + b * VPER + v
+    out = tl.reshape(_interleave(accs, VPER, BLOCK_M, NV), [BLOCK_M, 2, NVW, VPER])
+    return m_i, l_i, tl.reshape(tl.permute(out, (0, 2, 1, 3)), [BLOCK_M, BLOCK_DV])
+
+
+@triton.jit
+def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                   s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
                   start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
                   BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -347,6 +633,41 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     return m_i, l_i, acc
 
 
+@triton.jit
+def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+                  s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
+                  start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
+                  BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
+                  V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, PHASED: tl.constexpr):
+    """Online-softmax attention of the query block q [BLOCK_M, BLOCK_D] (rotated, fp32) over
+    packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units,
+    acc [BLOCK_M, BLOCK_DV]. The loop shared by the standalone kernel and the decode
+    template. PHASED (:func:`phased_decode`, decided by the launcher): fp16 operands through
+    ``_decode_range_phased`` (codes unpacked two per instruction); else
+    ``_decode_range_bytes``."""
+    if PHASED:
+        tl.static_assert(INPUT_PRECISION == "fp16", "the phased loop takes fp16 operands")
+        tl.static_assert(BLOCK_N * K_BITS >= 128, "phased: K phases need 16 tokens")
+        tl.static_assert(BLOCK_DV * V_BITS >= 128, "phased: V phases need 16 channels")
+        tl.static_assert((DV * V_BITS) % 16 == 0, "phased: V rows of whole 16-bit words")
+        m_i, l_i, acc = _decode_range_phased(
+            q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
+            s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
+            s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
+            HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV)
+    else:
+        m_i, l_i, acc = _decode_range_bytes(
+            q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
+            s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
+            s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
+            HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV)
+    return m_i, l_i, acc
+
+
 # ------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------
@@ -396,6 +717,7 @@ def _kvarn_decode_attn_kernel(
     HAS_BIAS: tl.constexpr,         # an additive mask over the quantized tokens
     HAS_K_PLAIN: tl.constexpr,      # per-tile key frames (key_frame="auto" caches)
     INPUT_PRECISION: tl.constexpr,  # "ieee" (exact fp32), "tf32" or "fp16" (faster, ~1e-3 rel. error)
+    PHASED: tl.constexpr,           # the phased fp16 loop (phased_decode)
 ):
     """Flash-decoding partials of one (batch row, kv head, split, query block).
 
@@ -465,7 +787,7 @@ def _kvarn_decode_attn_kernel(
         D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1,
         start, end, m_valid, kv_lo, kv_hi, bias_rows, 1, qk_scale,
         BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_KV_START, HAS_KV_END, HAS_BIAS,
-        HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV)
+        HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED)
 
     # ---- store this split's normalized partial and its lse (natural log)
     has = l_i > 0.0
@@ -517,6 +839,24 @@ def _combine_splits_kernel(
 # ------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------
+def phased_decode(input_precision: str, block_n: int, k_bits: int, dv: int, v_bits: int) -> bool:
+    """Whether the decode loop runs phased (``_decode_range_phased``): fp16 operands, and
+    matmuls at least 16 wide in every phase, i.e. BLOCK_N * K_BITS >= 128 (16 tokens per K
+    phase) and BLOCK_DV * V_BITS >= 128 (16 channels per V phase), with V rows of whole
+    16-bit words. The one place this is decided: the kernel's and the decode template's
+    launchers pass it as the PHASED constexpr."""
+    block_dv = max(16, triton.next_power_of_2(dv))
+    return (input_precision == "fp16" and block_n * k_bits >= 128 and block_dv * v_bits >= 128
+            and (dv * v_bits) % 16 == 0)
+
+
+#: Warps and register double buffering of the decode loop by path: the phased loop is
+#: fastest with 2 warps (its V matmuls are 16-32 channels wide) and its next chunk's words
+#: in flight spill (sm_90: 0.6 KB), so it issues each chunk's loads where they are used.
+DECODE_WARPS = {True: 2, False: 4}
+DECODE_PREFETCH = {True: False, False: True}
+
+
 def _default_splits(bh: int, capacity: int, device: torch.device) -> int:
     """Enough programs to fill the GPU (about two waves), never more splits than tiles."""
     if device.type != "cuda":
@@ -582,7 +922,8 @@ def kvarn_decode_attention(
     kv_end: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     block_n: int | None = None,
-    prefetch: bool = True,
+    prefetch: bool | None = None,
+    num_warps: int | None = None,
 ):
     """Attention of rotated queries over the packed quantized region of a KVarN cache.
 
@@ -618,7 +959,9 @@ def kvarn_decode_attention(
         bias: optional fp32 additive mask [B, Hq or 1, Tq, N * G] over the quantized tokens
             (natural-log units, -inf hides a token; token stride 1).
         block_n: tokens per loop step, a power of two >= 16 dividing G (default min(G, 128)).
-        prefetch: issue the next step's loads before this step's math (default True).
+        prefetch: issue the next step's loads before this step's math (default: off for the
+            phased fp16 loop, :func:`phased_decode`, on otherwise: ``DECODE_PREFETCH``).
+        num_warps: warps per program (default ``DECODE_WARPS``: 2 phased, 4 otherwise).
 
     Returns:
         (out_rot fp32 [B, Hq, Tq, Dv] normalized over the quantized region only (in the
@@ -743,6 +1086,11 @@ def kvarn_decode_attention(
                          f"{block_n}.")
     if not isinstance(split, int) or isinstance(split, bool) or split < 1:
         raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
+    phased = phased_decode(input_precision, block_n, kb, dv, vb)
+    prefetch = DECODE_PREFETCH[phased] if prefetch is None else bool(prefetch)
+    num_warps = DECODE_WARPS[phased] if num_warps is None else num_warps
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"Expected num_warps 1, 2, 4, 8 or 16, but got {num_warps!r}.")
 
     dev = q_rot.device
     o_part = torch.empty(bsz, hq, tq, split, dv, dtype=torch.float32, device=dev)
@@ -763,11 +1111,11 @@ def kvarn_decode_attention(
             float(scale) * math.log2(math.e), heads, cap, tq,
             GROUP_Q=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
             BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=group,
-            K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=bool(prefetch),
+            K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch,
             HAS_KV_START=kv_start is not None, HAS_KV_END=kv_end is not None,
             HAS_BIAS=bias is not None, HAS_K_PLAIN=k_plain is not None,
-            INPUT_PRECISION=input_precision,
-            num_warps=4,
+            INPUT_PRECISION=input_precision, PHASED=phased,
+            num_warps=num_warps,
         )
     out, lse = combine_splits(o_part, lse_part)
     if return_partials:
