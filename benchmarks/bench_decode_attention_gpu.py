@@ -105,14 +105,21 @@ def _kvarn_compiled(st, scale: float):
 
 
 #: The template configs timed standalone per case (``template_sweep``): code-matmul precision,
-#: PREFETCH, BLOCK_N, num_warps, and the split count as a multiple of the lowering's.
-SWEEP = [dict(INPUT_PRECISION=p, PREFETCH=pf, BLOCK_N=bn, num_warps=w, split_x=sx)
-         for p in ("tf32", "fp16") for pf in (1, 0) for bn, w in ((64, 4), (128, 4), (128, 8))
-         for sx in (1, 2)]
+#: PREFETCH, BLOCK_N, num_warps, the split count as a multiple of the lowering's, and PHASED
+#: (the phased fp16 loop where ``phased_decode`` allows it; False: the byte loop). The
+#: lowering's default comes first: the phased loop, 128-token steps, 2 warps, no prefetch.
+SWEEP = [dict(INPUT_PRECISION="fp16", PREFETCH=0, BLOCK_N=128, num_warps=2, split_x=1,
+              PHASED=True)] + [
+    dict(INPUT_PRECISION="fp16", PREFETCH=pf, BLOCK_N=bn, num_warps=w, split_x=sx, PHASED=True)
+    for pf, bn, w, sx in ((0, 128, 2, 2), (0, 128, 4, 1), (1, 128, 2, 1), (0, 64, 2, 1))] + [
+    dict(INPUT_PRECISION=p, PREFETCH=pf, BLOCK_N=bn, num_warps=w, split_x=sx, PHASED=False)
+    for p in ("tf32", "fp16") for pf in (1, 0) for bn, w in ((64, 4), (128, 4), (128, 8))
+    for sx in (1, 2)]
 
 
 def _template_standalone(st, scale: float):
     """The decode template rendered standalone over ``st``: (time(config, cols) -> row, default config)."""
+    from kvarn_compile.kernels.triton.attention import phased_decode
     from kvarn_compile.lowering.heuristics import split_max
     from kvarn_compile.lowering.tile_templates import launch_standalone, render_standalone
     from kvarn_compile.ops.attention import tile_inputs
@@ -137,6 +144,8 @@ def _template_standalone(st, scale: float):
                   V_BITS=8 * vc.shape[-1] // HEAD_DIM, SPLIT=split, SPLIT_MAX=split, BLOCK_M=16,
                   PREFETCH=cfg["PREFETCH"], HAS_BIAS=False, HAS_K_PLAIN=False,
                   INPUT_PRECISION=cfg["INPUT_PRECISION"], SM_SCALE=scale, KVARN_SRC=0)
+        ce["PHASED"] = bool(cfg.get("PHASED")) and phased_decode(
+            ce["INPUT_PRECISION"], ce["BLOCK_N"], ce["K_BITS"], HEAD_DIM, ce["V_BITS"])
         kcs_, vcs_ = cols if cols is not None else (kcs, vcs)
         tensors = {"Q": q_rot, "KC": kc, "KRS": krs, "KRZ": krz, "KCS": kcs_, "VC": vc,
                    "VRS": vrs, "VRZ": vrz, "VCS": vcs_, "NT": nt, "KVLO": lo, "KVHI": hi,

@@ -327,6 +327,45 @@ def test_template_texts_with_value_head_dims_match_the_reference_tiles(name, tmp
     assert torch.isinf(tensors["LSE"][..., split:]).all(), "unused split slots must stay -inf"
 
 
+@pytest.mark.parametrize("name", [n for n in DV_CASES if n.startswith("decode")])
+def test_decode_template_text_runs_the_phased_fp16_loop(name, tmp_path):
+    """The decode template as the lowering renders it for a GPU (fp16 code matmuls, BLOCK_N
+    = G, PHASED from ``phased_decode``, the phased loop's warps and no prefetch) run by the
+    interpreter: the partials merged by lse equal the reference tile partials up to the fp16
+    rounding of the operands (window masks, key frames, unequal head dims included)."""
+    import triton
+
+    from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, phased_decode
+    from kvarn_compile.lowering.tile_templates import (launch_standalone, render_standalone,
+                                                       standalone_tensors)
+
+    template, st, q, mask = _dv_case(name)
+    d, dv = st.head_dim, st.value_head_dim
+    b, hq, tq = q.shape[:3]
+    h = st.kv_heads
+    kb, vb = st.config.key_bits, st.config.value_bits
+    assert phased_decode("fp16", G, kb, dv, vb)
+    ins = attention_ref.tile_inputs(q, st.buffers, mask, True, 0)
+    split, split_max, block_m = 2, 3, 16
+    tensors = standalone_tensors(ins, split_max)
+    out = torch.full((b, hq, tq, split_max, dv), float("nan"))
+    ce = dict(GROUP_Q=hq // h, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
+              BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=G, BLOCK_N=G, K_BITS=kb,
+              V_BITS=vb, SPLIT=split, SPLIT_MAX=split_max, BLOCK_M=block_m,
+              PREFETCH=int(DECODE_PREFETCH[True]), HAS_BIAS=ins[-1] is not None,
+              HAS_K_PLAIN=ins[10] is not None, INPUT_PRECISION="fp16", PHASED=True,
+              SM_SCALE=0.3, KVARN_SRC=1)
+    kernel = render_standalone("kvarn_decode.py.jinja", tensors, ce, tmp_path)
+    launch_standalone(kernel, tensors, out, (b * h, split, triton.cdiv(hq // h * tq, block_m)), ce)
+    ref_o, ref_lse = attention_ref.tile_partials(*ins, 0.3, 1)
+    got_o, got_lse = regions.combine_splits(out[:, :, :, :split], tensors["LSE"][..., :split])
+    fin = torch.isfinite(ref_lse[..., 0])
+    assert torch.equal(torch.isfinite(got_lse), fin) and bool(fin.any())
+    scale = ref_o.abs().max().item()
+    torch.testing.assert_close(got_o, ref_o[:, :, :, 0], atol=3e-3 * scale, rtol=0)
+    torch.testing.assert_close(got_lse[fin], ref_lse[..., 0][fin], atol=3e-3, rtol=1e-3)
+
+
 def _tile_partials_call(split_max: int):
     def fn(*tensors):
         *ins, lse = tensors
