@@ -520,8 +520,9 @@ def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
             ps = ps + (tl.exp2(ss[k] - m_ref[:, None]),)
         l_i = l_i * alpha + tl.sum(_tuple_sum(ps, KPER), axis=1)
         m_i = m_new
-        # per K phase: its probabilities times the V rows of its tokens (loaded only now
-        # without PREFETCH: fewer registers live across the score matmuls)
+        # per K phase: its probabilities times the V rows of its tokens. Without PREFETCH
+        # they are loaded only now: issued with the K loads, their words live across the
+        # score matmuls (sm_90, triton 3.6: the template then spills 60 B, the kernel not)
         if not PREFETCH:
             v_cur = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs,
                                    tl.minimum(it, it1 - 1), (it < it1).to(tl.int32), DV,
