@@ -444,18 +444,20 @@ def _append_decode_case(*, b=1, h=8, d=128, g=128, sink=128, tail=255, tiles=4,
 def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=128, g=128,
                    hq=32, h=8, tq=1, split=4, num_warps=None, num_stages=1, bias=False,
                    plain=False, prefetch=None, dv=None, phased=None):
+    """The tile template (``kvarn_decode.py.jinja``) rendered standalone. tq > 1: a
+    multi-token ("prefill") config, as ``heuristics.prefill_configs`` makes it: one split,
+    4 warps by default."""
     from kvarn_compile.lowering.tile_templates import render_standalone
 
-    family = "decode" if template.startswith("kvarn_decode") else "prefill"
+    family = "decode" if tq == 1 else "prefill"
     dv = d if dv is None else dv
-    suffix = ""
-    if family == "decode":
-        phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, kb, dv, vb,
-                                                           phased, num_warps, prefetch)
-    else:
-        phased, prefetch = False, False
+    if family == "prefill":
+        split = 1
         num_warps = 4 if num_warps is None else num_warps
-        suffix = f"_w{num_warps}" if num_warps != 4 else ""
+    phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, kb, dv, vb,
+                                                       phased, num_warps, prefetch)
+    if family == "prefill":
+        suffix = suffix.replace("_w4", "")
 
     def build():
         f16, u8, i64 = torch.float16, torch.uint8, torch.int64
@@ -482,7 +484,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                   SPLIT=split if family == "decode" else 1, SPLIT_MAX=split_max, BLOCK_M=block_m,
                   PREFETCH=int(prefetch),
                   HAS_BIAS=bias, HAS_K_PLAIN=plain, INPUT_PRECISION=precision, SM_SCALE=0.088,
-                  KVARN_SRC=0, **({"PHASED": phased} if family == "decode" else {}))
+                  KVARN_SRC=0, PHASED=phased)
         kernel = render_standalone(template, tensors, ce, _RENDER_DIR)
         args = [*tensors.values(), out]
         for t in (*tensors.values(), out):
@@ -493,17 +495,16 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                group_q=hq // h, TQ=tq, BLOCK_N=block_n, BLOCK_M=block_m,
                input_precision=precision, bias=bias, k_plain=plain, num_warps=num_warps,
                num_stages=num_stages, prefetch=prefetch)
-    if family == "decode":
-        cfg["phased"] = phased
+    cfg["phased"] = phased
     if dv != d:
         cfg["DV"] = dv
-    name = f"{template.split('.')[0]}_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else "") \
+    name = ("kvarn_prefill" if family == "prefill" else template.split('.')[0]) \
+        + f"_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else "") \
         + f"_n{block_n}_m{block_m}" + ("_bias" if bias else "") \
         + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") + suffix
     return Case(name, family, cfg, build, num_warps,
                 tile_bytes(d, g, kb, vb, dv=dv) if family == "decode" else None,
-                inner_trips=1 if family == "decode" else g // block_n,
-                outer_trips=g // block_n if family == "decode" else 1)
+                outer_trips=g // block_n)
 
 
 def _latent_template_case(*, d=512, dv=64, g=128, kb=4, vb=8, hq=16, frames=False,
@@ -608,8 +609,11 @@ def cases(quick: bool) -> list[Case]:
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16,
                        prefetch=False),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=32, block_m=16, num_warps=8),
-        _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256),
-        _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+                       precision="fp16"),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+                       precision="fp16", bias=True, plain=True),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
                        bias=True, plain=True),
         # D = 192, Dv = 128 (the production configs are in the quick list)
         _decode_kernel_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16, block_n=64),
@@ -617,8 +621,8 @@ def cases(quick: bool) -> list[Case]:
                        hq=16, h=16, precision="fp16"),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=4, block_n=64, block_m=16, d=192, dv=128,
                        hq=16, h=16),
-        _template_case("kvarn_prefill.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
-                       d=192, dv=128, hq=16, h=16),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+                       d=192, dv=128, hq=16, h=16, precision="fp16"),
         _latent_case(frames=True),
         _latent_case(g=64),
         _latent_case(kb=2),

@@ -23,8 +23,9 @@ Paths of ``kvarn::attention`` (``lowering/attention.py``):
   of that geometry, so a model's layers share one compile;
 * ``split``: the same decomposition with the packed-tile region behind
   ``kvarn::tile_partials_``, whose lowering (``lowering/tiles.py``) autotunes the
-  Triton templates (``templates/kvarn_decode.py.jinja``, ``kvarn_prefill.py.jinja``)
-  against the standalone Triton kernel and the torch implementation.
+  Triton template's configs (``templates/kvarn_decode.py.jinja``: split-K for decode,
+  one split for multi-token shapes) against the standalone Triton kernel and the torch
+  implementation.
 
 ``auto`` (default): ``split`` where templates can run (CUDA, static shapes, supported
 format); on CPU ``reference`` (one extern call of the C++ kernel: the decode step, or the

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import os
 
-__all__ = ["DecodeConfig", "PrefillConfig", "decode_configs", "prefill_configs", "tune_mode",
+__all__ = ["DecodeConfig", "decode_configs", "prefill_configs", "tune_mode",
            "length_bucket", "query_bucket", "split_max", "DECODE_ROWS_MAX"]
 
 #: Up to this many query rows (GQA heads x query tokens) a program packs them all (decode).
@@ -25,10 +25,11 @@ DECODE_ROWS_MAX = 64
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Split-K decode template (``templates/kvarn_decode.py.jinja``)."""
+    """A config of the tile template (``templates/kvarn_decode.py.jinja``): split-K for a few
+    query rows (:func:`decode_configs`), one split for many (:func:`prefill_configs`)."""
 
     block_n: int      # tokens per inner step (divides G)
-    block_m: int      # query rows per program (>= 16 for tl.dot)
+    block_m: int      # query rows per program (>= 16 for tl.dot; heads x positions)
     split: int        # tile-range splits walked in parallel (<= split_max)
     num_warps: int | None     # None: the loop's own (kernels.triton.attention.DECODE_WARPS)
     num_stages: int
@@ -49,20 +50,6 @@ class DecodeConfig:
         return {"BLOCK_N": self.block_n, "BLOCK_M": self.block_m, "SPLIT": self.split,
                 "PREFETCH": int(self.prefetch), "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillConfig:
-    """Multi-token template (``templates/kvarn_prefill.py.jinja``); one split."""
-
-    block_m: int      # query positions per program
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-    def template_kwargs(self) -> dict[str, int]:
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "SPLIT": 1,
-                "num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 def tune_mode() -> str:
@@ -137,21 +124,25 @@ def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[
     return list(dict.fromkeys(keep))
 
 
-def prefill_configs(mode: str, *, group: int, q_len: int) -> list[PrefillConfig]:
-    block_m = min(64, _pow2_at_least(q_len))
-    default = PrefillConfig(block_m=block_m, block_n=min(64, group), num_warps=4, num_stages=1)
+def prefill_configs(mode: str, *, group: int, rows: int) -> list[DecodeConfig]:
+    """Multi-token shapes (``rows`` = query heads per kv head x query positions): one split,
+    64-row blocks (the query heads of 64 / g positions: each tile unpacked once for them),
+    64-token steps, 4 warps (each 16 rows), the loop's own prefetch."""
+    block_m = min(64, _pow2_at_least(rows))
+    default = DecodeConfig(block_n=min(64, group), block_m=block_m, split=1, num_warps=4,
+                           num_stages=1)
     if mode == "default":
         candidates = [default]
     elif mode == "interpret":
-        candidates = [default, PrefillConfig(block_m=max(16, block_m // 2),
-                                             block_n=max(16, min(64, group) // 2),
-                                             num_warps=4, num_stages=1)]
+        candidates = [default, DecodeConfig(block_n=max(16, min(64, group) // 2),
+                                            block_m=max(16, block_m // 2), split=1,
+                                            num_warps=4, num_stages=1)]
     elif mode == "autotune":
-        candidates = [default] + [PrefillConfig(bm, bn, w, 1) for bm, bn, w in
-                                  itertools.product((32, 64, 128), (32, 64), (4, 8))]
+        candidates = [default] + [DecodeConfig(bn, bm, 1, w, 1) for bm, bn, w in
+                                  itertools.product((32, 64, 128), (32, 64, 128), (4, 8))]
     else:
-        candidates = [default] + [PrefillConfig(bm, bn, w, st) for bm, bn, w, st in
+        candidates = [default] + [DecodeConfig(bn, bm, 1, w, st, pf) for bm, bn, w, st, pf in
                                   itertools.product((16, 32, 64, 128), (16, 32, 64, 128),
-                                                    (2, 4, 8), (1, 2, 3))]
+                                                    (2, 4, 8), (1, 2, 3), (True, False))]
     keep = [c for c in candidates if c.block_n <= group and group % c.block_n == 0]
     return list(dict.fromkeys(keep))

@@ -1,21 +1,23 @@
-"""The KVarN Triton templates (CUDA only): sources, grid functions, TritonTemplate objects.
+"""The KVarN Triton template (CUDA only): source, grid function, TritonTemplate object.
 
-The template sources are package data (``kvarn_compile/lowering/templates/*.py.jinja``) loaded with
-``importlib.resources``. The ``TritonTemplate`` objects are built lazily, on the first
+The template source is package data (``kvarn_compile/lowering/templates/*.py.jinja``) loaded
+with ``importlib.resources``. The ``TritonTemplate`` object is built lazily, on the first
 CUDA lowering: Inductor cannot even render a template without a GPU driver, so nothing
-here runs on a CPU-only machine (tests render them standalone: :func:`render_standalone`).
+here runs on a CPU-only machine (tests render it standalone: :func:`render_standalone`).
 
-How the templates share the kernels' bodies: a template is only the *driver* of one
-program (its grid position, the query rows it packs, the split range, the loads of
-q/kv bounds/bias, the stores). The per-tile math, i.e. the in-register unpack of the
-codes, the dual-scale fold into the scores and the values and the online-softmax step,
-is the ``@triton.jit`` helpers of :mod:`kvarn_compile.kernels.triton.attention`
-(``_load_k_tile_scores``, ``_accumulate_v_tile``, ``_online_softmax_step``), which the
-rendered module imports (the last lines of each template). Triton inlines them at
-compile time and includes their source in its own cache key; Inductor's cache key (the
-rendered text) gets ``KVARN_SRC``, a hash of kvarn's sources, so an edited helper is never
-served from a stale cache. The standalone ``_kvarn_decode_attn_kernel`` calls the very same
-helpers, and its tests (tests/kernels/test_triton.py, interpreter on CPU) cover them.
+One template serves decode and multi-token shapes (prefill, chunked prefill, speculative
+verify): the lowering's configs differ (splits of the tile range for a few query rows;
+one split and 64-row blocks for many), the program does not. How it shares the kernel's
+body: the template is only the *driver* of one program (its grid position, the query rows
+it packs, the split range, the loads of q/kv bounds/bias, the stores). The tile loop, i.e.
+the in-register unpack of the codes, the dual-scale fold into the scores and the values
+and the online softmax, is ``_decode_range`` of
+:mod:`kvarn_compile.kernels.triton.attention`, which the rendered module imports (its last
+lines). Triton inlines it at compile time and includes its source in its own cache key;
+Inductor's cache key (the rendered text) gets ``KVARN_SRC``, a hash of kvarn's sources, so
+an edited loop is never served from a stale cache. The standalone
+``_kvarn_decode_attn_kernel`` calls the very same loop, and its tests
+(tests/kernels/test_triton.py, interpreter on CPU) cover it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from __future__ import annotations
 import functools
 import importlib.resources
 
-__all__ = ["template_source", "decode_template", "prefill_template", "TEMPLATE_FILES",
+__all__ = ["template_source", "decode_template", "TEMPLATE_FILES",
            "render_standalone", "launch_standalone", "standalone_tensors"]
 
-TEMPLATE_FILES = ("kvarn_decode.py.jinja", "kvarn_prefill.py.jinja")
+TEMPLATE_FILES = ("kvarn_decode.py.jinja",)
 
 
 def template_source(name: str) -> str:
@@ -38,26 +40,17 @@ def kvarn_decode_grid(batch_kv_heads, rows, meta, *, cdiv):
     """How is this kernel parallelized?
 
     Grid (B * H, SPLIT, cdiv(GROUP_Q * TQ, BLOCK_M)). Program (b * H + h, s, mb) packs the
-    query rows m = hg * TQ + t of kv head h (all GROUP_Q query heads hg and TQ positions t,
-    block mb), so each packed K/V tile of a kv head is read from memory once for all of its
-    query heads. The tiles the block can see, [min kv_lo // G, cdiv(max kv_hi, G)) clamped
-    to n_tiles[b], are cut into SPLIT contiguous ranges; split s walks its range BLOCK_N
-    tokens at a time with an online softmax and writes its normalized partial and its lse
-    to slot s. The caller merges the slots by log-sum-exp (Inductor-generated code).
+    query rows m = t * GROUP_Q + hg of kv head h (block mb: every query head hg of
+    BLOCK_M / GROUP_Q consecutive positions t), so each packed K/V tile of a kv head is
+    read and unpacked once for all of its query heads. The tiles the block can see,
+    [min kv_lo // G, cdiv(max kv_hi, G)) clamped to n_tiles[b] (the causal tile skip of a
+    multi-token block), are cut into SPLIT contiguous ranges; split s walks its range
+    BLOCK_N tokens at a time with an online softmax and writes its normalized partial and
+    its lse to slot s. Decode splits the tile range across programs (few rows); multi-token
+    shapes run one split (many row blocks keep the GPU busy). The caller merges the slots by
+    log-sum-exp (Inductor-generated code).
     """
     return (batch_kv_heads, meta["SPLIT"], cdiv(rows, meta["BLOCK_M"]))
-
-
-def kvarn_prefill_grid(batch_q_heads, q_len, meta, *, cdiv):
-    """How is this kernel parallelized?
-
-    Grid (cdiv(TQ, BLOCK_M), B * Hq). Program (mb, b * Hq + hq) owns BLOCK_M consecutive
-    query positions of one query head and walks, in one split, every tile any of them can
-    see (causal tile skip: up to the largest kv_hi of its rows), BLOCK_N tokens at a time.
-    Many query positions keep the GPU busy without splitting the key range, so the output
-    has a single split slot.
-    """
-    return (cdiv(q_len, meta["BLOCK_M"]), batch_q_heads, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,15 +60,6 @@ def decode_template():
     ind = inductor()
     return ind.triton_template("kvarn_decode", ind.SymbolicGridFn(kvarn_decode_grid),
                                template_source("kvarn_decode.py.jinja"))
-
-
-@functools.lru_cache(maxsize=None)
-def prefill_template():
-    from kvarn_compile._torch_compat import inductor
-
-    ind = inductor()
-    return ind.triton_template("kvarn_prefill", ind.SymbolicGridFn(kvarn_prefill_grid),
-                               template_source("kvarn_prefill.py.jinja"))
 
 
 # ------------------------------------------------------------------------------ standalone

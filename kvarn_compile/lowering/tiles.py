@@ -21,15 +21,15 @@ templates then score over D and accumulate over Dv (constexprs D / DV).
 Choices of its lowering:
 
 * CUDA, static shapes, tiles contiguous inside, power-of-two G, 2/4/8-bit codes: the
-  ``kvarn_decode`` template (split-K, GQA heads packed) for decode-sized row counts, the
-  ``kvarn_prefill`` template otherwise, one choice per tile config of
+  ``kvarn_decode`` template (GQA heads packed with their positions), split-K configs for
+  decode-sized row counts and one-split configs otherwise, one choice per tile config of
   :mod:`~kvarn_compile.lowering.heuristics`; plus the standalone Triton kernel
   (``kernels.kvarn_decode_attention``) as an extern choice for one-token decode without a
-  mask; both templates read per-tile key frames (``k_plain`` + the un-rotated query);
+  mask; the template reads per-tile key frames (``k_plain`` + the un-rotated query);
 * always on CUDA and plain CPU: ``kvarn_tile_partials_torch``, the torch implementation
   (the fallback that is always correct);
 * CPU tensors in the CPU Triton mode (``_torch_compat.triton_cpu_mode``, tests): the
-  templates alone, two configs each (``heuristics`` mode "interpret"), executed by the
+  template alone, two configs (``heuristics`` mode "interpret"), executed by the
   Triton interpreter.
 
 A winner recorded in :mod:`kvarn_compile.autotune` for the same key is replayed as the only
@@ -226,34 +226,27 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                 and vb in (2, 4, 8) and k_row_scale.get_dtype() != torch.float8_e4m3fn:
             grp = hq // heads
             rows = grp * tq
+            precision = "ieee" if interpreted else CUDA_PRECISION
             common = dict(GROUP_Q=grp, D=d, BLOCK_D=_block(d), DV=dv, BLOCK_DV=_block(dv), G=group,
                           K_BITS=kb, V_BITS=vb, SPLIT_MAX=int(split_max), HAS_BIAS=has_bias,
-                          HAS_K_PLAIN=has_frames,
-                          INPUT_PRECISION="'ieee'" if interpreted else "'tf32'",
+                          HAS_K_PLAIN=has_frames, INPUT_PRECISION=f"'{precision}'",
                           SM_SCALE=float(scale), KVARN_SRC=int(kvarn_sources_hash()[:12], 16))
             mode = "interpret" if interpreted else heuristics.tune_mode()
-            decode_precision = "'ieee'" if interpreted else f"'{CUDA_PRECISION}'"
-            if rows <= heuristics.DECODE_ROWS_MAX:
-                for cfg in heuristics.decode_configs(mode, group=group, rows=rows,
-                                                     max_split=int(split_max)):
-                    phased = phased_decode(decode_precision.strip("'"), cfg.block_n, kb, dv, vb)
-                    opts = dict(cfg.resolved(phased).template_kwargs(), PHASED=phased)
-                    offer({"choice": "decode", "config": opts}, lambda opts=opts:
-                          templates.decode_template().maybe_append_choice(
-                              choices, input_nodes=inputs, layout=layout,
-                              mutated_inputs=[inputs[-1]], call_sizes=[b * heads, rows],
-                              **dict(common, INPUT_PRECISION=decode_precision), **opts))
-                if tq == 1 and not has_bias and not interpreted:
-                    offer({"choice": "triton_kernel"}, lambda: choices.append(
-                        choices_extern["kvarn_tile_partials_triton"].bind(inputs, layout, **kwargs)))
-            else:
-                for cfg in heuristics.prefill_configs(mode, group=group, q_len=tq):
-                    opts = cfg.template_kwargs()
-                    offer({"choice": "prefill", "config": opts}, lambda opts=opts:
-                          templates.prefill_template().maybe_append_choice(
-                              choices, input_nodes=inputs, layout=layout,
-                              mutated_inputs=[inputs[-1]], call_sizes=[b * hq, tq],
-                              **common, **opts))
+            few = rows <= heuristics.DECODE_ROWS_MAX
+            configs = (heuristics.decode_configs(mode, group=group, rows=rows,
+                                                 max_split=int(split_max)) if few
+                       else heuristics.prefill_configs(mode, group=group, rows=rows))
+            for cfg in configs:
+                phased = phased_decode(precision, cfg.block_n, kb, dv, vb)
+                opts = dict(cfg.resolved(phased).template_kwargs(), PHASED=phased)
+                offer({"choice": "decode" if few else "prefill", "config": opts},
+                      lambda opts=opts: templates.decode_template().maybe_append_choice(
+                          choices, input_nodes=inputs, layout=layout,
+                          mutated_inputs=[inputs[-1]], call_sizes=[b * heads, rows],
+                          **common, **opts))
+            if few and tq == 1 and not has_bias and not interpreted:
+                offer({"choice": "triton_kernel"}, lambda: choices.append(
+                    choices_extern["kvarn_tile_partials_triton"].bind(inputs, layout, **kwargs)))
     offers.or_else(torch_spec, add_torch)
     gen_fns = tile_input_gen_fns(shapes, int(k_col_scale.get_size()[-1]), names) \
         if len(choices) > 1 else None

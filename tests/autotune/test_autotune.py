@@ -284,7 +284,7 @@ def test_the_uuid_follows_a_template_edit_in_place(monkeypatch, tmp_path):
     _torch_compat.kvarn_sources_hash.cache_clear()
     try:
         uuid_before = _torch_compat.KVarNUUIDPass().uuid()
-        template = package / "lowering" / "templates" / "kvarn_prefill.py.jinja"
+        template = package / "lowering" / "templates" / "kvarn_decode.py.jinja"
         template.write_text(template.read_text() + "\n# edited\n")
         _torch_compat.kvarn_sources_hash.cache_clear()
         assert _torch_compat.KVarNUUIDPass().uuid() != uuid_before

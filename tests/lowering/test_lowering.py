@@ -273,8 +273,8 @@ def test_symbolic_shapes_fall_back_to_the_op_itself():
     ("kvarn_decode.py.jinja", 1, True, 80, 2, 16, False, False),  # 2 splits of 3 slots, BLOCK_N < G, bias
     ("kvarn_decode.py.jinja", 3, False, 0, 1, 32, True, False),   # GQA x 3 tokens; stride-0 col scales
     ("kvarn_decode.py.jinja", 1, False, 0, 2, 32, False, True),   # per-tile key frames
-    ("kvarn_prefill.py.jinja", 20, False, 0, 1, 16, False, False),  # causal inside the tiles
-    ("kvarn_prefill.py.jinja", 20, True, 0, 1, 32, False, True),    # key frames + bias
+    ("kvarn_decode.py.jinja", 20, False, 0, 1, 16, False, False),   # 20 tokens: causal inside the tiles
+    ("kvarn_decode.py.jinja", 20, True, 0, 1, 32, False, True),     # key frames + bias
 ])
 def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
         template, tq, mask, window, split, block_n, shared_cols, frames, tmp_path):
@@ -303,11 +303,7 @@ def test_template_bodies_match_the_torch_tiles_under_the_interpreter(
               SPLIT=split, SPLIT_MAX=split_max, BLOCK_M=block_m, PREFETCH=1, HAS_BIAS=bias is not None,
               HAS_K_PLAIN=frames, INPUT_PRECISION="ieee", SM_SCALE=0.3, KVARN_SRC=1)
     kernel = render_standalone(template, tensors, ce, tmp_path)
-    if template.startswith("kvarn_decode"):
-        grid = (b * h, split, triton.cdiv(2 * tq, block_m))
-    else:
-        grid = (triton.cdiv(tq, block_m), b * 2 * h, 1)
-    launch_standalone(kernel, tensors, out, grid, ce)
+    launch_standalone(kernel, tensors, out, (b * h, split, triton.cdiv(2 * tq, block_m)), ce)
     ref_o, ref_lse = attention_ref.tile_partials(*ins, 0.3, 1)
     got_o, got_lse = regions.combine_splits(out, tensors["LSE"])
     torch.testing.assert_close(got_o, ref_o[:, :, :, 0], atol=2e-5, rtol=1e-5)
@@ -326,15 +322,10 @@ def test_templates_open_with_a_glossary_and_import_the_shared_helpers():
         for constexpr in ("GROUP_Q", "BLOCK_N", "BLOCK_M", "SPLIT", "SPLIT_MAX", "G", "K_BITS",
                           "HAS_BIAS", "HAS_K_PLAIN", "INPUT_PRECISION"):
             assert f"#   {constexpr}" in glossary, (name, constexpr)
-        helpers = (("_decode_range",) if name.startswith("kvarn_decode") else
-                   ("_load_k_tile_scores", "_accumulate_v_tile", "_online_softmax_step"))
-        for helper in helpers:
-            assert helper in text.split("from kvarn_compile.kernels.triton.attention import")[1]
-            assert hasattr(kernels, helper)
+        assert "_decode_range" in text.split("from kvarn_compile.kernels.triton.attention import")[1]
     # the decode template's loop is the standalone kernel's: one body, not a copy
     assert "_decode_range(" in inspect.getsource(kernels._kvarn_decode_attn_kernel.fn)
-    for grid in (templates.kvarn_decode_grid, templates.kvarn_prefill_grid):
-        assert grid.__doc__.startswith("How is this kernel parallelized?")
+    assert templates.kvarn_decode_grid.__doc__.startswith("How is this kernel parallelized?")
 
 
 # ------------------------------------------------------------------------------ backend

@@ -59,33 +59,6 @@ _LN2 = tl.constexpr(0.6931471805599453)
 # Per-tile helpers (reusable from an Inductor Triton template)
 # ------------------------------------------------------------------------------------------
 @triton.jit
-def _load_code_bytes(row_ptr, offs_r, r_mask, c0, ROW_BYTES: tl.constexpr, NC: tl.constexpr,
-                     BITS: tl.constexpr, ROW_MASKED: tl.constexpr, COL_MASKED: tl.constexpr):
-    """The packed bytes of codes c0 .. c0 + NC - 1 of each row offs_r of a tile, [len(offs_r),
-    NC * BITS / 8] as int32. Masks are constexpr-gated so the common unpadded case has none:
-    rows where r_mask is False (ROW_MASKED) and bytes past ROW_BYTES (COL_MASKED) read as 0.
-
-    Code c of row r sits in byte r * ROW_BYTES + c // PER at shift (c % PER) * BITS,
-    PER = 8 // BITS. Each row's NC // PER bytes are one contiguous load (16-byte vector loads
-    where the row allows), split in registers afterwards (:func:`_unpack_bytes`,
-    :func:`_unpack_bytes_f16`): no per-code address math, no byte loaded twice. c0 must be a
-    multiple of PER."""
-    PER: tl.constexpr = 8 // BITS
-    NB: tl.constexpr = NC // PER
-    offs_b = c0 // PER + tl.arange(0, NB)
-    ptrs = row_ptr + offs_r[:, None] * ROW_BYTES + offs_b[None, :]
-    if ROW_MASKED and COL_MASKED:
-        byte = tl.load(ptrs, mask=r_mask[:, None] & (offs_b < ROW_BYTES)[None, :], other=0)
-    elif ROW_MASKED:
-        byte = tl.load(ptrs, mask=r_mask[:, None], other=0)
-    elif COL_MASKED:
-        byte = tl.load(ptrs, mask=(offs_b < ROW_BYTES)[None, :], other=0)
-    else:
-        byte = tl.load(ptrs)
-    return byte.to(tl.int32)
-
-
-@triton.jit
 def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
     """int32 bytes [R, NC * BITS / 8] -> int32 codes [R, NC] in code order: the PER shifted
     copies of a byte are interleaved back with ``tl.join`` + ``tl.reshape``."""
@@ -99,49 +72,6 @@ def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
         codes = tl.reshape(tl.join(tl.join(byte & MASK, (byte >> 4) & MASK),
                                    tl.join((byte >> 2) & MASK, byte >> 6)), [R, NC])
     return codes
-
-
-@triton.jit
-def _load_k_tile_scores(q, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr,
-                        offs_d, g0, offs_g, d_mask, qk_scale,
-                        D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                        INPUT_PRECISION: tl.constexpr):
-    """Scores [BLOCK_M, G] of the query block q [BLOCK_M, BLOCK_D] against one packed K tile.
-
-    s[m, t] = qk_scale * cs[t] * ( (q[m, :] * rs) @ code[:, t] + q[m, :] @ rz )
-
-    The pointers address this tile: codes [D, G * BITS / 8], rs/rz [D], cs [G]; offs_g are
-    the tokens g0 .. g0 + len(offs_g) - 1 of the tile (g0 a multiple of 4). Padded channels
-    (d_mask False) load as 0 and contribute nothing.
-    """
-    rs = tl.load(row_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    rz = tl.load(row_zero_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    cs = tl.load(col_scale_ptr + offs_g).to(tl.float32)
-    byte = _load_code_bytes(codes_ptr, offs_d, d_mask, g0, G * BITS // 8, offs_g.shape[0], BITS,
-                            offs_d.shape[0] != D, False)
-    return _packed_dot(q * rs[None, :], byte, q * rz[None, :], offs_d.shape[0], offs_g.shape[0],
-                       BITS, INPUT_PRECISION) * (cs * qk_scale)[None, :]
-
-
-@triton.jit
-def _accumulate_v_tile(acc, p, codes_ptr, row_scale_ptr, row_zero_ptr, col_scale_ptr,
-                       offs_g, offs_d, d_mask,
-                       D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_D] + p [BLOCK_M, G] @ V̂ for one packed V tile.
-
-    acc[m, c] += cs[c] * ( (p[m, :] * rs) @ code[:, c] + p[m, :] @ rz )
-
-    The pointers address this tile: codes [G, D * BITS / 8], rs/rz [G], cs [D]. D (and
-    offs_d, d_mask, BLOCK_D) is the *values'* head dim, Dv, which may differ from the keys'.
-    """
-    rs = tl.load(row_scale_ptr + offs_g).to(tl.float32)
-    rz = tl.load(row_zero_ptr + offs_g).to(tl.float32)
-    cs = tl.load(col_scale_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    byte = _load_code_bytes(codes_ptr, offs_g, offs_g, 0, D * BITS // 8, offs_d.shape[0], BITS,
-                            False, offs_d.shape[0] != D)
-    return acc + _packed_dot(p * rs[None, :], byte, p * rz[None, :], offs_g.shape[0],
-                             offs_d.shape[0], BITS, INPUT_PRECISION) * cs[None, :]
 
 
 @triton.jit
@@ -723,9 +653,9 @@ def _kvarn_decode_attn_kernel(
     """Flash-decoding partials of one (batch row, kv head, split, query block).
 
     How is this kernel parallelized? Grid (B * H, SPLIT, cdiv(g * Tq, BLOCK_M)). Program
-    (b * H + h, s, mb) packs the query rows m = hg * Tq + t (query head h * g + hg, query
-    position t) of block mb, so every K/V tile of kv head h is read once for all its g
-    query heads (GQA) and Tq positions. The valid tiles [first, n_tiles[b]) are cut into
+    (b * H + h, s, mb) packs the query rows m = t * g + hg (query head h * g + hg, query
+    position t) of block mb, so every K/V tile of kv head h is read and unpacked once for
+    all its g query heads (GQA) and the BLOCK_M / g positions of the block. The valid tiles [first, n_tiles[b]) are cut into
     SPLIT contiguous ranges of cdiv(n_valid, SPLIT) tiles; split s walks its range with an
     online softmax and stores (acc / l, m + log l) for its rows. Empty ranges store
     (0, -inf). ``_combine_splits_kernel`` reduces the splits.
@@ -738,8 +668,8 @@ def _kvarn_decode_attn_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_valid = offs_m < GROUP_Q * Tq
-    hq = h * GROUP_Q + offs_m // Tq   # query head of each row
-    tq = offs_m % Tq                  # query position of each row
+    hq = h * GROUP_Q + offs_m % GROUP_Q   # query head of each row (position-major rows: a
+    tq = offs_m // GROUP_Q                # block holds every query head of its positions)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
 
