@@ -75,6 +75,23 @@ def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS: tl.constexpr,
+                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
+    """Scores s [BLOCK_M, N] (log2 units) of the tokens tok [N] under the loop's masks: the
+    additive bias (natural-log units, row pointers bias_rows, token stride s_bias; HAS_BIAS),
+    -inf before kv_lo (HAS_LO) and from kv_hi on (HAS_HI), per row."""
+    if HAS_BIAS:
+        bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
+                       mask=m_valid[:, None], other=0.0)
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    if HAS_LO:
+        s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
+    if HAS_HI:
+        s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _online_softmax_step(s, m_i, l_i, acc):
     """One online-softmax update with scores s [BLOCK_M, G] in log2 units.
 
@@ -379,7 +396,6 @@ def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     the online softmax are those of ``_decode_range_bytes``.
     """
     CH: tl.constexpr = G // BLOCK_N
-    LOG2E: tl.constexpr = 1.4426950408889634
     KPER: tl.constexpr = 8 // K_BITS
     VPER: tl.constexpr = 8 // V_BITS
     NKW: tl.constexpr = BLOCK_N * K_BITS // 16
@@ -433,15 +449,8 @@ def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
             s = (raw + (z_k * (1.0 / SH))[:, None]) \
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
             tok = it * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
-            if HAS_BIAS:
-                bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
-                               mask=m_valid[:, None], other=0.0)
-                s = s + bias.to(tl.float32) * LOG2E
-            if HAS_LO:
-                s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
-            if HAS_HI:
-                s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
-            ss = ss + (s,)
+            ss = ss + (_mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS,
+                                    HAS_LO, HAS_HI),)
         m_new = tl.maximum(m_i, tl.max(_tuple_max(ss, KPER), axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
@@ -486,14 +495,14 @@ def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
 
 @triton.jit
 def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
-                  s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
-                  start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
-                  BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
-                  V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-                  DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+                        s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
+                        start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
+                        BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
+                        V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+                        DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online-softmax attention of the query block q [BLOCK_M, BLOCK_D] (rotated, fp32) over
     packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units,
     acc [BLOCK_M, BLOCK_DV]. D / BLOCK_D: the keys' (and queries') head dim, padded;
@@ -514,7 +523,6 @@ def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     the score. HAS_K_PLAIN: a tile whose kp flag is 1 is scored with q_plain.
     """
     CH: tl.constexpr = G // BLOCK_N
-    LOG2E: tl.constexpr = 1.4426950408889634
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -548,14 +556,8 @@ def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
         s = _packed_dot(q_t * rs[None, :], c_kbyte, q_t * rz[None, :], BLOCK_D, BLOCK_N,
                         K_BITS, INPUT_PRECISION) * (c_k_cs.to(tl.float32) * qk_scale)[None, :]
         tok = it * BLOCK_N + offs_n
-        if HAS_BIAS:
-            bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
-                           mask=m_valid[:, None], other=0.0)
-            s = s + bias.to(tl.float32) * LOG2E
-        if HAS_LO:
-            s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
-        if HAS_HI:
-            s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
+        s = _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS, HAS_LO,
+                         HAS_HI)
         p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
         v_rs_f = c_v_rs.to(tl.float32)
         acc += _packed_dot(p * v_rs_f[None, :], c_vbyte, p * c_v_rz.to(tl.float32)[None, :],

@@ -74,7 +74,7 @@ import triton.language as tl
 
 from kvarn_compile.kernels import CUDA_PRECISION
 from kvarn_compile.kernels.triton.attention import (
-    _bits_of, _load_tile_part, _unpack_bytes, _unpack_bytes_f16,
+    _bits_of, _load_tile_part, _mask_scores, _unpack_bytes, _unpack_bytes_f16,
 )
 from kvarn_compile.kernels.triton.quantize import KERNEL_SCALE_DTYPES
 
@@ -201,7 +201,6 @@ def _latent_range(q, q_pe, kc, krs, krz, kcs, vc, vrs, vrz, vcs, krf, kcf, vrf, 
     """
     CH: tl.constexpr = G // BLOCK_N
     NC: tl.constexpr = BLOCK_D // BLOCK_DC
-    LOG2E: tl.constexpr = 1.4426950408889634
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -248,14 +247,8 @@ def _latent_range(q, q_pe, kc, krs, krz, kcs, vc, vrs, vrz, vcs, krf, kcf, vrf, 
               * c_v_rs[None, :] + tl.sum(q_c, axis=1)[:, None] * c_v_rz[None, :])
         s = s * qk_scale
         tok = c_j * G + (it % CH) * BLOCK_N + offs_n
-        if HAS_BIAS:
-            bias = tl.load(bias_rows[:, None] + tok[None, :] * s_bias,
-                           mask=m_valid[:, None], other=0.0)
-            s = s + bias.to(tl.float32) * LOG2E
-        if HAS_LO:
-            s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
-        if HAS_HI:
-            s = tl.where(tok[None, :] < kv_hi[:, None], s, float("-inf"))
+        s = _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS, HAS_LO,
+                         HAS_HI)
         # ---- online softmax (a row with every score -inf keeps p = 0, alpha = 0: no NaN)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
