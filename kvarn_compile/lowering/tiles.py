@@ -127,14 +127,26 @@ def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, names: list[str
     batch, n_max = shapes["k_codes"][0], shapes["k_codes"][2]
     fill = fake_tile_fill(n_max, group, batch)
 
+    def strided(node, values: torch.Tensor) -> torch.Tensor:
+        """values (contiguous, the node's size) laid out with the node's own strides: the
+        compiled choices index their inputs by those (a bias can be a view into the model's
+        mask, rows longer than its size)."""
+        size, stride = [int(x) for x in node.get_size()], [int(x) for x in node.get_stride()]
+        span = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+        base = torch.zeros(span, dtype=values.dtype, device=values.device)
+        once = [1 if st == 0 else n for n, st in zip(size, stride)]   # broadcast dims: one copy
+        base.as_strided(once, stride).copy_(values[tuple(slice(0, n) for n in once)])
+        return base.as_strided(size, stride)
+
     def positive(lo: float, hi: float):
         def gen(node):
             t = torch.empty(*node.get_size(), dtype=torch.float32, device=node.get_device())
-            return t.uniform_(lo, hi).to(node.get_dtype())
+            return strided(node, t.uniform_(lo, hi).to(node.get_dtype()))
         return gen
 
     def centred(node):
-        return (torch.randn(*node.get_size(), device=node.get_device()) * 0.1).to(node.get_dtype())
+        return strided(node, (torch.randn(*node.get_size(), device=node.get_device()) * 0.1)
+                       .to(node.get_dtype()))
 
     def tiles_filled(node):
         return torch.tensor(fill, dtype=node.get_dtype(), device=node.get_device())
@@ -147,7 +159,8 @@ def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, names: list[str
         return gen
 
     def zeros(node):
-        return torch.zeros(*node.get_size(), dtype=node.get_dtype(), device=node.get_device())
+        return strided(node, torch.zeros(*node.get_size(), dtype=node.get_dtype(),
+                                         device=node.get_device()))
 
     def neg_inf(node):
         return torch.full(node.get_size(), float("-inf"), dtype=node.get_dtype(),

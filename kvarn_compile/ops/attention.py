@@ -362,6 +362,24 @@ def latent_attention(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[torch.Te
 
 
 # ------------------------------------------------------------------------------ tile partials
+def _tile_bias(mask: torch.Tensor | None, s: int, tokens: int, shape: tuple[int, int, int]
+               ) -> torch.Tensor | None:
+    """The mask over the quantized tokens (absolute positions s .. s + tokens - 1), [B, 1 or
+    Hq, Tq, tokens], for the tile kernels (which read any strides and float dtype). A float
+    mask covering them is read as it is: a view of its own storage, no copy. A bool mask, or
+    one shorter than the cache, becomes an additive fp32 one (``regions.bias_at``). Either
+    way a mask shared by the query heads stays one mask (head dim 1), never copied per
+    head."""
+    if mask is None:
+        return None
+    b, hq, tq = shape
+    heads = hq if mask.dim() == 4 and mask.shape[1] == hq else 1
+    if mask.is_floating_point() and mask.shape[-1] >= s + tokens and mask.stride(-1) == 1:
+        return mask.expand(b, heads, tq, mask.shape[-1])[..., s:s + tokens]
+    positions = (s + torch.arange(tokens, device=mask.device))[None, :].expand(b, -1)
+    return regions.bias_at(mask, positions, (b, heads, tq))
+
+
 def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: bool,
                 window: int, rot: torch.Tensor | None = None, matmul=torch.matmul):
     """Everything a tile-partials kernel needs (:data:`TILE_ARGS`), from the attention's
@@ -369,8 +387,8 @@ def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: boo
 
     q_rot fp32 [B,Hq,Tq,D]; q_plain (the un-rotated fp32 queries, only when the state has
     per-tile key frames); the 8 tile tensors (scales with their fp8 factors applied);
-    k_plain uint8 [B,H,N] or None; n_tiles [B]; kv_lo, kv_hi [B,Tq]; bias [B,Hq,Tq,N*G] or
-    None. Quantized token j of a row sits at absolute position S + j (see
+    k_plain uint8 [B,H,N] or None; n_tiles [B]; kv_lo, kv_hi [B,Tq]; bias [B,1 or Hq,Tq,N*G]
+    (``_tile_bias``: the model's float mask itself where it covers the tiles) or None. Quantized token j of a row sits at absolute position S + j (see
     ``regions.tile_bounds``). Static shapes only: it traces into the Inductor decomposition.
     ``matmul`` rotates q (``regions.small_matmul`` in traced decode graphs).
     """
@@ -382,8 +400,7 @@ def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: boo
     q_plain = q.float()
     q_rot = matmul(q_plain, rotation_matrix(d, q.device) if rot is None else rot)
     tensors = [*_tile_tensors(f.k), *_tile_tensors(f.v)]
-    positions = (s + torch.arange(n_max * g, device=q.device))[None, :].expand(bsz, -1)
-    bias = regions.bias_at(mask, positions, (bsz, hq, tq))
+    bias = _tile_bias(mask, s, n_max * g, (bsz, hq, tq))
     frames = f.k_plain is not None
     return (q_rot, q_plain if frames else None, *tensors, f.k_plain, f.n_tiles, kv_lo, kv_hi, bias)
 

@@ -94,6 +94,44 @@ def test_attention_with_mask_indexed_by_absolute_position(kind, tq):
     torch.testing.assert_close(out, v0.expand_as(out))
 
 
+@pytest.mark.parametrize("kind", ["bf16-shared", "fp32-per-head", "bool-shared", "short"])
+def test_tile_inputs_read_the_mask_as_it_is(kind):
+    """The tile kernels' mask over the quantized tokens: a float mask that covers them is the
+    model's own tensor (a view of its storage, any float dtype, its head dim kept), a bool or
+    too-short one an fp32 copy of the same shape class; one mask shared by the query heads
+    is never copied per head. The tile partials equal those over a per-head fp32 bias."""
+    from kvarn_compile.ops import attention as attention_ref
+    from kvarn_compile.ops import regions
+
+    seq = PackedSequence()
+    seq.write(75)
+    seq.write(58, start=[0, 75])
+    tq, hq = 3, 6
+    seq.write(tq)
+    q = torch.randn(2, hq, tq, D)
+    heads = hq if kind == "fp32-per-head" else 1
+    length = CAP - 5 if kind == "short" else CAP
+    mask = torch.randn(2, heads, tq, length)
+    mask[torch.rand(mask.shape) < 0.2] = float("-inf")
+    if kind == "bf16-shared":
+        mask = mask.to(torch.bfloat16)
+    elif kind == "bool-shared":
+        mask = mask > -1.0
+    ins = attention_ref.tile_inputs(q, seq.buffers, mask, True, 0)
+    bias = ins[-1]
+    n_max, g = ins[2].shape[2], ins[5].shape[-1]
+    assert bias.shape == (2, heads, tq, n_max * g)
+    own = kind in ("bf16-shared", "fp32-per-head")
+    assert (bias.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()) == own
+    s = seq.buffers[0].shape[2]                              # sink slots: tile 0's position
+    per_head = regions.bias_at(mask, (s + torch.arange(n_max * g))[None, :].expand(2, -1),
+                               (2, hq, tq))
+    want = attention_ref.tile_partials(*ins[:-1], per_head, 0.3, 1)
+    got = attention_ref.tile_partials(*ins, 0.3, 1)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tq", [1, 9])
 @pytest.mark.parametrize("window", [0, 17])
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
