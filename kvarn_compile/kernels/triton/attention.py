@@ -891,10 +891,12 @@ def kvarn_decode_attention(
             chunk that froze its own tokens); None: all.
         bias: optional fp32 additive mask [B, Hq or 1, Tq, N * G] over the quantized tokens
             (natural-log units, -inf hides a token; token stride 1).
-        block_n: tokens per loop step, a power of two >= 16 dividing G (default min(G, 128)).
+        block_n: tokens per loop step, a power of two >= 16 dividing G (default min(G, 128);
+            min(G, 64) for blocks of more than 16 rows).
         prefetch: issue the next step's loads before this step's math (default: off for the
             phased fp16 loop, :func:`phased_decode`, on otherwise: ``DECODE_PREFETCH``).
-        num_warps: warps per program (default ``DECODE_WARPS``: 2 phased, 4 otherwise).
+        num_warps: warps per program (default ``DECODE_WARPS``: 2 phased, 4 otherwise; 4 for
+            blocks of more than 16 rows, each warp 16 of them).
 
     Returns:
         (out_rot fp32 [B, Hq, Tq, Dv] normalized over the quantized region only (in the
@@ -1013,7 +1015,9 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
     split = num_splits if num_splits is not None else _default_splits(bsz * heads, cap,
                                                                       q_rot.device)
-    block_n = min(group, 128) if block_n is None else block_n
+    # a few query rows: the whole tile a step; a multi-token block (64 rows) takes 64-token
+    # steps and 4 warps, each 16 rows (heuristics.prefill_configs: the same config)
+    block_n = min(group, 128 if block_m <= 16 else 64) if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1) or group % block_n:
         raise ValueError(f"Expected block_n a power of two >= 16 dividing G={group}, but got "
                          f"{block_n}.")
@@ -1021,7 +1025,8 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
     phased = phased_decode(input_precision, block_n, kb, dv, vb)
     prefetch = DECODE_PREFETCH[phased] if prefetch is None else bool(prefetch)
-    num_warps = DECODE_WARPS[phased] if num_warps is None else num_warps
+    if num_warps is None:
+        num_warps = DECODE_WARPS[phased] if block_m <= 16 else 4
     if num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"Expected num_warps 1, 2, 4, 8 or 16, but got {num_warps!r}.")
 
