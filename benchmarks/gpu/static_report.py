@@ -256,9 +256,9 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _decode_loop(precision, block_n, kb, dv, vb, phased, num_warps, prefetch):
+def _decode_loop(precision, block_n, block_m, kb, dv, vb, phased, num_warps, prefetch):
     """The decode loop's path and its defaults, as the launchers pick them
-    (``attention.phased_decode``, ``DECODE_WARPS``, ``DECODE_PREFETCH``); ``phased`` False
+    (``attention.phased_decode``, ``loop_warps``, ``DECODE_PREFETCH``); ``phased`` False
     forces the byte loop. Returns (phased, num_warps, prefetch, name suffix for non-defaults)."""
     from kvarn_compile.kernels.triton import attention as A
 
@@ -266,8 +266,8 @@ def _decode_loop(precision, block_n, kb, dv, vb, phased, num_warps, prefetch):
     phased = auto if phased is None else (phased and auto)
     suffix = "" if phased == auto else "_bytes"
     if num_warps is None:
-        num_warps = A.DECODE_WARPS[phased]
-    elif num_warps != A.DECODE_WARPS[phased]:
+        num_warps = A.loop_warps(phased, block_m)
+    elif num_warps != A.loop_warps(phased, block_m):
         suffix += f"_w{num_warps}"
     if prefetch is None:
         prefetch = A.DECODE_PREFETCH[phased]
@@ -281,8 +281,8 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
     from kvarn_compile.kernels.triton import attention as A
 
     dv = d if dv is None else dv
-    phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, kb, dv, vb, phased,
-                                                       num_warps, prefetch)
+    phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, block_m, kb, dv, vb,
+                                                       phased, num_warps, prefetch)
 
     def build():
         f16, u8 = torch.float16, torch.uint8
@@ -446,18 +446,15 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                    plain=False, prefetch=None, dv=None, phased=None):
     """The tile template (``kvarn_decode.py.jinja``) rendered standalone. tq > 1: a
     multi-token ("prefill") config, as ``heuristics.prefill_configs`` makes it: one split,
-    4 warps by default."""
+    the loop's own warps for the block."""
     from kvarn_compile.lowering.tile_templates import render_standalone
 
     family = "decode" if tq == 1 else "prefill"
     dv = d if dv is None else dv
     if family == "prefill":
         split = 1
-        num_warps = 4 if num_warps is None else num_warps
-    phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, kb, dv, vb,
+    phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, block_m, kb, dv, vb,
                                                        phased, num_warps, prefetch)
-    if family == "prefill":
-        suffix = suffix.replace("_w4", "")
 
     def build():
         f16, u8, i64 = torch.float16, torch.uint8, torch.int64

@@ -31,17 +31,19 @@ class DecodeConfig:
     block_n: int      # tokens per inner step (divides G)
     block_m: int      # query rows per program (>= 16 for tl.dot; heads x positions)
     split: int        # tile-range splits walked in parallel (<= split_max)
-    num_warps: int | None     # None: the loop's own (kernels.triton.attention.DECODE_WARPS)
+    num_warps: int | None     # None: the loop's own (kernels.triton.attention.loop_warps)
     num_stages: int
     prefetch: bool | None = None   # the next step's loads issued before this step's math;
     #                                None: the loop's own (DECODE_PREFETCH)
 
     def resolved(self, phased: bool) -> "DecodeConfig":
-        """This config with the loop's defaults filled in (phased: the fp16 phased loop)."""
-        from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, DECODE_WARPS
+        """This config with the loop's defaults filled in (phased: the fp16 phased loop),
+        the eager launcher's (``kvarn_decode_attention``) for the same block."""
+        from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, loop_warps
 
         return dataclasses.replace(
-            self, num_warps=DECODE_WARPS[phased] if self.num_warps is None else self.num_warps,
+            self, num_warps=loop_warps(phased, self.block_m) if self.num_warps is None
+            else self.num_warps,
             prefetch=DECODE_PREFETCH[phased] if self.prefetch is None else self.prefetch)
 
     def template_kwargs(self) -> dict[str, int]:
@@ -93,15 +95,17 @@ def split_max(batch_kv_heads: int, tiles: int, sms: int) -> int:
 
 
 def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[DecodeConfig]:
-    """The default: BLOCK_N = G up to 128, the lowering's split count, and the loop's own
-    warps and prefetch (``DecodeConfig.resolved``: the phased fp16 loop 2 warps, its loads
+    """The default: the loop's own step (``loop_block_n``: the whole tile up to 128 for up
+    to 16 rows), the lowering's split count, and the loop's own warps and prefetch (``DecodeConfig.resolved``: the phased fp16 loop 2 warps, its loads
     where they are used; the byte loop 4 warps, the next step's loads issued first). The
     byte loop's was the fastest of the sweep on an H200 (k4v2, G = 128, 32k and 128k
     tokens: 45 us and 168 us; BLOCK_N 64: 50 and 178; no prefetch: 56 and 205; 8 warps or
     twice the splits: slower); the phased loop's comes from its sm_90 static report."""
+    from kvarn_compile.kernels.triton.attention import loop_block_n
+
     block_m = _pow2_at_least(rows)
-    default = DecodeConfig(block_n=min(128, group), block_m=block_m, split=max_split,
-                           num_warps=None, num_stages=1)
+    default = DecodeConfig(block_n=loop_block_n(block_m, group), block_m=block_m,
+                           split=max_split, num_warps=None, num_stages=1)
     if mode == "default":
         candidates = [default]
     elif mode == "interpret":
@@ -127,10 +131,13 @@ def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[
 def prefill_configs(mode: str, *, group: int, rows: int) -> list[DecodeConfig]:
     """Multi-token shapes (``rows`` = query heads per kv head x query positions): one split,
     64-row blocks (the query heads of 64 / g positions: each tile unpacked once for them),
-    64-token steps, 4 warps (each 16 rows), the loop's own prefetch."""
+    and the loop's own step, warps and prefetch for such a block (64 tokens, 4 warps of 16
+    rows each)."""
+    from kvarn_compile.kernels.triton.attention import loop_block_n
+
     block_m = min(64, _pow2_at_least(rows))
-    default = DecodeConfig(block_n=min(64, group), block_m=block_m, split=1, num_warps=4,
-                           num_stages=1)
+    default = DecodeConfig(block_n=loop_block_n(block_m, group), block_m=block_m, split=1,
+                           num_warps=None, num_stages=1)
     if mode == "default":
         candidates = [default]
     elif mode == "interpret":

@@ -783,11 +783,25 @@ def phased_decode(input_precision: str, block_n: int, k_bits: int, dv: int, v_bi
             and (dv * v_bits) % 16 == 0)
 
 
-#: Warps and register double buffering of the decode loop by path: the phased loop is
-#: fastest with 2 warps (its V matmuls are 16-32 channels wide) and its next chunk's words
-#: in flight spill (sm_90: 0.6 KB), so it issues each chunk's loads where they are used.
+#: Warps and register double buffering of the decode loop by path, for a block of up to
+#: 16 query rows: the phased loop is fastest with 2 warps (its V matmuls are 16-32 channels
+#: wide) and its next chunk's words in flight spill (sm_90: 0.6 KB), so it issues each
+#: chunk's loads where they are used.
 DECODE_WARPS = {True: 2, False: 4}
 DECODE_PREFETCH = {True: False, False: True}
+
+
+def loop_block_n(block_m: int, group: int) -> int:
+    """The loop's default tokens per step: the whole tile (up to 128) for a block of up to
+    16 query rows; 64 for larger blocks (multi-token shapes)."""
+    return min(group, 128 if block_m <= 16 else 64)
+
+
+def loop_warps(phased: bool, block_m: int) -> int:
+    """The loop's default warps: ``DECODE_WARPS`` for a block of up to 16 rows; 4 for larger
+    blocks, each warp 16 rows (sm_90, phased, 64 rows: 2,676 B of spills at 2 warps and
+    128-token steps, none at 4 warps and 64; 32 rows: 344 B against none)."""
+    return DECODE_WARPS[phased] if block_m <= 16 else 4
 
 
 def _default_splits(bh: int, capacity: int, device: torch.device) -> int:
@@ -891,12 +905,11 @@ def kvarn_decode_attention(
             chunk that froze its own tokens); None: all.
         bias: optional fp32 additive mask [B, Hq or 1, Tq, N * G] over the quantized tokens
             (natural-log units, -inf hides a token; token stride 1).
-        block_n: tokens per loop step, a power of two >= 16 dividing G (default min(G, 128);
-            min(G, 64) for blocks of more than 16 rows).
+        block_n: tokens per loop step, a power of two >= 16 dividing G (default
+            :func:`loop_block_n`).
         prefetch: issue the next step's loads before this step's math (default: off for the
             phased fp16 loop, :func:`phased_decode`, on otherwise: ``DECODE_PREFETCH``).
-        num_warps: warps per program (default ``DECODE_WARPS``: 2 phased, 4 otherwise; 4 for
-            blocks of more than 16 rows, each warp 16 of them).
+        num_warps: warps per program (default :func:`loop_warps`).
 
     Returns:
         (out_rot fp32 [B, Hq, Tq, Dv] normalized over the quantized region only (in the
@@ -1015,9 +1028,7 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
     split = num_splits if num_splits is not None else _default_splits(bsz * heads, cap,
                                                                       q_rot.device)
-    # a few query rows: the whole tile a step; a multi-token block (64 rows) takes 64-token
-    # steps and 4 warps, each 16 rows (heuristics.prefill_configs: the same config)
-    block_n = min(group, 128 if block_m <= 16 else 64) if block_n is None else block_n
+    block_n = loop_block_n(block_m, group) if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1) or group % block_n:
         raise ValueError(f"Expected block_n a power of two >= 16 dividing G={group}, but got "
                          f"{block_n}.")
@@ -1025,8 +1036,7 @@ def kvarn_decode_attention(
         raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
     phased = phased_decode(input_precision, block_n, kb, dv, vb)
     prefetch = DECODE_PREFETCH[phased] if prefetch is None else bool(prefetch)
-    if num_warps is None:
-        num_warps = DECODE_WARPS[phased] if block_m <= 16 else 4
+    num_warps = loop_warps(phased, block_m) if num_warps is None else num_warps
     if num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"Expected num_warps 1, 2, 4, 8 or 16, but got {num_warps!r}.")
 
