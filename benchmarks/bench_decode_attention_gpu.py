@@ -13,6 +13,9 @@ bandwidth (bytes of the cache read / time) of:
   (split path: the ``kvarn_decode`` template autotuned against the standalone kernel and
   the torch implementation; the chosen config is reported) over a packed cache of the
   same length (random valid codes and positive scales: speed, not quality);
+* ``kvarn_one_launch``: the eager op on the same cache, i.e. its CUDA kernel
+  ``kernels.kvarn_attention`` (exact region, tiles and merge in one launch, after zeroing its
+  counters), captured in the CUDA graph like the others;
 
 plus, per case, the ``kvarn_decode`` template rendered standalone in every ``SWEEP`` config
 (precision, PREFETCH, BLOCK_N, warps, splits; ``template_sweep``, fastest first), the time to
@@ -248,6 +251,8 @@ def run_case(cfg, batch: int, tokens: int, device: str = "cuda") -> dict:
             row["kvarn"]["speedup_vs_sdpa_fp16"] = row["sdpa_fp16"]["ms_median"] / row["kvarn"]["ms_median"]
         if "flex_decoding" in row:
             row["kvarn"]["speedup_vs_flex"] = row["flex_decoding"]["ms_median"] / row["kvarn"]["ms_median"]
+        row["kvarn_one_launch"] = _with_gbps(_bench_ms(lambda: torch.ops.kvarn.attention(
+            q16, st.buffers, None, scale, True, 0)), packed_bytes)
         time_config, cols = _template_standalone(st, scale)
         row["scales"] = _single_vs_dual(time_config, cols)
         if SWEEP_LENGTHS is None or tokens in SWEEP_LENGTHS:

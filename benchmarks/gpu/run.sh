@@ -130,5 +130,7 @@ step triton_tests 90 bash -c 'run_tests "$@"' _ triton_tests tests/kernels/test_
 step cuda_graph 45 "$PY" benchmarks/gpu/check_cuda_graph.py --out "$OUT/cuda-graph.json"
 step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu $GPU_FILES "${IGNORE[@]}" --continue-on-collection-errors \
     ${KVARN_GPU_PYTEST_ARGS:-}
+# the op's one-launch kernel against its reference (last: ~40 configs to compile)
+step attention_tests 60 bash -c 'run_tests "$@"' _ attention_tests tests/kernels/test_triton_attention.py
 tail -5 "$OUT/tests.log" >&2 2>/dev/null
 cat "$summary" >&2

@@ -276,6 +276,16 @@ def _decode_loop(precision, block_n, block_m, kb, dv, vb, phased, num_warps, pre
     return phased, num_warps, prefetch, suffix
 
 
+def _tile_tensors(b, h, n, d, dv, g, kb, vb):
+    """Zero packed tiles (fp16 scales) for a warmup: k codes, row scale, col scale, v codes,
+    row scale, col scale, n_tiles, key-frame flags (the zero points reuse the row scales)."""
+    f16, u8 = torch.float16, torch.uint8
+    return (torch.zeros(b, h, n, d, g * kb // 8, dtype=u8), torch.zeros(b, h, n, d, dtype=f16),
+            torch.zeros(b, h, n, g, dtype=f16), torch.zeros(b, h, n, g, dv * vb // 8, dtype=u8),
+            torch.zeros(b, h, n, g, dtype=f16), torch.zeros(b, h, n, dv, dtype=f16),
+            torch.zeros(b, dtype=torch.int64), torch.zeros(b, h, n, dtype=u8))
+
+
 def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=False, block_m=16,
                         block_n=64, dv=None, num_warps=None, prefetch=None, phased=None):
     from kvarn_compile.kernels.triton import attention as A
@@ -285,17 +295,9 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
                                                        phased, num_warps, prefetch)
 
     def build():
-        f16, u8 = torch.float16, torch.uint8
         b, n, split = 1, 4, 4
         q = torch.zeros(b, hq, 1, d)
-        kc = torch.zeros(b, h, n, d, g * kb // 8, dtype=u8)
-        krs = torch.zeros(b, h, n, d, dtype=f16)
-        kcs = torch.zeros(b, h, n, g, dtype=f16)
-        vc = torch.zeros(b, h, n, g, dv * vb // 8, dtype=u8)
-        vrs = torch.zeros(b, h, n, g, dtype=f16)
-        vcs = torch.zeros(b, h, n, dv, dtype=f16)
-        nt = torch.zeros(b, dtype=torch.int64)
-        kp = torch.zeros(b, h, n, dtype=u8)
+        kc, krs, kcs, vc, vrs, vcs, nt, kp = _tile_tensors(b, h, n, d, dv, g, kb, vb)
         o = torch.zeros(b, hq, 1, split, dv)
         lse = torch.zeros(b, hq, 1, split)
         return A._kvarn_decode_attn_kernel.warmup(
@@ -313,6 +315,52 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
         cfg["DV"] = dv
     return Case(f"decode_kernel_k{kb}v{vb}_d{d}" + (f"v{dv}" if dv != d else "")
                 + f"g{g}_n{block_n}_{precision}" + ("_plain" if plain else "") + suffix, "decode",
+                cfg, build, num_warps, tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
+
+
+def _attention_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, block_n=128, dv=None,
+                    mask=False, tq=1):
+    """``_kvarn_attn_kernel``: the CUDA op in one launch (the tile loop of
+    ``_decode_kernel_case`` plus the query rotation, the exact region and the merge), a
+    16-bit cache (the exact region's dtype), with the launcher's defaults."""
+    from kvarn_compile.kernels.triton import attention as A
+
+    dv = d if dv is None else dv
+    block_m = A.default_block_m(hq // h * tq)
+    block_n = A.loop_block_n(block_m, g) if block_m > 16 else block_n
+    phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, block_m, kb, dv, vb,
+                                                       None, None, None)
+
+    def build():
+        f16 = torch.float16
+        b, n, split, s, w = 1, 4, 4, 128, 255
+        q = torch.zeros(b, hq, tq, d, dtype=f16)
+        rot, rot_v = torch.zeros(d, d), torch.zeros(dv, dv)
+        sk, sv = torch.zeros(b, h, s, d, dtype=f16), torch.zeros(b, h, s, dv, dtype=f16)
+        tk, tv = torch.zeros(b, h, w, d, dtype=f16), torch.zeros(b, h, w, dv, dtype=f16)
+        kc, krs, kcs, vc, vrs, vcs, nt, kp = _tile_tensors(b, h, n, d, dv, g, kb, vb)
+        m = torch.zeros(b, 1, tq, 4096, dtype=torch.bool)
+        o = torch.zeros(b, hq, tq, split + 1, dv)
+        lse = torch.zeros(b, hq, tq, split + 1)
+        cnt = torch.zeros(b * h, dtype=torch.int32)
+        return A._kvarn_attn_kernel.warmup(
+            q, *q.stride()[:3], rot, rot_v, sk, sv, tk, tv, nt, nt, kc, krs, krs, kcs, vc, vrs,
+            vrs, vcs, kp, m, 0, 0, m.stride(2), 1, 4096, o, lse, cnt, q, lse, cnt, o,
+            1.0, h, n, tq, s, w, 0, 1, GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), DV=dv,
+            BLOCK_DV=_block(dv), G=g, K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_E=32, PREFETCH=prefetch, CAUSAL=True, MULTI=tq > 1,
+            HAS_WINDOW=False, HAS_MASK=mask, MASK_FLAG=mask, ERR_MASK=32, HAS_K_PLAIN=True,
+            INPUT_PRECISION=precision, PHASED=phased, grid=(1,), num_warps=num_warps,
+            num_stages=1)
+
+    cfg = dict(kernel="_kvarn_attn_kernel", k_bits=kb, v_bits=vb, D=d, G=g, group_q=hq // h,
+               BLOCK_M=block_m, BLOCK_N=block_n, input_precision=precision, k_plain=True,
+               num_warps=num_warps, prefetch=prefetch, phased=phased, mask=mask, tq=tq)
+    if dv != d:
+        cfg["DV"] = dv
+    return Case(f"attention_k{kb}v{vb}_d{d}" + (f"v{dv}" if dv != d else "")
+                + f"g{g}_n{block_n}_{precision}" + (f"_tq{tq}" if tq > 1 else "")
+                + ("_mask" if mask else "") + suffix, "decode" if tq == 1 else "prefill",
                 cfg, build, num_warps, tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
 
 
@@ -564,6 +612,7 @@ def cases(quick: bool) -> list[Case]:
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
         _decode_kernel_case(4, 2, "fp16", block_n=128),
+        _attention_case(4, 2, "fp16"),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
                        precision="fp16"),
         _quantize_case("k", 4),
@@ -584,6 +633,11 @@ def cases(quick: bool) -> list[Case]:
         # the byte loop (``_decode_range_bytes``) in the production config: the phased loop's
         # baseline
         _decode_kernel_case(4, 2, "fp16", block_n=128, phased=False),
+        # the op in one launch: a mask, 2-bit keys, MLA's head dims, a prefill block
+        _attention_case(4, 2, "fp16", mask=True),
+        _attention_case(2, 2, "fp16"),
+        _attention_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16),
+        _attention_case(4, 2, "fp16", tq=64),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
                        precision="fp16", phased=False),
         _decode_kernel_case(4, 2, "tf32"),

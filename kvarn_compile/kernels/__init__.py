@@ -5,12 +5,18 @@
   Launchers: :func:`quantize_tiles_into` (into preallocated cache tensors at given tile
   indices) and :func:`quantize_tiles_triton` (returns ``QuantizedTiles``).
   Reference: :func:`kvarn_compile.quant.quantize_kv` / ``quantize_tiles``.
-* split-K decode attention (``kernels/attention.py``, kernels ``_kvarn_decode_attn_kernel``
-  and ``_combine_splits_kernel``): flash-decoding over the packed tiles with in-register
-  unpack and the dual-scale fold, GQA heads packed per program; returns the output over the
-  quantized region and its log-sum-exp for merging with the exact sink/tail.
-  Launchers: :func:`kvarn_decode_attention` (stacked tensors),
-  :func:`kvarn_decode_attention_tiles` (``QuantizedTiles``), :func:`combine_splits`.
+* attention (``kernels/attention.py``):
+
+  - ``_kvarn_attn_kernel``, launcher :func:`kvarn_attention`: ``kvarn::attention`` of one
+    step in one launch: split-K over the packed tiles, the exact sink and tail ring, and
+    the log-sum-exp merge by the program that finishes last (the CUDA op's path);
+  - ``_kvarn_decode_attn_kernel`` and ``_combine_splits_kernel``, launchers
+    :func:`kvarn_decode_attention` (stacked tensors), :func:`kvarn_decode_attention_tiles`
+    (``QuantizedTiles``), :func:`combine_splits`: the packed tiles alone (the
+    ``tile_partials_`` contract), output and log-sum-exp for a merge by the caller.
+
+  Both run the tile loop ``_decode_range`` (in-register unpack, the dual-scale fold, GQA
+  heads packed per program), which the Inductor decode template runs too.
   Reference: softmax attention over ``quant.dequantize_tiles`` (see tests/kernels/test_triton.py).
 
 Without a GPU the kernels run on CPU tensors under the Triton interpreter: set
@@ -25,8 +31,8 @@ import os
 
 __all__ = [
     "triton_available", "quantize_tiles_into", "quantize_tiles_triton",
-    "kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits",
-    "CUDA_PRECISION",
+    "kvarn_attention", "kvarn_decode_attention", "kvarn_decode_attention_tiles",
+    "combine_splits", "CUDA_PRECISION",
 ]
 
 #: The code-matmul precision of the decode kernel and template on a GPU: fp16 operands (codes
@@ -40,6 +46,7 @@ CUDA_PRECISION = "fp16"
 _LAUNCHERS = {
     "quantize_tiles_into": "kvarn_compile.kernels.triton.quantize",
     "quantize_tiles_triton": "kvarn_compile.kernels.triton.quantize",
+    "kvarn_attention": "kvarn_compile.kernels.triton.attention",
     "kvarn_decode_attention": "kvarn_compile.kernels.triton.attention",
     "kvarn_decode_attention_tiles": "kvarn_compile.kernels.triton.attention",
     "combine_splits": "kvarn_compile.kernels.triton.attention",

@@ -8,9 +8,10 @@ The one module that decides which kernel runs where:
   than ``CPU_KERNEL_MAX_QUERIES`` queries (a prefill chunk), or queries that need causal
   masking inside the tiles, take its multi-query path (every tile dequantized once per
   block of queries, GEMM micro-kernels), exact for every visibility.
-* ``kvarn::attention`` on **CUDA**: the exact region (sink and tail, :mod:`.regions`) with
-  its log-sum-exp, the packed tiles through the split-K Triton decode kernel (in-register
-  unpack, dual-scale fold, rotated frame), merged by log-sum-exp (:mod:`.regions`).
+* ``kvarn::attention`` on **CUDA**: one Triton launch (``kernels/triton/attention.py``,
+  :func:`kvarn_attention`): split-K over the packed tiles (in-register unpack, dual-scale
+  fold, rotated frame), the exact sink and tail ring, and their log-sum-exp merge, with
+  causal, window and mask (read in place) applied per position; fp8 scales: the reference.
 * ``kvarn::append_`` on **CPU**: the decode step's append (every row continues, no tile
   completes) in one C++ call (``cpu_attention.append_decode``).
 * ``kvarn::append_`` (any other write) / ``commit_`` on **CPU**: the reference bookkeeping
@@ -24,11 +25,8 @@ The one module that decides which kernel runs where:
   tail, key frames, fp8 scales, every visibility); on **CUDA** the exact region in torch and
   the tiles through ``kernels/triton/latent_attention.py``, merged by log-sum-exp.
 
-A kernel runs only where it computes exactly what the reference computes. The CUDA path
-needs :func:`kernel_applies`: every quantized token is visible to every query (always true
-in decoding, including the step whose append froze the query's own tile), no mask hides
-any position of the quantized region, and the scales are not fp8; both CPU paths apply
-visibility per position and need only non-fp8 scales.
+A kernel runs only where it computes exactly what the reference computes: the CUDA and
+CPU attention paths apply visibility per position and need only non-fp8 scales.
 Everything else runs the reference
 (:mod:`.reference`), which is also every kernel's test oracle.
 """
@@ -55,7 +53,9 @@ __all__ = ["kernel_applies", "attention", "attention_cpu", "latent_attention_cpu
 
 def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
                    mask: torch.Tensor | None) -> bool:
-    """True when the tile kernels compute exactly what the reference computes."""
+    """True in the decode case: every query sees every packed token, no mask hides one, and
+    the scales are not fp8. (The kernels no longer need it: they apply visibility per
+    position; tests use it to say which case they cover.)"""
     f = buffers if isinstance(buffers, StateFields) else unpack(buffers)
     if f.layout.fp8_factors:                   # fp8 scales: the kernels read fp16/bf16/fp32
         return False
@@ -79,15 +79,6 @@ def kernel_applies(q: torch.Tensor, buffers: list[torch.Tensor] | StateFields,
 
 
 # ------------------------------------------------------------------------------ attention
-def _triton_tiles(q_rot, buffers, scale, kv_start, q_plain=None):
-    from kvarn_compile.kernels import kvarn_decode_attention
-
-    f = unpack(buffers)
-    return kvarn_decode_attention(
-        q_rot, *f.k.core, *f.v.core, f.n_tiles, scale=float(scale), kv_start=kv_start,
-        q_plain=None if f.k_plain is None else q_plain, k_plain=f.k_plain)
-
-
 def _cpu_attention(q, buffers, mask, scale, causal, window):
     """The whole step in one C++ call (the decode step's loop up to
     :data:`CPU_KERNEL_MAX_QUERIES` queries, the multi-query kernel beyond: exact for any
@@ -102,30 +93,15 @@ def _cpu_attention(q, buffers, mask, scale, causal, window):
                                          max_decode_queries=CPU_KERNEL_MAX_QUERIES)
 
 
-def _cuda_attention(q, buffers, mask, scale, causal, window):
-    f = unpack(buffers)
-    out_e, lse_e = regions.exact_region(q, f, mask, scale, causal, window)
-    d, dv = q.shape[-1], f.sink_v.shape[-1]
-    rot = rotation_matrix(d, q.device)
-    kv_start = None
-    if window > 0:
-        kv_start = regions.tile_bounds(f, q.shape[2], causal, window)[0]
-    q32 = q.float().contiguous()
-    out_t, lse_t = _triton_tiles((q32 @ rot).contiguous(), buffers, scale, kv_start, q32)
-    rot_v = rot if dv == d else rotation_matrix(dv, q.device)
-    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot_v.T, lse_t)
-    return out
-
-
 def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor | None,
               scale: float, causal: bool, window: int, *, kernel: str = "triton") -> torch.Tensor:
     """The attention with the tile part on ``kernel`` where it applies, else the reference.
 
     ``"cpu"``: the C++ decode step for up to :data:`CPU_KERNEL_MAX_QUERIES` queries, the
     C++ multi-query kernel for more (a prefill chunk); both apply causal, window and mask
-    visibility per position (exact wherever they run, no :func:`kernel_applies` check on
-    the per-token path) and refuse fp8 scales. ``"triton"``: the CUDA path where
-    :func:`kernel_applies`.
+    visibility per position (exact wherever they run) and refuse fp8 scales. ``"triton"``:
+    the one-launch Triton kernel (:func:`_cuda_step_attention`, exact for every visibility),
+    fp8 scales excepted.
     """
     out = None
     if kernel == "cpu":
@@ -133,9 +109,8 @@ def attention(q: torch.Tensor, buffers: list[torch.Tensor], mask: torch.Tensor |
     else:
         f = unpack(buffers)
         attention_ref.check_queries(q, f)
-        attention_ref.check_mask(f, mask)
-        if kernel_applies(q, f, mask):
-            out = _cuda_attention(q, buffers, mask, scale, causal, window)
+        if not f.layout.fp8_factors:
+            out = _cuda_step_attention(q, f, mask, scale, causal, window, checked=True)
     if out is None:
         return attention_ref.attention(q, buffers, mask, scale, causal, window)
     return out if out.dtype == q.dtype else out.to(q.dtype)   # (a no-op .to costs a dispatch)
@@ -267,17 +242,12 @@ def _attention_cuda(q, buffers, mask, scale, causal, window):
     if triton_available():
         f = unpack(buffers)
         attention_ref.check_queries(q, f)
-        # a masked query block longer than a decode step keeps the checked path (it builds no
-        # [B, Hq, Tq, N*G] bias) unless host checks are off
         if q.shape[2] == 1 and not _single_token_checks_on(q.device):
             checked = False
         else:
             checked = cuda_checks_on()
-        if not f.layout.fp8_factors and (mask is None or q.shape[2] <= CPU_KERNEL_MAX_QUERIES
-                                         or not checked):
-            return _cuda_step_attention(q, f, mask, scale, causal, window,
-                                        checked).to(q.dtype).contiguous()
-        return attention(q, buffers, mask, scale, causal, window, kernel="triton").contiguous()
+        if not f.layout.fp8_factors:
+            return _cuda_step_attention(q, f, mask, scale, causal, window, checked)
     return attention_ref.attention(q, buffers, mask, scale, causal, window).contiguous()
 
 
@@ -400,40 +370,25 @@ def raise_device_errors(device: torch.device | str, name: str = "") -> None:
 
 
 def _cuda_step_attention(q, f, mask, scale, causal, window, checked: bool):
-    """The CUDA attention of any step without a host sync: the exact region in torch, the
-    tiles through the Triton kernel with the causal bound (``kv_end``, multi-token queries)
-    and the mask (an additive bias) applied inside, merged by log-sum-exp. Equal to the
-    reference wherever it is defined; the mask-length check is the reference's (a host
+    """The CUDA attention of any step in one kernel launch and without a host sync
+    (``kernels/triton/attention.kvarn_attention``: the exact region, the packed tiles with
+    the causal bound, window and mask applied inside, and their log-sum-exp merge). Equal to
+    the reference wherever it is defined; the mask-length check is the reference's (a host
     read) in the checked mode and a device flag otherwise."""
-    from kvarn_compile.kernels import kvarn_decode_attention
+    from kvarn_compile.kernels import kvarn_attention
     from kvarn_compile.kernels.triton import append as triton_append
 
-    geo = Geometry.of(f)
-    bsz, tq, d = q.shape[0], q.shape[2], q.shape[-1]
-    if mask is not None:
-        if checked:
-            attention_ref.check_mask(f, mask)
-        else:
-            short = (f.lengths.max() > mask.shape[-1]).int() * triton_append.ERR_MASK
-            triton_append.error_flags(q.device).bitwise_or_(short)
-    out_e, lse_e = regions.exact_region(q, f, mask, scale, causal, window)
+    if mask is not None and checked:
+        attention_ref.check_mask(f, mask)
+    d, dv = q.shape[-1], f.sink_v.shape[-1]
     rot = triton_append.rotation(d, q.device)
-    dv = geo.value_head_dim
     rot_v = rot if dv == d else triton_append.rotation(dv, q.device)
-    kv_lo, kv_hi = regions.tile_bounds(f, tq, causal, window)
-    bias = None
-    if mask is not None:
-        m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        cols = geo.sink + torch.arange(geo.max_tiles * geo.group, device=q.device)
-        bias = regions.bias_at(m4, cols[None, :].expand(bsz, -1), (bsz, m4.shape[1], tq))
-    q32 = q.float().contiguous()
-    out_t, lse_t = kvarn_decode_attention(
-        (q32 @ rot).contiguous(), *f.k.core, *f.v.core, f.n_tiles, scale=float(scale),
-        kv_start=kv_lo if window > 0 else None,
-        kv_end=kv_hi if causal and tq > 1 else None, bias=bias,
-        q_plain=None if f.k_plain is None else q32, k_plain=f.k_plain)
-    out, _ = regions.merge_regions(out_e, lse_e, out_t @ rot_v.T, lse_t)
-    return out
+    return kvarn_attention(
+        q if q.stride(-1) == 1 else q.contiguous(), f.sink_k, f.sink_v, f.tail_k, f.tail_v,
+        f.lengths, f.n_tiles, *f.k.core, *f.v.core, rot, rot_v, scale=float(scale),
+        causal=causal, window=window, mask=mask, k_plain=f.k_plain,
+        error_flags=None if checked or mask is None else triton_append.error_flags(q.device),
+        error_bit=triton_append.ERR_MASK)
 
 
 # ------------------------------------------------------------------------------ append

@@ -22,7 +22,7 @@ def test_the_gpu_check_runs_its_steps_and_leaves_a_summary(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     steps = summary["steps"]
     assert set(steps) == {"triton_tests", "cuda_graph", "bench_decode_attention", "e2e_decode",
-                          "gpu_tests"}
+                          "gpu_tests", "attention_tests"}
     assert steps["cuda_graph"]["rc"] == 0 and steps["e2e_decode"]["rc"] == 0
     assert steps["gpu_tests"]["skipped"] == "not in KVARN_GPU_STEPS"
     assert json.loads((tmp_path / "env.json").read_text())["kvarn_import"] == "ok"

@@ -63,18 +63,32 @@ def test_cpu_op_dispatches_to_the_kernel_and_matches_the_reference(monkeypatch):
     assert not calls
 
 
-def test_attention_with_an_all_attend_mask_uses_the_kernel_and_a_masking_one_falls_back():
+def test_attention_kernel_runs_under_every_mask_with_the_reference_result(monkeypatch):
+    """The CUDA op's kernel applies masks per position: one that attends everywhere, one that
+    hides a quantized position (the decode case no longer: ``kernel_applies`` says so), and
+    a query block inside the quantized region; never the reference."""
+    from kvarn_compile.kernels.triton import attention as triton_attention
+
     st = _filled([170, 170])
+    calls = []
+    real = triton_attention.kvarn_attention
+    monkeypatch.setattr(triton_attention, "kvarn_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     q = torch.randn(2, H, 1, D)
     full = torch.ones(2, 1, 1, 256, dtype=torch.bool)
-    assert triton_impl.kernel_applies(q, st.buffers, full)
-    torch.testing.assert_close(triton_impl.attention(q, st.buffers, full, 0.2, True, 0),
-                               attention_ref.attention(q, st.buffers, full, 0.2, True, 0), atol=2e-5, rtol=2e-5)
     hole = full.clone()
-    hole[..., 40] = False                  # hides a quantized position: kernel must not be used
+    hole[..., 40] = False
+    assert triton_impl.kernel_applies(q, st.buffers, full)
     assert not triton_impl.kernel_applies(q, st.buffers, hole)
-    torch.testing.assert_close(triton_impl.attention(q, st.buffers, hole, 0.2, True, 0),
-                               attention_ref.attention(q, st.buffers, hole, 0.2, True, 0))
+    for mask in (full, hole):
+        torch.testing.assert_close(triton_impl.attention(q, st.buffers, mask, 0.2, True, 0),
+                                   attention_ref.attention(q, st.buffers, mask, 0.2, True, 0),
+                                   atol=2e-5, rtol=2e-5)
+    q = torch.randn(2, H, 100, D)
+    torch.testing.assert_close(triton_impl.attention(q, st.buffers, None, 0.2, True, 0),
+                               attention_ref.attention(q, st.buffers, None, 0.2, True, 0),
+                               atol=2e-5, rtol=2e-5)
+    assert len(calls) == 3
 
 
 def test_prefill_chunk_overlapping_tiles_falls_back():

@@ -41,6 +41,7 @@ the merge formula above expects.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,7 +51,8 @@ from kvarn_compile.kernels import CUDA_PRECISION
 from kvarn_compile.kernels.triton.quantize import KERNEL_BITS, KERNEL_SCALE_DTYPES
 from kvarn_compile.quant.quantize import QuantizedTiles
 
-__all__ = ["kvarn_decode_attention", "kvarn_decode_attention_tiles", "combine_splits"]
+__all__ = ["kvarn_attention", "kvarn_decode_attention", "kvarn_decode_attention_tiles",
+           "combine_splits"]
 
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -78,11 +80,16 @@ def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
 def _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS: tl.constexpr,
                  HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
     """Scores s [BLOCK_M, N] (log2 units) of the tokens tok [N] under the loop's masks: the
-    additive bias (natural-log units, row pointers bias_rows, token stride s_bias; HAS_BIAS),
-    -inf before kv_lo (HAS_LO) and from kv_hi on (HAS_HI), per row."""
+    mask (row pointers bias_rows, token stride s_bias; HAS_BIAS): additive in natural-log
+    units in any float dtype, or bool (True attends); -inf before kv_lo (HAS_LO) and from
+    kv_hi on (HAS_HI), per row."""
     if HAS_BIAS:
-        bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
-                       mask=m_valid[:, None], other=0.0)
+        ok = m_valid[:, None]
+        if HAS_HI:      # nothing is read at or past kv_hi (a mask may end there)
+            ok = ok & (tok[None, :] < kv_hi[:, None])
+        bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias, mask=ok, other=0)
+        if bias.dtype == tl.int1:       # a bool mask: True attends
+            bias = tl.where(bias, 0.0, float("-inf"))
         s = s + bias.to(tl.float32) * 1.4426950408889634
     if HAS_LO:
         s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
@@ -601,6 +608,26 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
     return m_i, l_i, acc
 
 
+@triton.jit
+def _head_tiles(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, head, start, end,
+                m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale, BLOCK_M: tl.constexpr,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_LO: tl.constexpr,
+                HAS_HI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DV: tl.constexpr, PHASED: tl.constexpr):
+    """``_decode_range`` over tiles [start, end) of one (batch row, kv head) of contiguous
+    state tensors [B, H, N, ...]: ``head`` = (b * H + h) * N, the flat index of its tile 0."""
+    K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
+    V_ROW_BYTES: tl.constexpr = DV * V_BITS // 8
+    return _decode_range(
+        q, q_plain, kc + head * (D * K_ROW_BYTES), krs + head * D, krz + head * D, kcs + head * G,
+        vc + head * (G * V_ROW_BYTES), vrs + head * G, vrz + head * G, vcs + head * DV, kp + head,
+        D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1, start, end, m_valid, kv_lo, kv_hi,
+        bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO,
+        HAS_HI, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED)
+
+
 # ------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------
@@ -701,8 +728,6 @@ def _kvarn_decode_attn_kernel(
     start = first + split * per_split
     end = tl.minimum(start + per_split, last)
 
-    K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
-    V_ROW_BYTES: tl.constexpr = DV * V_BITS // 8
     head = (b.to(tl.int64) * H + h) * N  # flat index of tile 0 of (b, h)
     if not HAS_KV_START:
         kv_lo = tq
@@ -712,25 +737,16 @@ def _kvarn_decode_attn_kernel(
         q_plain = q
     bias_rows = bias_ptr + b.to(tl.int64) * stride_bb + hq.to(tl.int64) * stride_bh \
         + tq.to(tl.int64) * stride_bt
-    m_i, l_i, acc = _decode_range(
-        q, q_plain, k_codes_ptr + head * (D * K_ROW_BYTES), k_row_scale_ptr + head * D,
-        k_row_zero_ptr + head * D, k_col_scale_ptr + head * G,
-        v_codes_ptr + head * (G * V_ROW_BYTES), v_row_scale_ptr + head * G,
-        v_row_zero_ptr + head * G, v_col_scale_ptr + head * DV, k_plain_ptr + head,
-        D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1,
-        start, end, m_valid, kv_lo, kv_hi, bias_rows, 1, qk_scale,
-        BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_KV_START, HAS_KV_END, HAS_BIAS,
-        HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED)
+    m_i, l_i, acc = _head_tiles(
+        q, q_plain, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr, v_codes_ptr,
+        v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr, k_plain_ptr, head, start, end,
+        m_valid, kv_lo, kv_hi, bias_rows, 1, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS,
+        V_BITS, HAS_KV_START, HAS_KV_END, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV,
+        BLOCK_DV, PHASED)
 
     # ---- store this split's normalized partial and its lse (natural log)
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
-    row = ((b.to(tl.int64) * (H * GROUP_Q) + hq) * Tq + tq) * SPLIT + split
-    offs_dv = tl.arange(0, BLOCK_DV)
-    tl.store(o_ptr + row[:, None] * DV + offs_dv[None, :], out,
-             mask=m_valid[:, None] & (offs_dv < DV)[None, :])
-    tl.store(lse_ptr + row, lse, mask=m_valid)
+    _store_partial(o_ptr, lse_ptr, split, m_i, l_i, acc,
+                   (b.to(tl.int64) * (H * GROUP_Q) + hq) * Tq + tq, m_valid, SPLIT, DV, BLOCK_DV)
 
 
 @triton.jit
@@ -767,6 +783,275 @@ def _combine_splits_kernel(
     out = tl.sum(w[:, None] * o_s, axis=0) / tl.where(has, den, 1.0)
     tl.store(out_ptr + row * D + offs_d, out, mask=offs_d < D)
     tl.store(lse_ptr + row, tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf")))
+
+
+@triton.jit
+def _exact_chunk(q, kb, vb, slot, pos, ok, q_pos, m_valid, mask_rows, s_mk, mask_len, qk_scale,
+                 window, m_i, l_i, acc, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 DV: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step of ``_exact_range`` over the slots ``slot`` [BLOCK_E] of one
+    exact buffer (keys kb [*, D], values vb [*, DV]), at positions ``pos``, ``ok`` where a
+    slot holds a token."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = tl.load(kb + slot.to(tl.int64)[:, None] * D + offs_d[None, :],
+                mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * qk_scale
+    allowed = ok[None, :] & m_valid[:, None]
+    if CAUSAL:
+        allowed = allowed & (pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+    if HAS_MASK:
+        bias = tl.load(mask_rows[:, None] + pos[None, :].to(tl.int64) * s_mk,
+                       mask=allowed & (pos < mask_len)[None, :], other=0)
+        if bias.dtype == tl.int1:
+            bias = tl.where(bias, 0.0, float("-inf"))
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    s = tl.where(allowed, s, float("-inf"))
+    p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+    v = tl.load(vb + slot.to(tl.int64)[:, None] * DV + offs_dv[None, :],
+                mask=ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    acc = tl.dot(p, v.to(tl.float32), acc, input_precision=PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _exact_range(q, sk, sv, tk, tv, S, W, length, n_tok, q_pos, m_valid, mask_rows, s_mk,
+                 mask_len, qk_scale, window, BLOCK_M: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_E: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Online-softmax attention of the plain query block q [BLOCK_M, BLOCK_D] (fp32) over the
+    exact region of one (batch row, kv head): sink slots [0, S) at positions 0..S-1, tail
+    ring slots [0, W), slot w holding position S + n_tok + (w - n_tok) mod W (n_tok: the
+    packed tokens), each visible when it holds a token (< length; the tail only once the
+    sink is full), under the causal, window and mask rules of ``ops/regions.exact_region``.
+    sk/tk [S|W, D] and sv/tv [S|W, DV] point at the row's slots (contiguous). Returns
+    (m, l, acc) in log2 units. Dots: fp32 with INPUT_PRECISION "ieee", else tf32, whose
+    10-bit significand holds an fp16 or bf16 cache's keys and values and a 16-bit model's
+    queries exactly (fp32 sums; the probabilities rounded to 10 bits)."""
+    PRECISION: tl.constexpr = "ieee" if INPUT_PRECISION == "ieee" else "tf32"
+    offs_e = tl.arange(0, BLOCK_E)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for e0 in range(0, S, BLOCK_E):
+        j = e0 + offs_e
+        m_i, l_i, acc = _exact_chunk(q, sk, sv, j, j, (j < S) & (j < length), q_pos, m_valid,
+                                     mask_rows, s_mk, mask_len, qk_scale, window, m_i, l_i, acc,
+                                     D, BLOCK_D, DV, BLOCK_DV, CAUSAL, HAS_WINDOW, HAS_MASK,
+                                     PRECISION)
+    ring = tl.maximum(W, 1)
+    tail_end = tl.where(length > S, length, 0)      # the tail holds tokens once the sink is full
+    for e0 in range(0, W, BLOCK_E):
+        w = e0 + offs_e
+        pos = S + n_tok + ((w - n_tok) % ring + ring) % ring
+        ok = (w < W) & (pos < tail_end)
+        m_i, l_i, acc = _exact_chunk(q, tk, tv, w, pos, ok, q_pos, m_valid, mask_rows, s_mk,
+                                     mask_len, qk_scale, window, m_i, l_i, acc, D, BLOCK_D, DV,
+                                     BLOCK_DV, CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(o_part_ptr, lse_part_ptr, slot, m_i, l_i, acc, rows, m_valid,
+                   SLOTS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Store one program's normalized partial (acc / l, natural-log lse; 0 and -inf when it
+    saw nothing) at ``slot`` of its rows: o_part [rows, SLOTS, DV], lse_part [rows, SLOTS]."""
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    row = rows * SLOTS + slot
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(o_part_ptr + row[:, None] * DV + offs_dv[None, :], out,
+             mask=m_valid[:, None] & (offs_dv < DV)[None, :])
+    tl.store(lse_part_ptr + row, lse, mask=m_valid)
+
+
+@triton.jit
+def _kvarn_attn_kernel(
+    q_ptr, s_qb, s_qh, s_qt,      # queries [B, Hq, Tq, D] as the model gives them (last stride 1)
+    rot_ptr,                      # fp32 [D, D]: the keys' rotation (q_rot = q @ rot)
+    rot_v_ptr,                    # fp32 [DV, DV]: the values' rotation (out = out_rot @ rot_v^T)
+    sink_k_ptr, sink_v_ptr,       # [B, H, S, D], [B, H, S, DV] exact sink, contiguous
+    tail_k_ptr, tail_v_ptr,       # [B, H, W, D], [B, H, W, DV] exact tail ring, contiguous
+    lengths_ptr,                  # int [B]: tokens written per batch row
+    n_tiles_ptr,                  # int [B]: packed tiles per batch row
+    k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,   # as _kvarn_decode_attn_kernel
+    v_codes_ptr, v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr,
+    k_plain_ptr,                  # uint8 [B, H, N] per-tile key frames (HAS_K_PLAIN)
+    mask_ptr, s_mb, s_mh, s_mt, s_mk,   # the model's mask (bool or additive float), its strides
+    mask_len,                     # its key length M
+    o_part_ptr,                   # fp32 [B, Hq, Tq, SPLIT + 1, DV] partials (slot SPLIT: exact)
+    lse_part_ptr,                 # fp32 [B, Hq, Tq, SPLIT + 1]
+    count_ptr,                    # int32 [B * H * M_BLOCKS], zero: programs done per block
+    out_ptr,                      # [B, Hq, Tq, DV] in q's dtype, contiguous
+    lse_ptr,                      # fp32 [B, Hq, Tq]
+    err_ptr,                      # int32 device error flags (MASK_FLAG)
+    scratch_ptr,                  # fp32 [B * H * SPLIT * M_BLOCKS, BLOCK_M, BLOCK_D]: rotated q
+    qk_scale, H, N, Tq, S, W, window, M_BLOCKS,
+    GROUP_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    CAUSAL: tl.constexpr,           # causal visibility (bottom-right: query t at length - Tq + t)
+    MULTI: tl.constexpr,            # Tq > 1 (a causal bound inside the packed region)
+    HAS_WINDOW: tl.constexpr,       # a sliding window of ``window`` positions
+    HAS_MASK: tl.constexpr,
+    MASK_FLAG: tl.constexpr,        # record a mask shorter than a row's length in err_ptr
+    ERR_MASK: tl.constexpr,         # its bit
+    HAS_K_PLAIN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PHASED: tl.constexpr,
+):
+    """``kvarn::attention`` of one step in one launch: the exact region, the packed tiles and
+    their log-sum-exp merge.
+
+    How is this kernel parallelized? Grid (B * H, SPLIT + 1, M_BLOCKS), rows packed
+    position-major as in ``_kvarn_decode_attn_kernel``. Programs s < SPLIT rotate their
+    query block (q @ rot, in the kernel) and walk split s of the packed tiles, as that
+    kernel does; program SPLIT attends the exact region (``_exact_range``) with the plain
+    queries. Each stores its normalized partial, then takes a ticket on its block's counter
+    (an acq_rel atomic after a CTA barrier); the program that finishes last merges the
+    SPLIT + 1 partials: the tile splits weighted in the rotated frame, rotated back once
+    (@ rot_v^T, in column chunks), plus the exact region's, written in q's dtype.
+    """
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < GROUP_Q * Tq
+    hq = h * GROUP_Q + offs_m % GROUP_Q
+    tq = offs_m // GROUP_Q
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q_rows = q_ptr + b64 * s_qb + hq.to(tl.int64) * s_qh + tq.to(tl.int64) * s_qt
+    length = tl.load(lengths_ptr + b).to(tl.int32)
+    n_raw = tl.load(n_tiles_ptr + b).to(tl.int32)
+    q_pos = length - Tq + tq
+    mask_rows = mask_ptr + b64 * s_mb + hq.to(tl.int64) * s_mh + tq.to(tl.int64) * s_mt
+    rows = (b64 * (H * GROUP_Q) + hq) * Tq + tq
+    ROT_PRECISION: tl.constexpr = "ieee" if INPUT_PRECISION == "ieee" else "tf32"
+    HAS_HI: tl.constexpr = CAUSAL and MULTI
+    # rows of rot (columns of rot_v^T) per rotation step: 4096 fp32 values in registers
+    RK: tl.constexpr = max(16, min(BLOCK_D, 4096 // BLOCK_D))
+    RC: tl.constexpr = max(16, min(BLOCK_DV, 4096 // BLOCK_DV))
+
+    if split < SPLIT:
+        # ---- q @ rot, RK rows of rot at a time (the whole matrix in registers would spill)
+        q = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for k0 in tl.static_range(0, BLOCK_D, RK):
+            offs_k = k0 + tl.arange(0, RK)
+            q_k = tl.load(q_rows[:, None] + offs_k[None, :],
+                          mask=m_valid[:, None] & (offs_k < D)[None, :], other=0.0).to(tl.float32)
+            r = tl.load(rot_ptr + offs_k[:, None] * D + offs_d[None, :],
+                        mask=(offs_k < D)[:, None] & d_mask[None, :], other=0.0)
+            q = tl.dot(q_k, r, q, input_precision=ROT_PRECISION)
+        # through a scratch row block: the loop takes q in the layout of a load (straight from
+        # the dot's accumulator layout, sm_90 spills: triton 3.6, 308 B)
+        pid = (pid_bh * SPLIT + split) * M_BLOCKS + pid_m
+        offs_r = tl.arange(0, BLOCK_M)
+        scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_D) \
+            + offs_r[:, None] * BLOCK_D + offs_d[None, :]
+        tl.store(scratch, q)
+        tl.debug_barrier()
+        q = tl.load(scratch)
+        if HAS_K_PLAIN:
+            q_plain = tl.load(q_rows[:, None] + offs_d[None, :],
+                              mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        else:
+            q_plain = q
+        # ---- which packed tokens each row sees (``regions.tile_bounds``)
+        n = tl.minimum(tl.maximum(n_raw, 0), N)
+        kv_hi = tl.zeros_like(tq) + n * G
+        if CAUSAL and MULTI:
+            kv_hi = tl.minimum(kv_hi, tl.maximum(q_pos - S + 1, 0))
+        kv_lo = tq * 0
+        first = n * 0
+        if HAS_WINDOW:
+            kv_lo = tl.maximum(q_pos - window + 1 - S, 0)
+            lowest = tl.min(tl.where(m_valid, kv_lo, 2147483647), axis=0)
+            first = tl.minimum(lowest // G, n)
+        last = n
+        if HAS_HI:
+            last = tl.maximum(tl.minimum(tl.cdiv(tl.max(tl.where(m_valid, kv_hi, 0), axis=0), G), n),
+                              first)
+        if HAS_MASK:
+            # only tiles the mask covers whole: never a read past its end (a mask shorter than
+            # a row's length is an error the caller reports; a valid one covers every tile)
+            last = tl.maximum(tl.minimum(last, tl.maximum(mask_len - S, 0) // G), first)
+        per_split = tl.cdiv(last - first, SPLIT)
+        start = first + split * per_split
+        end = tl.minimum(start + per_split, last)
+        m_i, l_i, acc = _head_tiles(
+            q, q_plain, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
+            v_codes_ptr, v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr, k_plain_ptr,
+            (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, mask_rows + S * s_mk, s_mk,
+            qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
+            HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED)
+        _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SPLIT + 1,
+                       DV, BLOCK_DV)
+    else:
+        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)
+        head_s = (b64 * H + h) * S
+        head_w = (b64 * H + h) * W
+        m_i, l_i, acc = _exact_range(
+            q, sink_k_ptr + head_s * D, sink_v_ptr + head_s * DV, tail_k_ptr + head_w * D,
+            tail_v_ptr + head_w * DV, S, W, length, n_raw * G, q_pos, m_valid, mask_rows, s_mk,
+            mask_len, qk_scale, window, BLOCK_M, D, BLOCK_D, DV, BLOCK_DV, BLOCK_E, CAUSAL,
+            HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
+        _store_partial(o_part_ptr, lse_part_ptr, SPLIT, m_i, l_i, acc, rows, m_valid, SPLIT + 1,
+                       DV, BLOCK_DV)
+        if MASK_FLAG:
+            if pid_m == 0:
+                short = (length > mask_len).to(tl.int32) * ERR_MASK
+                tl.atomic_or(err_ptr, short, sem="relaxed")
+
+    # ---- the last program of this block merges its SPLIT + 1 partials
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + pid_bh * M_BLOCKS + pid_m, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLIT:
+        SLOTS: tl.constexpr = SPLIT + 1
+        offs_dv = tl.arange(0, BLOCK_DV)
+        base = rows * SLOTS
+        top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(0, SLOTS):
+            lse_s = tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
+                            cache_modifier=".cg")
+            top = tl.maximum(top, lse_s)
+        m_ref = tl.where(top == float("-inf"), 0.0, top)
+        den = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_rot = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for s in range(0, SPLIT):
+            w_s = tl.exp(tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
+                                 cache_modifier=".cg") - m_ref)
+            o_s = tl.load(o_part_ptr + (base + s)[:, None] * DV + offs_dv[None, :],
+                          mask=m_valid[:, None] & (offs_dv < DV)[None, :], other=0.0,
+                          cache_modifier=".cg")
+            acc_rot += w_s[:, None] * tl.where(w_s[:, None] > 0.0, o_s, 0.0)
+            den += w_s
+        w_e = tl.exp(tl.load(lse_part_ptr + base + SPLIT, mask=m_valid, other=float("-inf"),
+                             cache_modifier=".cg") - m_ref)
+        den += w_e
+        has = den > 0.0
+        inv = 1.0 / tl.where(has, den, 1.0)
+        lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+        tl.store(lse_ptr + rows, tl.where(den != den, den, lse), mask=m_valid)
+        for c0 in tl.static_range(0, BLOCK_DV, RC):
+            offs_c = c0 + tl.arange(0, RC)
+            c_ok = offs_c < DV
+            r_t = tl.load(rot_v_ptr + offs_c[None, :] * DV + offs_dv[:, None],
+                          mask=c_ok[None, :] & (offs_dv < DV)[:, None], other=0.0)
+            o_e = tl.load(o_part_ptr + (base + SPLIT)[:, None] * DV + offs_c[None, :],
+                          mask=m_valid[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
+            out = (tl.dot(acc_rot, r_t, input_precision=ROT_PRECISION)
+                   + w_e[:, None] * tl.where(w_e[:, None] > 0.0, o_e, 0.0)) * inv[:, None]
+            tl.store(out_ptr + rows[:, None] * DV + offs_c[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & c_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------
@@ -832,6 +1117,119 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor
             o_part, lse_part, out, lse, D=d, BLOCK_D=triton.next_power_of_2(d), SPLIT=split,
             BLOCK_S=triton.next_power_of_2(split))
     return out, lse
+
+
+class _TilePlan(NamedTuple):
+    heads: int
+    cap: int
+    group: int
+    dv: int
+    k_bits: int
+    v_bits: int
+    input_precision: str
+    block_m: int
+    split: int
+    block_n: int
+    phased: bool
+    prefetch: bool
+    num_warps: int
+
+
+def default_block_m(rows: int) -> int:
+    """Query rows per program for ``rows`` = g * Tq rows per kv head: a power of two, 16-64."""
+    return min(64, max(16, triton.next_power_of_2(max(rows, 1))))
+
+
+def _tile_plan(q, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_scale,
+               v_row_zero, v_col_scale, n_tiles, k_plain, input_precision, block_m, split,
+               block_n, prefetch, num_warps, k_bits=None, v_bits=None) -> _TilePlan:
+    """The packed tiles' checks (one-line errors) and the tile loop's sizes, shared by the
+    launchers: q [B, Hq, Tq, D] gives B, Hq, Tq and D; None picks each default."""
+    bsz, hq, tq, d = q.shape
+    if k_codes.dim() != 5:
+        raise ValueError(f"Expected k_codes of shape [B, H, N, D, G*kb/8], but got "
+                         f"{list(k_codes.shape)}.")
+    heads, cap = k_codes.shape[1], k_codes.shape[2]
+    group = k_col_scale.shape[-1] if k_col_scale.dim() == 4 else -1
+    if heads < 1 or hq % heads:
+        raise ValueError(f"Expected the query heads Hq={hq} to be a multiple of the kv heads "
+                         f"H={heads}, but got Hq % H = {hq % max(heads, 1)}.")
+    kb = _bits_of(k_codes, group, "K code") if group > 0 else 0
+    dv = v_col_scale.shape[-1] if v_col_scale.dim() == 4 else d
+    if dv < 1:
+        raise ValueError(f"Expected v_col_scale [B, H, N, Dv] with Dv >= 1, but got "
+                         f"{list(v_col_scale.shape)}.")
+    vb = _bits_of(v_codes, dv, "V code")
+    expected = {
+        "k_codes": (bsz, heads, cap, d, group * kb // 8),
+        "k_row_scale": (bsz, heads, cap, d), "k_row_zero": (bsz, heads, cap, d),
+        "k_col_scale": (bsz, heads, cap, group),
+        "v_codes": (bsz, heads, cap, group, dv * vb // 8),
+        "v_row_scale": (bsz, heads, cap, group), "v_row_zero": (bsz, heads, cap, group),
+        "v_col_scale": (bsz, heads, cap, dv),
+    }
+    tensors = {"k_codes": k_codes, "k_row_scale": k_row_scale, "k_row_zero": k_row_zero,
+               "k_col_scale": k_col_scale, "v_codes": v_codes, "v_row_scale": v_row_scale,
+               "v_row_zero": v_row_zero, "v_col_scale": v_col_scale}
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"Expected {name} of shape {list(expected[name])} (B={bsz}, H={heads}, "
+                             f"N={cap}, D={d}, Dv={dv}, G={group}), but got {list(t.shape)}.")
+        if t.device != q.device:
+            raise ValueError(f"Expected {name} on {q.device}, but got {t.device}.")
+        if not t.is_contiguous():
+            raise ValueError(f"Expected a contiguous {name}, but got strides {t.stride()}.")
+        if name.endswith("codes"):
+            if t.dtype != torch.uint8:
+                raise TypeError(f"Expected {name} of dtype torch.uint8, but got {t.dtype}.")
+        elif t.dtype == torch.float8_e4m3fn:
+            raise NotImplementedError(
+                f"Expected {name} in one of {KERNEL_SCALE_DTYPES}, but got float8_e4m3fn: fp8 "
+                "scales need their per-vector factor, which the kernel does not apply yet.")
+        elif t.dtype not in KERNEL_SCALE_DTYPES:
+            raise TypeError(f"Expected {name} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
+    for name, given, got in (("k_bits", k_bits, kb), ("v_bits", v_bits, vb)):
+        if given is not None and given != got:
+            raise ValueError(f"Expected {name}={given} to match the packed rows, but the rows "
+                             f"hold {got}-bit codes.")
+    if group < 16 or group & (group - 1):
+        raise NotImplementedError(
+            f"Expected a power-of-two tile length G >= 16 for the Triton kernel, but got {group}.")
+    if n_tiles.dtype not in (torch.int32, torch.int64) or tuple(n_tiles.shape) != (bsz,):
+        raise ValueError(f"Expected n_tiles int32/int64 of shape [{bsz}], but got "
+                         f"{n_tiles.dtype} {list(n_tiles.shape)}.")
+    if n_tiles.device != q.device:
+        raise ValueError(f"Expected n_tiles on {q.device}, but got {n_tiles.device}.")
+    if input_precision is None:
+        input_precision = CUDA_PRECISION if q.is_cuda else "ieee"
+    if input_precision not in ("ieee", "tf32", "fp16"):
+        raise ValueError(f"Expected input_precision 'ieee', 'tf32' or 'fp16', but got "
+                         f"{input_precision!r}.")
+    g = hq // heads
+    rows = g * tq
+    if block_m is None:
+        block_m = default_block_m(rows)
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
+    if split is None:
+        split = _default_splits(bsz * heads * triton.cdiv(rows, block_m), cap, q.device)
+    block_n = loop_block_n(block_m, group) if block_n is None else block_n
+    if block_n < 16 or block_n & (block_n - 1) or group % block_n:
+        raise ValueError(f"Expected block_n a power of two >= 16 dividing G={group}, but got "
+                         f"{block_n}.")
+    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
+    phased = phased_decode(input_precision, block_n, kb, dv, vb)
+    prefetch = DECODE_PREFETCH[phased] if prefetch is None else bool(prefetch)
+    num_warps = loop_warps(phased, block_m) if num_warps is None else num_warps
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"Expected num_warps 1, 2, 4, 8 or 16, but got {num_warps!r}.")
+    if k_plain is not None and (tuple(k_plain.shape) != (bsz, heads, cap)
+                                or k_plain.dtype != torch.uint8 or k_plain.device != q.device):
+        raise ValueError(f"Expected k_plain uint8 of shape [{bsz}, {heads}, {cap}] on {q.device}, "
+                         f"but got {k_plain.dtype} {list(k_plain.shape)} on {k_plain.device}.")
+    return _TilePlan(heads, cap, group, dv, kb, vb, input_precision, block_m, split, block_n,
+                     phased, prefetch, num_warps)
 
 
 def _bits_of(codes: torch.Tensor, row_len: int, what: str) -> int:
@@ -924,60 +1322,13 @@ def kvarn_decode_attention(
     if q_rot.stride(-1) != 1:
         raise ValueError(f"Expected q_rot with a unit last stride, but got {q_rot.stride()}.")
     bsz, hq, tq, d = q_rot.shape
-    if k_codes.dim() != 5:
-        raise ValueError(f"Expected k_codes of shape [B, H, N, D, G*kb/8], but got "
-                         f"{list(k_codes.shape)}.")
-    heads, cap = k_codes.shape[1], k_codes.shape[2]
-    group = k_col_scale.shape[-1] if k_col_scale.dim() == 4 else -1
-    if heads < 1 or hq % heads:
-        raise ValueError(f"Expected the query heads Hq={hq} to be a multiple of the kv heads "
-                         f"H={heads}, but got Hq % H = {hq % max(heads, 1)}.")
-    kb = _bits_of(k_codes, group, "K code") if group > 0 else 0
-    dv = v_col_scale.shape[-1] if v_col_scale.dim() == 4 else d
-    if dv < 1:
-        raise ValueError(f"Expected v_col_scale [B, H, N, Dv] with Dv >= 1, but got "
-                         f"{list(v_col_scale.shape)}.")
-    vb = _bits_of(v_codes, dv, "V code")
-    expected = {
-        "k_codes": (bsz, heads, cap, d, group * kb // 8),
-        "k_row_scale": (bsz, heads, cap, d), "k_row_zero": (bsz, heads, cap, d),
-        "k_col_scale": (bsz, heads, cap, group),
-        "v_codes": (bsz, heads, cap, group, dv * vb // 8),
-        "v_row_scale": (bsz, heads, cap, group), "v_row_zero": (bsz, heads, cap, group),
-        "v_col_scale": (bsz, heads, cap, dv),
-    }
-    tensors = {"k_codes": k_codes, "k_row_scale": k_row_scale, "k_row_zero": k_row_zero,
-               "k_col_scale": k_col_scale, "v_codes": v_codes, "v_row_scale": v_row_scale,
-               "v_row_zero": v_row_zero, "v_col_scale": v_col_scale}
-    for name, t in tensors.items():
-        if tuple(t.shape) != expected[name]:
-            raise ValueError(f"Expected {name} of shape {list(expected[name])} (B={bsz}, H={heads}, "
-                             f"N={cap}, D={d}, Dv={dv}, G={group}), but got {list(t.shape)}.")
-        if t.device != q_rot.device:
-            raise ValueError(f"Expected {name} on {q_rot.device}, but got {t.device}.")
-        if not t.is_contiguous():
-            raise ValueError(f"Expected a contiguous {name}, but got strides {t.stride()}.")
-        if name.endswith("codes"):
-            if t.dtype != torch.uint8:
-                raise TypeError(f"Expected {name} of dtype torch.uint8, but got {t.dtype}.")
-        elif t.dtype == torch.float8_e4m3fn:
-            raise NotImplementedError(
-                f"Expected {name} in one of {KERNEL_SCALE_DTYPES}, but got float8_e4m3fn: fp8 "
-                "scales need their per-vector factor, which the kernel does not apply yet.")
-        elif t.dtype not in KERNEL_SCALE_DTYPES:
-            raise TypeError(f"Expected {name} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
-    for name, given, got in (("k_bits", k_bits, kb), ("v_bits", v_bits, vb)):
-        if given is not None and given != got:
-            raise ValueError(f"Expected {name}={given} to match the packed rows, but the rows "
-                             f"hold {got}-bit codes.")
-    if group < 16 or group & (group - 1):
-        raise NotImplementedError(
-            f"Expected a power-of-two tile length G >= 16 for the Triton kernel, but got {group}.")
-    if n_tiles.dtype not in (torch.int32, torch.int64) or tuple(n_tiles.shape) != (bsz,):
-        raise ValueError(f"Expected n_tiles int32/int64 of shape [{bsz}], but got "
-                         f"{n_tiles.dtype} {list(n_tiles.shape)}.")
-    if n_tiles.device != q_rot.device:
-        raise ValueError(f"Expected n_tiles on {q_rot.device}, but got {n_tiles.device}.")
+    plan = _tile_plan(q_rot, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_scale,
+                      v_row_zero, v_col_scale, n_tiles, k_plain, input_precision, block_m,
+                      num_splits, block_n, prefetch, num_warps, k_bits, v_bits)
+    heads, cap, group, dv, kb, vb = plan[:6]
+    input_precision, block_m, split, block_n, phased, prefetch, num_warps = plan[6:]
+    g = hq // heads
+    rows = g * tq
     if kv_start is not None:
         if kv_start.dtype not in (torch.int32, torch.int64) or tuple(kv_start.shape) != (bsz, tq):
             raise ValueError(f"Expected kv_start int32/int64 of shape [{bsz}, {tq}], but got "
@@ -1004,42 +1355,14 @@ def kvarn_decode_attention(
     if (q_plain is None) != (k_plain is None):
         raise ValueError("Expected q_plain and k_plain together (per-tile key frames), or neither.")
     if k_plain is not None:
-        if tuple(k_plain.shape) != (bsz, heads, cap) or k_plain.dtype != torch.uint8:
-            raise ValueError(f"Expected k_plain uint8 of shape [{bsz}, {heads}, {cap}], but got "
-                             f"{k_plain.dtype} {list(k_plain.shape)}.")
         if q_plain.shape != q_rot.shape or q_plain.stride() != q_rot.stride() \
                 or q_plain.dtype != torch.float32:
             raise ValueError(f"Expected q_plain fp32 with the shape and strides of q_rot "
                              f"{list(q_rot.shape)} {q_rot.stride()}, but got {q_plain.dtype} "
                              f"{list(q_plain.shape)} {q_plain.stride()}.")
-        if k_plain.device != q_rot.device or q_plain.device != q_rot.device:
-            raise ValueError(f"Expected q_plain and k_plain on {q_rot.device}.")
+        if q_plain.device != q_rot.device:
+            raise ValueError(f"Expected q_plain on {q_rot.device}.")
         k_plain = k_plain.contiguous()
-    if input_precision is None:
-        input_precision = CUDA_PRECISION if q_rot.is_cuda else "ieee"
-    if input_precision not in ("ieee", "tf32", "fp16"):
-        raise ValueError(f"Expected input_precision 'ieee', 'tf32' or 'fp16', but got "
-                         f"{input_precision!r}.")
-    g = hq // heads
-    rows = g * tq
-    if block_m is None:
-        block_m = min(64, max(16, triton.next_power_of_2(max(rows, 1))))
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
-    split = num_splits if num_splits is not None else _default_splits(bsz * heads, cap,
-                                                                      q_rot.device)
-    block_n = loop_block_n(block_m, group) if block_n is None else block_n
-    if block_n < 16 or block_n & (block_n - 1) or group % block_n:
-        raise ValueError(f"Expected block_n a power of two >= 16 dividing G={group}, but got "
-                         f"{block_n}.")
-    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
-        raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
-    phased = phased_decode(input_precision, block_n, kb, dv, vb)
-    prefetch = DECODE_PREFETCH[phased] if prefetch is None else bool(prefetch)
-    num_warps = loop_warps(phased, block_m) if num_warps is None else num_warps
-    if num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"Expected num_warps 1, 2, 4, 8 or 16, but got {num_warps!r}.")
-
     dev = q_rot.device
     o_part = torch.empty(bsz, hq, tq, split, dv, dtype=torch.float32, device=dev)
     lse_part = torch.empty(bsz, hq, tq, split, dtype=torch.float32, device=dev)
@@ -1069,6 +1392,135 @@ def kvarn_decode_attention(
     if return_partials:
         return out, lse, o_part, lse_part
     return out, lse
+
+
+def kvarn_attention(
+    q: torch.Tensor,
+    sink_k: torch.Tensor, sink_v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+    lengths: torch.Tensor, n_tiles: torch.Tensor,
+    k_codes: torch.Tensor, k_row_scale: torch.Tensor, k_row_zero: torch.Tensor,
+    k_col_scale: torch.Tensor,
+    v_codes: torch.Tensor, v_row_scale: torch.Tensor, v_row_zero: torch.Tensor,
+    v_col_scale: torch.Tensor,
+    rot: torch.Tensor, rot_v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    window: int,
+    mask: torch.Tensor | None = None,
+    k_plain: torch.Tensor | None = None,
+    error_flags: torch.Tensor | None = None,
+    error_bit: int = 0,
+    num_splits: int | None = None,
+    input_precision: str | None = None,
+    block_n: int | None = None,
+    prefetch: bool | None = None,
+    num_warps: int | None = None,
+    return_lse: bool = False,
+):
+    """``kvarn::attention`` over a whole packed cache (exact sink and tail ring, packed
+    tiles) in one kernel launch (:func:`_kvarn_attn_kernel`), plus the zeroing of its
+    per-block counters.
+
+    Args:
+        q: [B, Hq, Tq, D] queries as the model gives them (fp16, bf16, fp32 or fp64, computed
+            in fp32; last stride 1), not rotated: the kernel rotates them (``rot``) for the
+            tiles.
+        sink_k, sink_v, tail_k, tail_v: the exact region, contiguous [B, H, S, D],
+            [B, H, S, Dv], [B, H, W, D], [B, H, W, Dv] (one dtype).
+        lengths, n_tiles: int [B]: tokens written and tiles packed per batch row.
+        k_codes ... v_col_scale: the packed tiles, as :func:`kvarn_decode_attention` takes them.
+        rot, rot_v: fp32 [D, D] and [Dv, Dv] rotations (``rotation_matrix``), contiguous.
+        scale, causal, window: as ``kvarn::attention`` (query t of row b sits at position
+            lengths[b] - Tq + t; window 0: none).
+        mask: optional bool (True attends) or additive float mask broadcastable to
+            [B, Hq, Tq, M], read in place with its own strides; M must cover every row's
+            length (``error_flags`` records a shorter one: nothing past M is read).
+        k_plain: uint8 [B, H, N], per-tile key frames (1: the K tile is not rotated).
+        error_flags, error_bit: an int32 device tensor OR-ed with ``error_bit`` when a row's
+            length exceeds the mask's M (the unchecked CUDA steps); None: not recorded.
+        num_splits, input_precision, block_n, prefetch, num_warps: the tile loop's, as
+            :func:`kvarn_decode_attention`.
+        return_lse: also return the natural-log lse [B, Hq, Tq] (fp32).
+
+    Returns:
+        out [B, Hq, Tq, Dv] in q's dtype (0 for a row that sees nothing), and with
+        ``return_lse`` its lse (-inf for such a row).
+    """
+    if q.dim() != 4 or q.stride(-1) != 1 or not q.is_floating_point() or q.element_size() < 2:
+        raise ValueError(f"Expected float queries q [B, Hq, Tq, D] with a unit last stride, but "
+                         f"got {q.dtype} {list(q.shape)} {q.stride()}.")
+    bsz, hq, tq, d = q.shape
+    if sink_k.dim() != 4 or tail_k.dim() != 4:
+        raise ValueError(f"Expected sink_k [B, H, S, D] and tail_k [B, H, W, D], but got "
+                         f"{list(sink_k.shape)} and {list(tail_k.shape)}.")
+    heads, s_len, w_len = sink_k.shape[1], sink_k.shape[2], tail_k.shape[2]
+    dv = v_col_scale.shape[-1]
+    exact = {"sink_k": (sink_k, (bsz, heads, s_len, d)), "sink_v": (sink_v, (bsz, heads, s_len, dv)),
+             "tail_k": (tail_k, (bsz, heads, w_len, d)), "tail_v": (tail_v, (bsz, heads, w_len, dv)),
+             "rot": (rot, (d, d)), "rot_v": (rot_v, (dv, dv))}
+    for name, (t, shape) in exact.items():
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.device != q.device:
+            raise ValueError(f"Expected a contiguous {name} of shape {list(shape)} on {q.device}, "
+                             f"but got {list(t.shape)} {t.stride()} on {t.device}.")
+        if name.startswith("rot") and t.dtype != torch.float32:
+            raise TypeError(f"Expected {name} of dtype torch.float32, but got {t.dtype}.")
+        if not name.startswith("rot") and t.dtype != sink_k.dtype:
+            raise TypeError(f"Expected the exact region in one dtype, but got sink_k "
+                            f"{sink_k.dtype} and {name} {t.dtype}.")
+    for name, t in (("lengths", lengths), ("n_tiles", n_tiles)):
+        if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (bsz,) \
+                or t.device != q.device:
+            raise ValueError(f"Expected {name} int32/int64 of shape [{bsz}] on {q.device}, but "
+                             f"got {t.dtype} {list(t.shape)} on {t.device}.")
+    plan = _tile_plan(q, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_scale,
+                      v_row_zero, v_col_scale, n_tiles, k_plain, input_precision, None,
+                      num_splits, block_n, prefetch, num_warps)
+    if plan.heads != heads:
+        raise ValueError(f"Expected the tiles' kv heads ({plan.heads}) to match the sink's ({heads}).")
+    split, block_m = plan.split, plan.block_m
+    m_blocks = triton.cdiv((hq // heads) * tq, block_m)
+    m4 = None
+    strides = (0, 0, 0, 0)
+    if mask is not None:
+        if mask.dim() > 4 or mask.dim() < 1 or mask.device != q.device or not (
+                mask.dtype == torch.bool or mask.is_floating_point()):
+            raise ValueError(f"Expected a bool or float mask broadcastable to [{bsz}, {hq}, {tq}, "
+                             f"M] on {q.device}, but got {mask.dtype} {list(mask.shape)}.")
+        m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        for size, full in zip(m4.shape[:3], (bsz, hq, tq)):
+            if size not in (1, full):
+                raise ValueError(f"Expected a mask broadcastable to [{bsz}, {hq}, {tq}, M], but "
+                                 f"got {list(mask.shape)}.")
+        strides = tuple(0 if m4.shape[i] == 1 else m4.stride(i) for i in range(3)) + (m4.stride(3),)
+    dev = q.device
+    out = torch.empty(bsz, hq, tq, dv, dtype=q.dtype, device=dev)
+    lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device=dev)
+    if out.numel():
+        o_part = torch.empty(bsz, hq, tq, split + 1, dv, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(bsz, hq, tq, split + 1, dtype=torch.float32, device=dev)
+        counts = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=dev)
+        _kvarn_attn_kernel[(bsz * heads, split + 1, m_blocks)](
+            q, q.stride(0), q.stride(1), q.stride(2), rot, rot_v,
+            sink_k, sink_v, tail_k, tail_v, lengths, n_tiles,
+            k_codes, k_row_scale, k_row_zero, k_col_scale,
+            v_codes, v_row_scale, v_row_zero, v_col_scale,
+            k_plain if k_plain is not None else n_tiles,
+            m4 if m4 is not None else q, *strides, m4.shape[-1] if m4 is not None else 0,
+            o_part, lse_part, counts, out, lse,
+            error_flags if error_flags is not None else counts,
+            torch.empty(bsz * heads * split * m_blocks * block_m * max(16, triton.next_power_of_2(d)),
+                        dtype=torch.float32, device=dev),
+            float(scale) * math.log2(math.e), heads, plan.cap, tq, s_len, w_len, int(window),
+            m_blocks,
+            GROUP_Q=hq // heads, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
+            BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=plan.group, K_BITS=plan.k_bits,
+            V_BITS=plan.v_bits, SPLIT=split, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_E=32,
+            PREFETCH=plan.prefetch, CAUSAL=bool(causal), MULTI=tq > 1, HAS_WINDOW=window > 0,
+            HAS_MASK=m4 is not None, MASK_FLAG=m4 is not None and error_flags is not None,
+            ERR_MASK=int(error_bit), HAS_K_PLAIN=k_plain is not None,
+            INPUT_PRECISION=plan.input_precision, PHASED=plan.phased, num_warps=plan.num_warps)
+    return (out, lse) if return_lse else out
 
 
 def kvarn_decode_attention_tiles(q_rot: torch.Tensor, k: QuantizedTiles, v: QuantizedTiles,
