@@ -323,8 +323,10 @@ def test_templates_open_with_a_glossary_and_import_the_shared_helpers():
                           "HAS_BIAS", "HAS_K_PLAIN", "INPUT_PRECISION"):
             assert f"#   {constexpr}" in glossary, (name, constexpr)
         assert "_decode_range" in text.split("from kvarn_compile.kernels.triton.attention import")[1]
-    # the decode template's loop is the standalone kernel's: one body, not a copy
-    assert "_decode_range(" in inspect.getsource(kernels._kvarn_decode_attn_kernel.fn)
+    # the decode template's loop is the kernels' (the tiles alone, the whole op): one body
+    assert "_decode_range(" in inspect.getsource(kernels._head_tiles.fn)
+    for kernel in (kernels._kvarn_decode_attn_kernel, kernels._kvarn_attn_kernel):
+        assert "_head_tiles(" in inspect.getsource(kernel.fn)
     assert templates.kvarn_decode_grid.__doc__.startswith("How is this kernel parallelized?")
 
 
