@@ -27,10 +27,11 @@ Paths of ``kvarn::attention`` (``lowering/attention.py``):
   one split for multi-token shapes) against the standalone Triton kernel and the torch
   implementation.
 
-``auto`` (default): ``split`` where templates can run (CUDA, static shapes, supported
-format); on CPU ``reference`` (one extern call of the C++ kernel: the decode step, or the
-multi-query kernel for a prefill chunk) where that kernel covers the shape; else autotune
-``reference`` against ``shared``. ``KVARN_LOWERING_PATH`` or
+``auto`` (default): on CUDA (static shapes) ``split`` autotuned against ``reference``, the
+op's own kernel (the whole attention in one Triton launch); with the Triton templates on
+CPU (tests) ``split``; on CPU ``reference`` (one extern call of the C++ kernel: the decode
+step, or the multi-query kernel for a prefill chunk) where that kernel covers the shape;
+else autotune ``reference`` against ``shared``. ``KVARN_LOWERING_PATH`` or
 :func:`use_path` forces one. Shapes with symbolic sizes fall back to the op itself.
 
 ``kvarn::append_`` is deliberately not lowered: its work is data-dependent (one call in G

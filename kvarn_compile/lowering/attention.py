@@ -9,7 +9,8 @@ region's output is rotated back with it, and the output is [B, Hq, Tq, Dv]):
 * ``reference`` - :data:`REFERENCE`, an ``ExternKernelChoice`` created at import under the
   unique name ``kvarn_attention_reference``: generated code calls
   ``extern_kernels.kvarn_attention_reference(q, *buffers, n_buffers=…, …)``, i.e. the op's
-  own device implementation. Always offered (the fallback).
+  own device implementation (on CUDA one Triton launch: ``kernels.kvarn_attention``).
+  Offered on every path but ``split`` and ``dense`` (the fallback).
 * ``dense`` - ``decompose.attention_dense`` through Inductor's ``SubgraphTemplate``: traced
   with make_fx, benchmarked as a compiled subgraph, and inlined when it wins, so the
   output code holds Inductor-generated kernels (C++ on CPU) and no extern call.
@@ -279,16 +280,20 @@ def lower_attention(q, buffers, mask, scale, causal, window):
     key = tune_key(ATTENTION_OP_NAME, q=q, k_codes=buffers[at("k_codes")],
                    k_col_scale=buffers[at("k_col_scale")], v_codes=buffers[at("v_codes")],
                    row_scale=buffers[at("k_row_scale")], v_col_scale=buffers[at("v_col_scale")])
-    if path == "auto" and triton_templates_available(device):
+    # on a GPU, auto weighs the split decomposition (its templates autotuned) against the
+    # op's own kernel, which runs the whole attention in one launch (kvarn_attention)
+    on_gpu = path == "auto" and device.type == "cuda" and triton_templates_available(device)
+    if path == "auto" and not on_gpu and triton_templates_available(device):
         path = "split"
-    elif path == "auto" and cpu_kernel_covers(q, buffers):
+    elif path == "auto" and not on_gpu and cpu_kernel_covers(q, buffers):
         path = "reference"      # the C++ kernel: one extern call, nothing inlined or tuned
     replay = autotune.DB.lookup(key) if key is not None and path == "auto" else None
     # auto: the op's own kernels against the decomposition compiled once and shared by
     # every site of this geometry (inlining a copy per layer costs lowering and code
     # generation time in every layer)
-    wanted = {"auto": ("reference", "shared"), "reference": ("reference",), "dense": ("dense",),
-              "shared": ("shared",), "split": ("split",)}[path]
+    wanted = {"auto": ("split", "reference") if on_gpu else ("reference", "shared"),
+              "reference": ("reference",), "dense": ("dense",), "shared": ("shared",),
+              "split": ("split",)}[path]
     if replay is not None:
         wanted = tuple(c for c in wanted if c == replay.get("choice")) or wanted
         if wanted != (replay.get("choice"),):
