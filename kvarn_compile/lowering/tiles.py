@@ -158,9 +158,10 @@ def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, names: list[str
             return torch.tensor(vals, dtype=node.get_dtype(), device=node.get_device())
         return gen
 
-    def zeros(node):
-        return strided(node, torch.zeros(*node.get_size(), dtype=node.get_dtype(),
-                                         device=node.get_device()))
+    def zeros(node):            # (a bool mask: True, attend)
+        fill = torch.ones if node.get_dtype() == torch.bool else torch.zeros
+        return strided(node, fill(*node.get_size(), dtype=node.get_dtype(),
+                                  device=node.get_device()))
 
     def neg_inf(node):
         return torch.full(node.get_size(), float("-inf"), dtype=node.get_dtype(),

@@ -362,19 +362,26 @@ def latent_attention(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[torch.Te
 
 
 # ------------------------------------------------------------------------------ tile partials
+def additive(bias: torch.Tensor) -> torch.Tensor:
+    """A tile mask as an additive fp32 bias: a bool one (True attends) as 0 / -inf."""
+    if bias.dtype == torch.bool:
+        return torch.where(bias, 0.0, regions.NEG_INF)
+    return bias.float()
+
+
 def _tile_bias(mask: torch.Tensor | None, s: int, tokens: int, shape: tuple[int, int, int]
                ) -> torch.Tensor | None:
     """The mask over the quantized tokens (absolute positions s .. s + tokens - 1), [B, 1 or
-    Hq, Tq, tokens], for the tile kernels (which read any strides and float dtype). A float
-    mask covering them is read as it is: a view of its own storage, no copy. A bool mask, or
-    one shorter than the cache, becomes an additive fp32 one (``regions.bias_at``). Either
-    way a mask shared by the query heads stays one mask (head dim 1), never copied per
-    head."""
+    Hq, Tq, tokens], for the tile kernels (which read any strides, bool masks and float
+    dtypes). A mask covering them is read as it is: a view of its own storage, no copy. One
+    shorter than the cache becomes an additive fp32 one (``regions.bias_at``). Either way a
+    mask shared by the query heads stays one mask (head dim 1), never copied per head."""
     if mask is None:
         return None
     b, hq, tq = shape
     heads = hq if mask.dim() == 4 and mask.shape[1] == hq else 1
-    if mask.is_floating_point() and mask.shape[-1] >= s + tokens and mask.stride(-1) == 1:
+    if (mask.is_floating_point() or mask.dtype == torch.bool) and mask.shape[-1] >= s + tokens \
+            and mask.stride(-1) == 1:
         return mask.expand(b, heads, tq, mask.shape[-1])[..., s:s + tokens]
     positions = (s + torch.arange(tokens, device=mask.device))[None, :].expand(b, -1)
     return regions.bias_at(mask, positions, (b, heads, tq))
@@ -431,7 +438,7 @@ def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
     visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
                & (j[None, None, :] < (n_tiles * g)[:, None, None]))               # [B,Tq,N*G]
     if bias is not None:
-        scores = scores + bias.expand(bsz, hq, tq, n_max * g).reshape(scores.shape)
+        scores = scores + additive(bias).expand(bsz, hq, tq, n_max * g).reshape(scores.shape)
     scores = scores.masked_fill(~visible[:, None, None], regions.NEG_INF)
     p, denom, m_ref = regions.safe_lse(scores)
     p, lse = regions.normalized(p, denom, m_ref)
@@ -491,7 +498,7 @@ def latent_tile_partials(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k_row_z
     visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
                & (j[None, None, :] < (n_tiles * g)[:, None, None]))[:, None, None]  # [B,1,1,Tq,N*G]
     if bias is not None:
-        bias = bias.float().expand(bsz, hq, tq, n_max * g).reshape(rope.shape)
+        bias = additive(bias).expand(bsz, hq, tq, n_max * g).reshape(rope.shape)
     frames = [q_rot] if tile_ids is None else [q_rot, q_plain]
     member = None
     if tile_ids is not None:      # membership [B, H, 2, N] from the per-frame tile lists

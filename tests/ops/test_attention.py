@@ -96,8 +96,8 @@ def test_attention_with_mask_indexed_by_absolute_position(kind, tq):
 
 @pytest.mark.parametrize("kind", ["bf16-shared", "fp32-per-head", "bool-shared", "short"])
 def test_tile_inputs_read_the_mask_as_it_is(kind):
-    """The tile kernels' mask over the quantized tokens: a float mask that covers them is the
-    model's own tensor (a view of its storage, any float dtype, its head dim kept), a bool or
+    """The tile kernels' mask over the quantized tokens: a bool or float mask that covers them
+    is the model's own tensor (a view of its storage, any float dtype, its head dim kept), a
     too-short one an fp32 copy of the same shape class; one mask shared by the query heads
     is never copied per head. The tile partials equal those over a per-head fp32 bias."""
     from kvarn_compile.ops import attention as attention_ref
@@ -121,7 +121,7 @@ def test_tile_inputs_read_the_mask_as_it_is(kind):
     bias = ins[-1]
     n_max, g = ins[2].shape[2], ins[5].shape[-1]
     assert bias.shape == (2, heads, tq, n_max * g)
-    own = kind in ("bf16-shared", "fp32-per-head")
+    own = kind in ("bf16-shared", "fp32-per-head", "bool-shared")
     assert (bias.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()) == own
     s = seq.buffers[0].shape[2]                              # sink slots: tile 0's position
     per_head = regions.bias_at(mask, (s + torch.arange(n_max * g))[None, :].expand(2, -1),

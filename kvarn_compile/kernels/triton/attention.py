@@ -1301,8 +1301,9 @@ def kvarn_decode_attention(
         kv_end: optional int32/int64 [B, Tq]: query t of row b sees only quantized tokens
             with index < kv_end[b, t] (causality inside the quantized region, e.g. a prefill
             chunk that froze its own tokens); None: all.
-        bias: optional fp32 additive mask [B, Hq or 1, Tq, N * G] over the quantized tokens
-            (natural-log units, -inf hides a token; token stride 1).
+        bias: optional mask [B, Hq or 1, Tq, N * G] over the quantized tokens (token stride
+            1): additive in natural-log units in any float dtype (-inf hides a token), or bool
+            (True attends).
         block_n: tokens per loop step, a power of two >= 16 dividing G (default
             :func:`loop_block_n`).
         prefetch: issue the next step's loads before this step's math (default: off for the
@@ -1344,12 +1345,12 @@ def kvarn_decode_attention(
             raise ValueError(f"Expected kv_end on {q_rot.device}, but got {kv_end.device}.")
         kv_end = kv_end.contiguous()
     if bias is not None:
-        if bias.dtype != torch.float32 or bias.dim() != 4 or bias.shape[0] != bsz \
-                or bias.shape[1] not in (1, hq) or bias.shape[2] != tq \
+        if not (bias.is_floating_point() or bias.dtype == torch.bool) or bias.dim() != 4 \
+                or bias.shape[0] != bsz or bias.shape[1] not in (1, hq) or bias.shape[2] != tq \
                 or bias.shape[3] != cap * group or bias.stride(-1) != 1:
-            raise ValueError(f"Expected an fp32 bias [{bsz}, {hq} or 1, {tq}, {cap * group}] with "
-                             f"a unit last stride, but got {bias.dtype} {list(bias.shape)} "
-                             f"{bias.stride()}.")
+            raise ValueError(f"Expected a float or bool bias [{bsz}, {hq} or 1, {tq}, "
+                             f"{cap * group}] with a unit last stride, but got {bias.dtype} "
+                             f"{list(bias.shape)} {bias.stride()}.")
         if bias.device != q_rot.device:
             raise ValueError(f"Expected bias on {q_rot.device}, but got {bias.device}.")
     if (q_plain is None) != (k_plain is None):
