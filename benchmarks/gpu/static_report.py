@@ -349,7 +349,8 @@ def _attention_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, block_n=128,
             1.0, h, n, tq, s, w, 0, 1, GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), DV=dv,
             BLOCK_DV=_block(dv), G=g, K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_E=32, PREFETCH=prefetch, CAUSAL=True, MULTI=tq > 1,
-            HAS_WINDOW=False, HAS_MASK=mask, MASK_FLAG=mask, ERR_MASK=32, HAS_K_PLAIN=True,
+            HAS_WINDOW=False, HAS_MASK=mask, MASK_ROW=mask and tq == 1, MASK_FLAG=mask,
+            ERR_MASK=32, HAS_K_PLAIN=True,
             INPUT_PRECISION=precision, PHASED=phased, grid=(1,), num_warps=num_warps,
             num_stages=1)
 
@@ -518,8 +519,9 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                        **({"KP": torch.zeros(b, h, n, dtype=u8)} if plain else {}),
                        NT=torch.zeros(b, dtype=i64), KVLO=torch.zeros(b, tq, dtype=i64),
                        KVHI=torch.zeros(b, tq, dtype=i64))
-        if bias:
-            tensors["BIAS"] = torch.zeros(b, 1, tq, n * g)
+        if bias:    # (bias 2: one row for the block, a bool mask as HF passes it)
+            tensors["BIAS"] = torch.zeros(b, 1, tq, n * g, dtype=torch.bool if bias == 2
+                                          else torch.float32)
         split_max = split if family == "decode" else 1
         tensors["LSE"] = torch.zeros(b, hq, tq, split_max)
         out = torch.zeros(b, hq, tq, split_max, dv)
@@ -545,7 +547,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
         cfg["DV"] = dv
     name = ("kvarn_prefill" if family == "prefill" else template.split('.')[0]) \
         + f"_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else "") \
-        + f"_n{block_n}_m{block_m}" + ("_bias" if bias else "") \
+        + f"_n{block_n}_m{block_m}" + ("_bias" if bias else "") + ("row" if bias == 2 else "") \
         + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") + suffix
     return Case(name, family, cfg, build, num_warps,
                 tile_bytes(d, g, kb, vb, dv=dv) if family == "decode" else None,
@@ -633,6 +635,8 @@ def cases(quick: bool) -> list[Case]:
         # the byte loop (``_decode_range_bytes``) in the production config: the phased loop's
         # baseline
         _decode_kernel_case(4, 2, "fp16", block_n=128, phased=False),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
+                       precision="fp16", bias=2, plain=True),
         # the op in one launch: a mask, 2-bit keys, MLA's head dims, a prefill block
         _attention_case(4, 2, "fp16", mask=True),
         _attention_case(2, 2, "fp16"),

@@ -113,6 +113,14 @@ def fake_tile_fill(n_max: int, group: int, batch: int) -> list[int]:
     return torch.randint(lo, n_max + 1, (batch,), generator=gen).tolist() if n_max else [0] * batch
 
 
+def _bias_kind(bias, tq: int) -> int:
+    """The template's HAS_BIAS: 2 where one mask row serves every query row of a batch row
+    (a mask shared by the query heads, one query position: a decode step), else 1."""
+    from kvarn_compile._torch_compat import static_ints
+
+    return 2 if tq == 1 and static_ints([bias.get_size()[1]]) == [1] else 1
+
+
 def tile_input_gen_fns(shapes: dict[str, list[int]], group: int, names: list[str]
                        ) -> dict[int, object]:
     """Realistic inputs for benchmarking the tile kernels (index -> fn(ir node) -> tensor).
@@ -242,7 +250,8 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
             rows = grp * tq
             precision = "ieee" if interpreted else CUDA_PRECISION
             common = dict(GROUP_Q=grp, D=d, BLOCK_D=_block(d), DV=dv, BLOCK_DV=_block(dv), G=group,
-                          K_BITS=kb, V_BITS=vb, SPLIT_MAX=int(split_max), HAS_BIAS=has_bias,
+                          K_BITS=kb, V_BITS=vb, SPLIT_MAX=int(split_max),
+                          HAS_BIAS=_bias_kind(bias, tq) if has_bias else 0,
                           HAS_K_PLAIN=has_frames, INPUT_PRECISION=f"'{precision}'",
                           SM_SCALE=float(scale), KVARN_SRC=int(kvarn_sources_hash()[:12], 16))
             mode = "interpret" if interpreted else heuristics.tune_mode()

@@ -59,8 +59,8 @@ def _mask(kind, b, hq, tq, length, seed=1):
     gen = torch.Generator().manual_seed(seed)
     if kind is None:
         return None
-    if kind == "bool":          # shared by the heads, one per row; a few positions hidden
-        keep = torch.rand(b, 1, tq, length, generator=gen) > 0.2
+    if kind in ("bool", "row"):     # shared by the heads ("row": and the query positions)
+        keep = torch.rand(b, 1, 1 if kind == "row" else tq, length, generator=gen) > 0.2
         keep[..., :1] = True
         return keep
     mask = torch.randn(b, hq, tq, length, generator=gen)     # per head, additive, some -inf
@@ -86,6 +86,7 @@ GEOMETRIES = {
 @pytest.mark.parametrize("tq,causal,window,mask,splits", [
     (1, True, 0, None, 1), (1, True, 0, None, 3), (1, True, 40, "bool", 2),
     (5, True, 0, "float", 2), (3, False, 0, None, 2), (4, True, 37, "half", 4),
+    (3, True, 0, "row", 2),
 ])
 def test_one_launch_attention_matches_the_reference(geometry, tq, causal, window, mask, splits):
     g, d, dv, dtype, cfg, precision, tol = GEOMETRIES[geometry]

@@ -82,8 +82,14 @@ def _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS: tl.
     """Scores s [BLOCK_M, N] (log2 units) of the tokens tok [N] under the loop's masks: the
     mask (row pointers bias_rows, token stride s_bias; HAS_BIAS): additive in natural-log
     units in any float dtype, or bool (True attends); -inf before kv_lo (HAS_LO) and from
-    kv_hi on (HAS_HI), per row."""
-    if HAS_BIAS:
+    kv_hi on (HAS_HI), per row. HAS_BIAS == 2: every row reads one mask row (bias_rows: a
+    scalar pointer; the caller reads only tokens the mask covers), loaded once."""
+    if HAS_BIAS == 2:   # one mask row for every row of the block: bias_rows is its pointer
+        bias = tl.load(bias_rows + tok.to(tl.int64) * s_bias)[None, :]
+        if bias.dtype == tl.int1:
+            bias = tl.where(bias, 0.0, float("-inf"))
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    elif HAS_BIAS:
         ok = m_valid[:, None]
         if HAS_HI:      # nothing is read at or past kv_hi (a mask may end there)
             ok = ok & (tok[None, :] < kv_hi[:, None])
@@ -900,6 +906,7 @@ def _kvarn_attn_kernel(
     MULTI: tl.constexpr,            # Tq > 1 (a causal bound inside the packed region)
     HAS_WINDOW: tl.constexpr,       # a sliding window of ``window`` positions
     HAS_MASK: tl.constexpr,
+    MASK_ROW: tl.constexpr,         # one mask row serves every query row of a batch row
     MASK_FLAG: tl.constexpr,        # record a mask shorter than a row's length in err_ptr
     ERR_MASK: tl.constexpr,         # its bit
     HAS_K_PLAIN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PHASED: tl.constexpr,
@@ -986,12 +993,17 @@ def _kvarn_attn_kernel(
         per_split = tl.cdiv(last - first, SPLIT)
         start = first + split * per_split
         end = tl.minimum(start + per_split, last)
+        if MASK_ROW:
+            TILE_MASK = mask_ptr + b64 * s_mb + S * s_mk
+        else:
+            TILE_MASK = mask_rows + S * s_mk
         m_i, l_i, acc = _head_tiles(
             q, q_plain, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
             v_codes_ptr, v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr, k_plain_ptr,
-            (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, mask_rows + S * s_mk, s_mk,
+            (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, TILE_MASK, s_mk,
             qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
-            HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED)
+            2 if MASK_ROW else HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV,
+            PHASED)
         _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SPLIT + 1,
                        DV, BLOCK_DV)
     else:
@@ -1518,7 +1530,9 @@ def kvarn_attention(
             BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=plan.group, K_BITS=plan.k_bits,
             V_BITS=plan.v_bits, SPLIT=split, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_E=32,
             PREFETCH=plan.prefetch, CAUSAL=bool(causal), MULTI=tq > 1, HAS_WINDOW=window > 0,
-            HAS_MASK=m4 is not None, MASK_FLAG=m4 is not None and error_flags is not None,
+            HAS_MASK=m4 is not None,
+            MASK_ROW=m4 is not None and strides[1] == 0 and (tq == 1 or strides[2] == 0),
+            MASK_FLAG=m4 is not None and error_flags is not None,
             ERR_MASK=int(error_bit), HAS_K_PLAIN=k_plain is not None,
             INPUT_PRECISION=plan.input_precision, PHASED=plan.phased, num_warps=plan.num_warps)
     return (out, lse) if return_lse else out
