@@ -340,15 +340,16 @@ def _attention_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, block_n=128,
         tk, tv = torch.zeros(b, h, w, d, dtype=f16), torch.zeros(b, h, w, dv, dtype=f16)
         kc, krs, kcs, vc, vrs, vcs, nt, kp = _tile_tensors(b, h, n, d, dv, g, kb, vb)
         m = torch.zeros(b, 1, tq, 4096, dtype=torch.bool)
-        o = torch.zeros(b, hq, tq, split + 1, dv)
-        lse = torch.zeros(b, hq, tq, split + 1)
+        exact = A.exact_splits(s + w)
+        o = torch.zeros(b, hq, tq, split + exact, dv)
+        lse = torch.zeros(b, hq, tq, split + exact)
         cnt = torch.zeros(b * h, dtype=torch.int32)
         return A._kvarn_attn_kernel.warmup(
             q, *q.stride()[:3], rot, rot_v, sk, sv, tk, tv, nt, nt, kc, krs, krs, kcs, vc, vrs,
             vrs, vcs, kp, m, 0, 0, m.stride(2), 1, 4096, o, lse, cnt, q, lse, cnt, o,
             1.0, h, n, tq, s, w, 0, 1, GROUP_Q=hq // h, D=d, BLOCK_D=_block(d), DV=dv,
-            BLOCK_DV=_block(dv), G=g, K_BITS=kb, V_BITS=vb, SPLIT=split, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_E=32, PREFETCH=prefetch, CAUSAL=True, MULTI=tq > 1,
+            BLOCK_DV=_block(dv), G=g, K_BITS=kb, V_BITS=vb, SPLIT=split, EXACT=exact,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=A.EXACT_BLOCK, PREFETCH=prefetch, CAUSAL=True, MULTI=tq > 1,
             HAS_WINDOW=False, HAS_MASK=mask, MASK_ROW=mask and tq == 1, MASK_FLAG=mask,
             ERR_MASK=32, HAS_K_PLAIN=True,
             INPUT_PRECISION=precision, PHASED=phased, grid=(1,), num_warps=num_warps,

@@ -166,3 +166,20 @@ def test_one_launch_attention_prefill_block_is_causal_inside_the_tiles(mask):
     m = _mask(mask, 2, 2 * H, tq, tq)
     want = attention_ref.attention(q, buffers, m, d ** -0.5, True, 0)
     _close(_run(q, buffers, m, num_splits=2), want, 2e-5)
+
+
+@pytest.mark.parametrize("per_program", [8, 12])
+def test_one_launch_attention_shares_the_exact_region_between_programs(per_program, monkeypatch):
+    """The sink and tail slots cut into several programs' ranges, one crossing from the sink
+    into the tail ring (11 slots a program over a sink of 32): the same attention."""
+    from kvarn_compile.kernels.triton import attention as triton_attention
+
+    g, d = 32, 32
+    buffers = _cache([5 * g + 7, 2 * g + 3, 9], g, d, seed=5)
+    q = torch.randn(3, 2 * H, 2, d)
+    m = _mask("bool", 3, 2 * H, 2, 6 * g)
+    want = attention_ref.attention(q, buffers, m, d ** -0.5, True, 0)
+    monkeypatch.setattr(triton_attention, "EXACT_SLOTS_PER_PROGRAM", per_program)
+    f = unpack(buffers)
+    assert triton_attention.exact_splits(f.sink_k.shape[2] + f.tail_k.shape[2]) >= 3
+    _close(_run(q, buffers, m, num_splits=2), want, 2e-5)

@@ -824,16 +824,17 @@ def _exact_chunk(q, kb, vb, slot, pos, ok, q_pos, m_valid, mask_rows, s_mk, mask
 
 
 @triton.jit
-def _exact_range(q, sk, sv, tk, tv, S, W, length, n_tok, q_pos, m_valid, mask_rows, s_mk,
-                 mask_len, qk_scale, window, BLOCK_M: tl.constexpr, D: tl.constexpr,
+def _exact_range(q, sk, sv, tk, tv, S, W, lo, hi, length, n_tok, q_pos, m_valid, mask_rows,
+                 s_mk, mask_len, qk_scale, window, BLOCK_M: tl.constexpr, D: tl.constexpr,
                  BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_E: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  HAS_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Online-softmax attention of the plain query block q [BLOCK_M, BLOCK_D] (fp32) over the
-    exact region of one (batch row, kv head): sink slots [0, S) at positions 0..S-1, tail
-    ring slots [0, W), slot w holding position S + n_tok + (w - n_tok) mod W (n_tok: the
-    packed tokens), each visible when it holds a token (< length; the tail only once the
-    sink is full), under the causal, window and mask rules of ``ops/regions.exact_region``.
+    """Online-softmax attention of the plain query block q [BLOCK_M, BLOCK_D] (fp32) over
+    slots [lo, hi) of the exact region of one (batch row, kv head), numbered sink then tail:
+    sink slots [0, S) at positions 0..S-1, tail ring slots [0, W) (numbers S..S+W-1), slot w
+    holding position S + n_tok + (w - n_tok) mod W (n_tok: the packed tokens), each visible
+    when it holds a token (< length; the tail only once the sink is full), under the causal,
+    window and mask rules of ``ops/regions.exact_region``.
     sk/tk [S|W, D] and sv/tv [S|W, DV] point at the row's slots (contiguous). Returns
     (m, l, acc) in log2 units. Dots: fp32 with INPUT_PRECISION "ieee", else tf32, whose
     10-bit significand holds an fp16 or bf16 cache's keys and values and a 16-bit model's
@@ -843,18 +844,20 @@ def _exact_range(q, sk, sv, tk, tv, S, W, length, n_tok, q_pos, m_valid, mask_ro
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for e0 in range(0, S, BLOCK_E):
+    sink_hi = tl.minimum(hi, S)
+    for e0 in range(lo, sink_hi, BLOCK_E):
         j = e0 + offs_e
-        m_i, l_i, acc = _exact_chunk(q, sk, sv, j, j, (j < S) & (j < length), q_pos, m_valid,
+        m_i, l_i, acc = _exact_chunk(q, sk, sv, j, j, (j < sink_hi) & (j < length), q_pos, m_valid,
                                      mask_rows, s_mk, mask_len, qk_scale, window, m_i, l_i, acc,
                                      D, BLOCK_D, DV, BLOCK_DV, CAUSAL, HAS_WINDOW, HAS_MASK,
                                      PRECISION)
     ring = tl.maximum(W, 1)
     tail_end = tl.where(length > S, length, 0)      # the tail holds tokens once the sink is full
-    for e0 in range(0, W, BLOCK_E):
+    tail_hi = tl.maximum(hi, S) - S
+    for e0 in range(tl.maximum(lo, S) - S, tail_hi, BLOCK_E):
         w = e0 + offs_e
         pos = S + n_tok + ((w - n_tok) % ring + ring) % ring
-        ok = (w < W) & (pos < tail_end)
+        ok = (w < tail_hi) & (pos < tail_end)
         m_i, l_i, acc = _exact_chunk(q, tk, tv, w, pos, ok, q_pos, m_valid, mask_rows, s_mk,
                                      mask_len, qk_scale, window, m_i, l_i, acc, D, BLOCK_D, DV,
                                      BLOCK_DV, CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
@@ -890,8 +893,8 @@ def _kvarn_attn_kernel(
     k_plain_ptr,                  # uint8 [B, H, N] per-tile key frames (HAS_K_PLAIN)
     mask_ptr, s_mb, s_mh, s_mt, s_mk,   # the model's mask (bool or additive float), its strides
     mask_len,                     # its key length M
-    o_part_ptr,                   # fp32 [B, Hq, Tq, SPLIT + 1, DV] partials (slot SPLIT: exact)
-    lse_part_ptr,                 # fp32 [B, Hq, Tq, SPLIT + 1]
+    o_part_ptr,                   # fp32 [B, Hq, Tq, SPLIT + EXACT, DV] partials (tiles, exact)
+    lse_part_ptr,                 # fp32 [B, Hq, Tq, SPLIT + EXACT]
     count_ptr,                    # int32 [B * H * M_BLOCKS], zero: programs done per block
     out_ptr,                      # [B, Hq, Tq, DV] in q's dtype, contiguous
     lse_ptr,                      # fp32 [B, Hq, Tq]
@@ -900,7 +903,9 @@ def _kvarn_attn_kernel(
     qk_scale, H, N, Tq, S, W, window, M_BLOCKS,
     GROUP_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     BLOCK_DV: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    SPLIT: tl.constexpr,            # splits of the packed tiles
+    EXACT: tl.constexpr,            # splits of the exact region (sink ++ tail slots)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     PREFETCH: tl.constexpr,
     CAUSAL: tl.constexpr,           # causal visibility (bottom-right: query t at length - Tq + t)
     MULTI: tl.constexpr,            # Tq > 1 (a causal bound inside the packed region)
@@ -914,14 +919,15 @@ def _kvarn_attn_kernel(
     """``kvarn::attention`` of one step in one launch: the exact region, the packed tiles and
     their log-sum-exp merge.
 
-    How is this kernel parallelized? Grid (B * H, SPLIT + 1, M_BLOCKS), rows packed
+    How is this kernel parallelized? Grid (B * H, SPLIT + EXACT, M_BLOCKS), rows packed
     position-major as in ``_kvarn_decode_attn_kernel``. Programs s < SPLIT rotate their
     query block (q @ rot, in the kernel) and walk split s of the packed tiles, as that
-    kernel does; program SPLIT attends the exact region (``_exact_range``) with the plain
-    queries. Each stores its normalized partial, then takes a ticket on its block's counter
-    (an acq_rel atomic after a CTA barrier); the program that finishes last merges the
-    SPLIT + 1 partials: the tile splits weighted in the rotated frame, rotated back once
-    (@ rot_v^T, in column chunks), plus the exact region's, written in q's dtype.
+    kernel does; programs SPLIT + e attend part e of the exact region's S + W slots
+    (``_exact_range``) with the plain queries. Each stores its normalized partial, then
+    takes a ticket on its block's counter (an acq_rel atomic after a CTA barrier); the
+    program that finishes last merges the SPLIT + EXACT partials: the tile splits weighted
+    in the rotated frame, rotated back once (@ rot_v^T, in column chunks), plus the exact
+    region's, written in q's dtype.
     """
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -942,6 +948,7 @@ def _kvarn_attn_kernel(
     mask_rows = mask_ptr + b64 * s_mb + hq.to(tl.int64) * s_mh + tq.to(tl.int64) * s_mt
     rows = (b64 * (H * GROUP_Q) + hq) * Tq + tq
     ROT_PRECISION: tl.constexpr = "ieee" if INPUT_PRECISION == "ieee" else "tf32"
+    SLOTS: tl.constexpr = SPLIT + EXACT
     HAS_HI: tl.constexpr = CAUSAL and MULTI
     # rows of rot (columns of rot_v^T) per rotation step: 4096 fp32 values in registers
     RK: tl.constexpr = max(16, min(BLOCK_D, 4096 // BLOCK_D))
@@ -1004,30 +1011,31 @@ def _kvarn_attn_kernel(
             qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
             2 if MASK_ROW else HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV,
             PHASED)
-        _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SPLIT + 1,
+        _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SLOTS,
                        DV, BLOCK_DV)
     else:
         q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & d_mask[None, :],
                     other=0.0).to(tl.float32)
         head_s = (b64 * H + h) * S
         head_w = (b64 * H + h) * W
+        per_e = tl.cdiv(S + W, EXACT)
+        lo = (split - SPLIT) * per_e
         m_i, l_i, acc = _exact_range(
             q, sink_k_ptr + head_s * D, sink_v_ptr + head_s * DV, tail_k_ptr + head_w * D,
-            tail_v_ptr + head_w * DV, S, W, length, n_raw * G, q_pos, m_valid, mask_rows, s_mk,
-            mask_len, qk_scale, window, BLOCK_M, D, BLOCK_D, DV, BLOCK_DV, BLOCK_E, CAUSAL,
-            HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
-        _store_partial(o_part_ptr, lse_part_ptr, SPLIT, m_i, l_i, acc, rows, m_valid, SPLIT + 1,
+            tail_v_ptr + head_w * DV, S, W, lo, tl.minimum(lo + per_e, S + W), length,
+            n_raw * G, q_pos, m_valid, mask_rows, s_mk, mask_len, qk_scale, window, BLOCK_M, D,
+            BLOCK_D, DV, BLOCK_DV, BLOCK_E, CAUSAL, HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
+        _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SLOTS,
                        DV, BLOCK_DV)
         if MASK_FLAG:
-            if pid_m == 0:
+            if (pid_m == 0) & (split == SPLIT):
                 short = (length > mask_len).to(tl.int32) * ERR_MASK
                 tl.atomic_or(err_ptr, short, sem="relaxed")
 
-    # ---- the last program of this block merges its SPLIT + 1 partials
+    # ---- the last program of this block merges its SPLIT + EXACT partials
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr + pid_bh * M_BLOCKS + pid_m, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLIT:
-        SLOTS: tl.constexpr = SPLIT + 1
+    if ticket == SLOTS - 1:
         offs_dv = tl.arange(0, BLOCK_DV)
         base = rows * SLOTS
         top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -1046,9 +1054,9 @@ def _kvarn_attn_kernel(
                           cache_modifier=".cg")
             acc_rot += w_s[:, None] * tl.where(w_s[:, None] > 0.0, o_s, 0.0)
             den += w_s
-        w_e = tl.exp(tl.load(lse_part_ptr + base + SPLIT, mask=m_valid, other=float("-inf"),
-                             cache_modifier=".cg") - m_ref)
-        den += w_e
+        for s in tl.static_range(SPLIT, SLOTS):
+            den += tl.exp(tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
+                                  cache_modifier=".cg") - m_ref)
         has = den > 0.0
         inv = 1.0 / tl.where(has, den, 1.0)
         lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
@@ -1058,10 +1066,15 @@ def _kvarn_attn_kernel(
             c_ok = offs_c < DV
             r_t = tl.load(rot_v_ptr + offs_c[None, :] * DV + offs_dv[:, None],
                           mask=c_ok[None, :] & (offs_dv < DV)[:, None], other=0.0)
-            o_e = tl.load(o_part_ptr + (base + SPLIT)[:, None] * DV + offs_c[None, :],
-                          mask=m_valid[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
-            out = (tl.dot(acc_rot, r_t, input_precision=ROT_PRECISION)
-                   + w_e[:, None] * tl.where(w_e[:, None] > 0.0, o_e, 0.0)) * inv[:, None]
+            out = tl.dot(acc_rot, r_t, input_precision=ROT_PRECISION)
+            for s in tl.static_range(SPLIT, SLOTS):     # the exact region's, in column chunks
+                w_e = tl.exp(tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
+                                     cache_modifier=".cg") - m_ref)
+                o_e = tl.load(o_part_ptr + (base + s)[:, None] * DV + offs_c[None, :],
+                              mask=m_valid[:, None] & c_ok[None, :], other=0.0,
+                              cache_modifier=".cg")
+                out += w_e[:, None] * tl.where(w_e[:, None] > 0.0, o_e, 0.0)
+            out = out * inv[:, None]
             tl.store(out_ptr + rows[:, None] * DV + offs_c[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & c_ok[None, :])
 
@@ -1099,6 +1112,19 @@ def loop_warps(phased: bool, block_m: int) -> int:
     blocks, each warp 16 rows (sm_90, phased, 64 rows: 2,676 B of spills at 2 warps and
     128-token steps, none at 4 warps and 64; 32 rows: 344 B against none)."""
     return DECODE_WARPS[phased] if block_m <= 16 else 4
+
+
+#: Exact-region slots per loop step of ``_exact_range``, and per program at most
+#: (``exact_splits``): a program reads about what a tile split does (64 slots of an fp16
+#: head of 128: 32 KB, two packed k4v2 tiles and a half).
+EXACT_BLOCK = 32
+EXACT_SLOTS_PER_PROGRAM = 64
+
+
+def exact_splits(slots: int) -> int:
+    """Programs that share the exact region's ``slots`` (sink + tail) in the one-launch
+    kernel: one per ``EXACT_SLOTS_PER_PROGRAM`` slots, at least 1, at most 16."""
+    return max(1, min(16, -(-slots // EXACT_SLOTS_PER_PROGRAM)))
 
 
 def _default_splits(bh: int, capacity: int, device: torch.device) -> int:
@@ -1510,10 +1536,11 @@ def kvarn_attention(
     out = torch.empty(bsz, hq, tq, dv, dtype=q.dtype, device=dev)
     lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device=dev)
     if out.numel():
-        o_part = torch.empty(bsz, hq, tq, split + 1, dv, dtype=torch.float32, device=dev)
-        lse_part = torch.empty(bsz, hq, tq, split + 1, dtype=torch.float32, device=dev)
+        exact = exact_splits(s_len + w_len)
+        o_part = torch.empty(bsz, hq, tq, split + exact, dv, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(bsz, hq, tq, split + exact, dtype=torch.float32, device=dev)
         counts = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=dev)
-        _kvarn_attn_kernel[(bsz * heads, split + 1, m_blocks)](
+        _kvarn_attn_kernel[(bsz * heads, split + exact, m_blocks)](
             q, q.stride(0), q.stride(1), q.stride(2), rot, rot_v,
             sink_k, sink_v, tail_k, tail_v, lengths, n_tiles,
             k_codes, k_row_scale, k_row_zero, k_col_scale,
@@ -1528,7 +1555,8 @@ def kvarn_attention(
             m_blocks,
             GROUP_Q=hq // heads, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
             BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=plan.group, K_BITS=plan.k_bits,
-            V_BITS=plan.v_bits, SPLIT=split, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_E=32,
+            V_BITS=plan.v_bits, SPLIT=split, EXACT=exact, BLOCK_M=block_m, BLOCK_N=plan.block_n,
+            BLOCK_E=EXACT_BLOCK,
             PREFETCH=plan.prefetch, CAUSAL=bool(causal), MULTI=tq > 1, HAS_WINDOW=window > 0,
             HAS_MASK=m4 is not None,
             MASK_ROW=m4 is not None and strides[1] == 0 and (tq == 1 or strides[2] == 0),
