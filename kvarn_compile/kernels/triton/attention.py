@@ -899,7 +899,7 @@ def _kvarn_attn_kernel(
     out_ptr,                      # [B, Hq, Tq, DV] in q's dtype, contiguous
     lse_ptr,                      # fp32 [B, Hq, Tq]
     err_ptr,                      # int32 device error flags (MASK_FLAG)
-    scratch_ptr,                  # fp32 [B * H * SPLIT * M_BLOCKS, BLOCK_M, BLOCK_D]: rotated q
+    scratch_ptr,                  # fp32 [B * H * SPLIT * M_BLOCKS, BLOCK_M, BLOCK_D] (Q_SCRATCH)
     qk_scale, H, N, Tq, S, W, window, M_BLOCKS,
     GROUP_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     BLOCK_DV: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
@@ -915,6 +915,7 @@ def _kvarn_attn_kernel(
     MASK_FLAG: tl.constexpr,        # record a mask shorter than a row's length in err_ptr
     ERR_MASK: tl.constexpr,         # its bit
     HAS_K_PLAIN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PHASED: tl.constexpr,
+    Q_SCRATCH: tl.constexpr,        # the rotated q through scratch (decode blocks; see there)
 ):
     """``kvarn::attention`` of one step in one launch: the exact region, the packed tiles and
     their log-sum-exp merge.
@@ -964,15 +965,16 @@ def _kvarn_attn_kernel(
             r = tl.load(rot_ptr + offs_k[:, None] * D + offs_d[None, :],
                         mask=(offs_k < D)[:, None] & d_mask[None, :], other=0.0)
             q = tl.dot(q_k, r, q, input_precision=ROT_PRECISION)
-        # through a scratch row block: the loop takes q in the layout of a load (straight from
-        # the dot's accumulator layout, sm_90 spills: triton 3.6, 308 B)
-        pid = (pid_bh * SPLIT + split) * M_BLOCKS + pid_m
-        offs_r = tl.arange(0, BLOCK_M)
-        scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_D) \
-            + offs_r[:, None] * BLOCK_D + offs_d[None, :]
-        tl.store(scratch, q)
-        tl.debug_barrier()
-        q = tl.load(scratch)
+        if Q_SCRATCH:
+            # through a scratch row block: the loop takes q in the layout of a load (straight
+            # from the dot's accumulator layout, sm_90 decode spills: triton 3.6, 308 B)
+            pid = (pid_bh * SPLIT + split) * M_BLOCKS + pid_m
+            offs_r = tl.arange(0, BLOCK_M)
+            scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_D) \
+                + offs_r[:, None] * BLOCK_D + offs_d[None, :]
+            tl.store(scratch, q)
+            tl.debug_barrier()
+            q = tl.load(scratch)
         if HAS_K_PLAIN:
             q_plain = tl.load(q_rows[:, None] + offs_d[None, :],
                               mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
@@ -1537,6 +1539,9 @@ def kvarn_attention(
     lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device=dev)
     if out.numel():
         exact = exact_splits(s_len + w_len)
+        # (a prefill block's rotated q would need scratch the size of q times the splits: it
+        # takes the dot's layout, as the loop's spills there are the block's own anyway)
+        q_scratch = block_m <= 16
         o_part = torch.empty(bsz, hq, tq, split + exact, dv, dtype=torch.float32, device=dev)
         lse_part = torch.empty(bsz, hq, tq, split + exact, dtype=torch.float32, device=dev)
         counts = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=dev)
@@ -1549,8 +1554,8 @@ def kvarn_attention(
             m4 if m4 is not None else q, *strides, m4.shape[-1] if m4 is not None else 0,
             o_part, lse_part, counts, out, lse,
             error_flags if error_flags is not None else counts,
-            torch.empty(bsz * heads * split * m_blocks * block_m * max(16, triton.next_power_of_2(d)),
-                        dtype=torch.float32, device=dev),
+            torch.empty(bsz * heads * split * m_blocks * block_m * max(16, triton.next_power_of_2(d))
+                        if q_scratch else 0, dtype=torch.float32, device=dev),
             float(scale) * math.log2(math.e), heads, plan.cap, tq, s_len, w_len, int(window),
             m_blocks,
             GROUP_Q=hq // heads, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
@@ -1562,7 +1567,8 @@ def kvarn_attention(
             MASK_ROW=m4 is not None and strides[1] == 0 and (tq == 1 or strides[2] == 0),
             MASK_FLAG=m4 is not None and error_flags is not None,
             ERR_MASK=int(error_bit), HAS_K_PLAIN=k_plain is not None,
-            INPUT_PRECISION=plan.input_precision, PHASED=plan.phased, num_warps=plan.num_warps)
+            INPUT_PRECISION=plan.input_precision, PHASED=plan.phased, Q_SCRATCH=q_scratch,
+            num_warps=plan.num_warps)
     return (out, lse) if return_lse else out
 
 
