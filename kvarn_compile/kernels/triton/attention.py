@@ -879,6 +879,43 @@ def _store_partial(o_part_ptr, lse_part_ptr, slot, m_i, l_i, acc, rows, m_valid,
     tl.store(lse_part_ptr + row, lse, mask=m_valid)
 
 
+@triton.jit(noinline=True)
+def _exact_program(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
+                   mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, o_part_ptr, lse_part_ptr,
+                   b, h, pid_m, split, length, n_raw, qk_scale, H, Tq, S, W, window,
+                   GROUP_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, G: tl.constexpr,
+                   SPLIT: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Program SPLIT + e of ``_kvarn_attn_kernel``: part e of the exact region's slots for
+    one block of query rows, its normalized partial stored at slot SPLIT + e. A function of
+    its own, called (noinline: scalar arguments only), so that its registers are allocated
+    apart from the tile loop's (inlined, sm_90 triton 3.6: the tile loop spilled ~24 B
+    more)."""
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < GROUP_Q * Tq
+    hq = h * GROUP_Q + offs_m % GROUP_Q
+    tq = offs_m // GROUP_Q
+    offs_d = tl.arange(0, BLOCK_D)
+    q_rows = q_ptr + b64 * s_qb + hq.to(tl.int64) * s_qh + tq.to(tl.int64) * s_qt
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & (offs_d < D)[None, :],
+                other=0.0).to(tl.float32)
+    mask_rows = mask_ptr + b64 * s_mb + hq.to(tl.int64) * s_mh + tq.to(tl.int64) * s_mt
+    head_s = (b64 * H + h) * S
+    head_w = (b64 * H + h) * W
+    per_e = tl.cdiv(S + W, EXACT)
+    lo = (split - SPLIT) * per_e
+    m_i, l_i, acc = _exact_range(
+        q, sink_k_ptr + head_s * D, sink_v_ptr + head_s * DV, tail_k_ptr + head_w * D,
+        tail_v_ptr + head_w * DV, S, W, lo, tl.minimum(lo + per_e, S + W), length, n_raw * G,
+        length - Tq + tq, m_valid, mask_rows, s_mk, mask_len, qk_scale, window, BLOCK_M, D,
+        BLOCK_D, DV, BLOCK_DV, BLOCK_E, CAUSAL, HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
+    _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc,
+                   (b64 * (H * GROUP_Q) + hq) * Tq + tq, m_valid, SPLIT + EXACT, DV, BLOCK_DV)
+
+
 @triton.jit
 def _kvarn_attn_kernel(
     q_ptr, s_qb, s_qh, s_qt,      # queries [B, Hq, Tq, D] as the model gives them (last stride 1)
@@ -1016,19 +1053,11 @@ def _kvarn_attn_kernel(
         _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SLOTS,
                        DV, BLOCK_DV)
     else:
-        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & d_mask[None, :],
-                    other=0.0).to(tl.float32)
-        head_s = (b64 * H + h) * S
-        head_w = (b64 * H + h) * W
-        per_e = tl.cdiv(S + W, EXACT)
-        lo = (split - SPLIT) * per_e
-        m_i, l_i, acc = _exact_range(
-            q, sink_k_ptr + head_s * D, sink_v_ptr + head_s * DV, tail_k_ptr + head_w * D,
-            tail_v_ptr + head_w * DV, S, W, lo, tl.minimum(lo + per_e, S + W), length,
-            n_raw * G, q_pos, m_valid, mask_rows, s_mk, mask_len, qk_scale, window, BLOCK_M, D,
-            BLOCK_D, DV, BLOCK_DV, BLOCK_E, CAUSAL, HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
-        _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SLOTS,
-                       DV, BLOCK_DV)
+        _exact_program(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
+                       mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, o_part_ptr, lse_part_ptr,
+                       b, h, pid_m, split, length, n_raw, qk_scale, H, Tq, S, W, window,
+                       GROUP_Q, D, BLOCK_D, DV, BLOCK_DV, G, SPLIT, EXACT, BLOCK_M, BLOCK_E,
+                       CAUSAL, HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
         if MASK_FLAG:
             if (pid_m == 0) & (split == SPLIT):
                 short = (length > mask_len).to(tl.int32) * ERR_MASK
