@@ -383,8 +383,10 @@ def _cuda_step_attention(q, f, mask, scale, causal, window, checked: bool):
     d, dv = q.shape[-1], f.sink_v.shape[-1]
     rot = triton_append.rotation(d, q.device)
     rot_v = rot if dv == d else triton_append.rotation(dv, q.device)
+    exact = [t if t.is_contiguous() else t.contiguous()      # (a state's own: contiguous)
+             for t in (f.sink_k, f.sink_v, f.tail_k, f.tail_v)]
     return kvarn_attention(
-        q if q.stride(-1) == 1 else q.contiguous(), f.sink_k, f.sink_v, f.tail_k, f.tail_v,
+        q if q.stride(-1) == 1 else q.contiguous(), *exact,
         f.lengths, f.n_tiles, *f.k.core, *f.v.core, rot, rot_v, scale=float(scale),
         causal=causal, window=window, mask=mask, k_plain=f.k_plain,
         error_flags=None if checked or mask is None else triton_append.error_flags(q.device),
