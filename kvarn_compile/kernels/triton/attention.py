@@ -879,6 +879,19 @@ def _store_partial(o_part_ptr, lse_part_ptr, slot, m_i, l_i, acc, rows, m_valid,
     tl.store(lse_part_ptr + row, lse, mask=m_valid)
 
 
+@triton.jit
+def _query_rows(q_ptr, s_qb, s_qh, s_qt, b64, h, pid_m, Tq, GROUP_Q: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Query block pid_m of (batch row b64, kv head h), rows packed position-major (row m:
+    query head h * GROUP_Q + m % GROUP_Q, position m // GROUP_Q): (valid, query head,
+    position, row pointers into q)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    hq = h * GROUP_Q + offs_m % GROUP_Q
+    tq = offs_m // GROUP_Q
+    q_rows = q_ptr + b64 * s_qb + hq.to(tl.int64) * s_qh + tq.to(tl.int64) * s_qt
+    return offs_m < GROUP_Q * Tq, hq, tq, q_rows
+
+
 @triton.jit(noinline=True)
 def _exact_program(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
                    mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, o_part_ptr, lse_part_ptr,
@@ -894,12 +907,9 @@ def _exact_program(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, 
     apart from the tile loop's (inlined, sm_90 triton 3.6: the tile loop spilled ~24 B
     more)."""
     b64 = b.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < GROUP_Q * Tq
-    hq = h * GROUP_Q + offs_m % GROUP_Q
-    tq = offs_m // GROUP_Q
+    m_valid, hq, tq, q_rows = _query_rows(q_ptr, s_qb, s_qh, s_qt, b64, h, pid_m, Tq, GROUP_Q,
+                                          BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_rows = q_ptr + b64 * s_qb + hq.to(tl.int64) * s_qh + tq.to(tl.int64) * s_qt
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & (offs_d < D)[None, :],
                 other=0.0).to(tl.float32)
     mask_rows = mask_ptr + b64 * s_mb + hq.to(tl.int64) * s_mh + tq.to(tl.int64) * s_mt
@@ -973,13 +983,10 @@ def _kvarn_attn_kernel(
     b = pid_bh // H
     h = pid_bh % H
     b64 = b.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < GROUP_Q * Tq
-    hq = h * GROUP_Q + offs_m % GROUP_Q
-    tq = offs_m // GROUP_Q
+    m_valid, hq, tq, q_rows = _query_rows(q_ptr, s_qb, s_qh, s_qt, b64, h, pid_m, Tq, GROUP_Q,
+                                          BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    q_rows = q_ptr + b64 * s_qb + hq.to(tl.int64) * s_qh + tq.to(tl.int64) * s_qt
     length = tl.load(lengths_ptr + b).to(tl.int32)
     n_raw = tl.load(n_tiles_ptr + b).to(tl.int32)
     q_pos = length - Tq + tq
