@@ -994,6 +994,7 @@ def _kvarn_attn_kernel(
     rows = (b64 * (H * GROUP_Q) + hq) * Tq + tq
     ROT_PRECISION: tl.constexpr = "ieee" if INPUT_PRECISION == "ieee" else "tf32"
     SLOTS: tl.constexpr = SPLIT + EXACT
+    MERGE_SPLITS: tl.constexpr = max(1, 32 // BLOCK_M)   # tile partials the merge loads at a time
     HAS_HI: tl.constexpr = CAUSAL and MULTI
     # rows of rot (columns of rot_v^T) per rotation step: 4096 fp32 values in registers
     RK: tl.constexpr = max(16, min(BLOCK_D, 4096 // BLOCK_D))
@@ -1076,25 +1077,28 @@ def _kvarn_attn_kernel(
     if ticket == SLOTS - 1:
         offs_dv = tl.arange(0, BLOCK_DV)
         base = rows * SLOTS
-        top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for s in range(0, SLOTS):
-            lse_s = tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
-                            cache_modifier=".cg")
-            top = tl.maximum(top, lse_s)
-        m_ref = tl.where(top == float("-inf"), 0.0, top)
-        den = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc_rot = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        for s in range(0, SPLIT):
-            w_s = tl.exp(tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
-                                 cache_modifier=".cg") - m_ref)
-            o_s = tl.load(o_part_ptr + (base + s)[:, None] * DV + offs_dv[None, :],
-                          mask=m_valid[:, None] & (offs_dv < DV)[None, :], other=0.0,
+        # every partial's lse in one load, [BLOCK_M, SLOTS]: the reference point and the sum
+        BLOCK_S: tl.constexpr = triton.next_power_of_2(SLOTS)
+        offs_s = tl.arange(0, BLOCK_S)
+        lse_all = tl.load(lse_part_ptr + base[:, None] + offs_s[None, :],
+                          mask=m_valid[:, None] & (offs_s < SLOTS)[None, :], other=float("-inf"),
                           cache_modifier=".cg")
-            acc_rot += w_s[:, None] * tl.where(w_s[:, None] > 0.0, o_s, 0.0)
-            den += w_s
-        for s in tl.static_range(SPLIT, SLOTS):
-            den += tl.exp(tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
-                                  cache_modifier=".cg") - m_ref)
+        top = tl.max(lse_all, axis=1)
+        m_ref = tl.where(top == float("-inf"), 0.0, top)
+        den = tl.sum(tl.exp(lse_all - m_ref[:, None]), axis=1)
+        # the tile splits' outputs, MERGE_SPLITS at a time: their loads in flight together
+        offs_g = tl.arange(0, MERGE_SPLITS)
+        acc_rot = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for s0 in range(0, SPLIT, MERGE_SPLITS):
+            s_ok = (s0 + offs_g) < SPLIT
+            w_g = tl.exp(tl.load(lse_part_ptr + base[:, None] + (s0 + offs_g)[None, :],
+                                 mask=m_valid[:, None] & s_ok[None, :], other=float("-inf"),
+                                 cache_modifier=".cg") - m_ref[:, None])
+            o_g = tl.load(o_part_ptr + ((base[:, None] + s0 + offs_g[None, :]) * DV)[:, :, None]
+                          + offs_dv[None, None, :],
+                          mask=(m_valid[:, None] & s_ok[None, :])[:, :, None]
+                          & (offs_dv < DV)[None, None, :], other=0.0, cache_modifier=".cg")
+            acc_rot += tl.sum(w_g[:, :, None] * tl.where(w_g[:, :, None] > 0.0, o_g, 0.0), axis=1)
         has = den > 0.0
         inv = 1.0 / tl.where(has, den, 1.0)
         lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
