@@ -362,13 +362,6 @@ def latent_attention(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[torch.Te
 
 
 # ------------------------------------------------------------------------------ tile partials
-def additive(bias: torch.Tensor) -> torch.Tensor:
-    """A tile mask as an additive fp32 bias: a bool one (True attends) as 0 / -inf."""
-    if bias.dtype == torch.bool:
-        return torch.where(bias, 0.0, regions.NEG_INF)
-    return bias.float()
-
-
 def _tile_bias(mask: torch.Tensor | None, s: int, tokens: int, shape: tuple[int, int, int]
                ) -> torch.Tensor | None:
     """The mask over the quantized tokens (absolute positions s .. s + tokens - 1), [B, 1 or
@@ -395,7 +388,7 @@ def tile_inputs(q: torch.Tensor, buffers, mask: torch.Tensor | None, causal: boo
     q_rot fp32 [B,Hq,Tq,D]; q_plain (the un-rotated fp32 queries, only when the state has
     per-tile key frames); the 8 tile tensors (scales with their fp8 factors applied);
     k_plain uint8 [B,H,N] or None; n_tiles [B]; kv_lo, kv_hi [B,Tq]; bias [B,1 or Hq,Tq,N*G]
-    (``_tile_bias``: the model's float mask itself where it covers the tiles) or None. Quantized token j of a row sits at absolute position S + j (see
+    (``_tile_bias``: the model's bool or float mask itself where it covers the tiles) or None. Quantized token j of a row sits at absolute position S + j (see
     ``regions.tile_bounds``). Static shapes only: it traces into the Inductor decomposition.
     ``matmul`` rotates q (``regions.small_matmul`` in traced decode graphs).
     """
@@ -438,7 +431,7 @@ def tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_scale,
     visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
                & (j[None, None, :] < (n_tiles * g)[:, None, None]))               # [B,Tq,N*G]
     if bias is not None:
-        scores = scores + additive(bias).expand(bsz, hq, tq, n_max * g).reshape(scores.shape)
+        scores = scores + regions.additive(bias).expand(bsz, hq, tq, n_max * g).reshape(scores.shape)
     scores = scores.masked_fill(~visible[:, None, None], regions.NEG_INF)
     p, denom, m_ref = regions.safe_lse(scores)
     p, lse = regions.normalized(p, denom, m_ref)
@@ -498,7 +491,7 @@ def latent_tile_partials(q_rot, q_plain, q_pe_rot, k_codes, k_row_scale, k_row_z
     visible = ((j[None, None, :] >= kv_lo[:, :, None]) & (j[None, None, :] < kv_hi[:, :, None])
                & (j[None, None, :] < (n_tiles * g)[:, None, None]))[:, None, None]  # [B,1,1,Tq,N*G]
     if bias is not None:
-        bias = additive(bias).expand(bsz, hq, tq, n_max * g).reshape(rope.shape)
+        bias = regions.additive(bias).expand(bsz, hq, tq, n_max * g).reshape(rope.shape)
     frames = [q_rot] if tile_ids is None else [q_rot, q_plain]
     member = None
     if tile_ids is not None:      # membership [B, H, 2, N] from the per-frame tile lists

@@ -23,7 +23,7 @@ import torch
 
 from kvarn_compile.state import StateFields
 
-__all__ = ["exact_region", "small_matmul", "tile_bounds", "bias_at", "combine_splits",
+__all__ = ["exact_region", "small_matmul", "tile_bounds", "additive", "bias_at", "combine_splits",
            "merge_regions", "safe_lse", "normalized", "query_positions", "NEG_INF"]
 
 NEG_INF = float("-inf")
@@ -54,6 +54,13 @@ def query_positions(lengths: torch.Tensor, tq: int) -> torch.Tensor:
     return lengths[:, None] - tq + torch.arange(tq, device=lengths.device)[None, :]
 
 
+def additive(mask: torch.Tensor) -> torch.Tensor:
+    """A mask as an additive fp32 bias: a bool one (True attends) as 0 / -inf."""
+    if mask.dtype == torch.bool:
+        return torch.where(mask, 0.0, NEG_INF)
+    return mask.float()
+
+
 def bias_at(mask: torch.Tensor | None, positions: torch.Tensor, shape: tuple[int, int, int]
             ) -> torch.Tensor | None:
     """Additive fp32 mask [B, Hq, Tq, P] at absolute key ``positions`` [B, P].
@@ -65,10 +72,7 @@ def bias_at(mask: torch.Tensor | None, positions: torch.Tensor, shape: tuple[int
     if mask is None:
         return None
     b, hq, tq = shape
-    m = mask.expand(b, hq, tq, mask.shape[-1])
-    if m.dtype == torch.bool:
-        m = torch.where(m, 0.0, NEG_INF)
-    m = m.float()
+    m = additive(mask.expand(b, hq, tq, mask.shape[-1]))
     idx = positions.clamp(0, m.shape[-1] - 1)[:, None, None, :].expand(b, hq, tq, -1)
     picked = m.gather(-1, idx)
     inside = (positions < m.shape[-1])[:, None, None, :]

@@ -77,6 +77,15 @@ def _unpack_bytes(byte, R: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _additive_log2(bias):
+    """Mask values as they were loaded, as an additive bias in log2 units: bool (True
+    attends) as 0 / -inf, a float one (natural-log units) scaled by log2(e)."""
+    if bias.dtype == tl.int1:
+        return tl.where(bias, 0.0, float("-inf"))
+    return bias.to(tl.float32) * 1.4426950408889634
+
+
+@triton.jit
 def _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS: tl.constexpr,
                  HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
     """Scores s [BLOCK_M, N] (log2 units) of the tokens tok [N] under the loop's masks: the
@@ -85,18 +94,13 @@ def _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS: tl.
     kv_hi on (HAS_HI), per row. HAS_BIAS == 2: every row reads one mask row (bias_rows: a
     scalar pointer; the caller reads only tokens the mask covers), loaded once."""
     if HAS_BIAS == 2:   # one mask row for every row of the block: bias_rows is its pointer
-        bias = tl.load(bias_rows + tok.to(tl.int64) * s_bias)[None, :]
-        if bias.dtype == tl.int1:
-            bias = tl.where(bias, 0.0, float("-inf"))
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+        s = s + _additive_log2(tl.load(bias_rows + tok.to(tl.int64) * s_bias))[None, :]
     elif HAS_BIAS:
         ok = m_valid[:, None]
         if HAS_HI:      # nothing is read at or past kv_hi (a mask may end there)
             ok = ok & (tok[None, :] < kv_hi[:, None])
-        bias = tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias, mask=ok, other=0)
-        if bias.dtype == tl.int1:       # a bool mask: True attends
-            bias = tl.where(bias, 0.0, float("-inf"))
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+        s = s + _additive_log2(tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
+                                       mask=ok, other=0))
     if HAS_LO:
         s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
     if HAS_HI:
@@ -810,11 +814,8 @@ def _exact_chunk(q, kb, vb, slot, pos, ok, q_pos, m_valid, mask_rows, s_mk, mask
     if HAS_WINDOW:
         allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
     if HAS_MASK:
-        bias = tl.load(mask_rows[:, None] + pos[None, :].to(tl.int64) * s_mk,
-                       mask=allowed & (pos < mask_len)[None, :], other=0)
-        if bias.dtype == tl.int1:
-            bias = tl.where(bias, 0.0, float("-inf"))
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+        s = s + _additive_log2(tl.load(mask_rows[:, None] + pos[None, :].to(tl.int64) * s_mk,
+                                       mask=allowed & (pos < mask_len)[None, :], other=0))
     s = tl.where(allowed, s, float("-inf"))
     p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
     v = tl.load(vb + slot.to(tl.int64)[:, None] * DV + offs_dv[None, :],
