@@ -26,9 +26,15 @@ Per kernel and config:
   (G // BLOCK_N for the decode loop, which walks BLOCK_N tokens a step), with a nested inner
   loop counted as often as it runs per tile (the prefill template); ``loop_global_loads``: the
   global loads in that body by width; ``widest_global_load`` (bytes, 16 = LDG.E.128);
+  ``loop_spill_instructions``: local loads and stores (spill traffic) in that body, counted
+  the same way (a kernel's spills can sit outside its loop, where they cost once);
 * ``tile_bytes``: bytes of codes and scales read per packed tile (K and V; the per-tile cost of
   the memory wall);
-* ``est_bandwidth_fraction`` (decode kernels): the issue-bound estimate below.
+* ``est_bandwidth_fraction`` (decode kernels): the issue-bound estimate below;
+* ``row_instructions`` (multi-token blocks): warp instructions per query row and packed tile,
+  ``loop_instructions * W / BLOCK_M``: a prefill's issue cost, comparable across block sizes
+  (a larger block reads each tile from L2 for more rows; every warp of the phased loop
+  still unpacks the whole tile for its own 16 rows).
 
 Issue-bound model (decode). Decode attention over a packed cache is meant to be limited by
 HBM bandwidth; it is instead limited by instruction issue when its loop is long. An sm_90 SM
@@ -188,17 +194,24 @@ def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
             if m and int(m[1], 16) < addr:
                 loops.append((int(m[1], 16), addr))
     if not loops:
-        return {"loop_instructions": 0, "loop_global_loads": {}, "widest_global_load": None}
+        return {"loop_instructions": 0, "loop_global_loads": {}, "widest_global_load": None,
+                "loop_spill_instructions": 0}
     outer = max(loops, key=lambda ab: ab[1] - ab[0])
     inner = [ab for ab in loops if ab != outer and outer[0] <= ab[0] and ab[1] <= outer[1]]
 
     def count(lo, hi):
         return sum(1 for a, _ in insns if lo <= a <= hi)
 
+    def trips_of(a):
+        return outer_trips * (inner_trips if any(lo <= a <= hi for lo, hi in inner) else 1)
+
     total = count(*outer)
     for lo, hi in inner:
         total += (inner_trips - 1) * count(lo, hi)
     total *= outer_trips
+    # spill traffic (local loads / stores) inside the loop, counted as the instructions are
+    spills = sum(trips_of(a) for a, body in insns if outer[0] <= a <= outer[1]
+                 and re.sub(r"^@!?U?P\w+\s+", "", body).startswith(("LDL", "STL")))
     loads: dict[str, int] = {}
     widest = None
     for a, body in insns:
@@ -206,12 +219,12 @@ def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
             op = re.sub(r"^@!?U?P\w+\s+", "", body)
             w = _load_width(op)
             if w is not None:
-                trips = outer_trips * (inner_trips if any(lo <= a <= hi for lo, hi in inner) else 1)
+                trips = trips_of(a)
                 key = f"{w}B" + ("_async" if op.startswith("LDGSTS") else "")
                 loads[key] = loads.get(key, 0) + trips
                 widest = w if widest is None else max(widest, w)
     return {"loop_instructions": total, "loop_global_loads": loads, "widest_global_load": widest,
-            "loops": len(loops)}
+            "loop_spill_instructions": spills, "loops": len(loops)}
 
 
 def ctas_per_sm(registers: int, warps: int, shared: int) -> int:
@@ -319,28 +332,33 @@ def _decode_kernel_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, plain=Fa
 
 
 def _attention_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, block_n=128, dv=None,
-                    mask=False, tq=1):
+                    mask=False, tq=1, block_m=None):
     """``_kvarn_attn_kernel``: the CUDA op in one launch (the tile loop of
     ``_decode_kernel_case`` plus the query rotation, the exact region and the merge), a
     16-bit cache (the exact region's dtype), with the launcher's defaults."""
     from kvarn_compile.kernels.triton import attention as A
 
     dv = d if dv is None else dv
-    block_m = A.default_block_m(hq // h * tq)
+    default_m = A.default_block_m(hq // h * tq, A.phased_decode(precision, A.loop_block_n(16, g),
+                                                                 kb, dv, vb))
+    block_m = default_m if block_m is None else block_m
     block_n = A.loop_block_n(block_m, g) if block_m > 16 else block_n
     phased, num_warps, prefetch, suffix = _decode_loop(precision, block_n, block_m, kb, dv, vb,
                                                        None, None, None)
 
     def build():
         f16 = torch.float16
-        b, n, split, s, w = 1, 4, 4, 128, 255
+        # a decode step: 4 tile splits and the exact region's programs, merged by the last;
+        # a prompt: one program per block for all of it (FUSED), as the launcher runs them
+        fused = tq > 1
+        b, n, split, s, w = 1, 4, 1 if fused else 4, 128, 255
         q = torch.zeros(b, hq, tq, d, dtype=f16)
         rot, rot_v = torch.zeros(d, d), torch.zeros(dv, dv)
         sk, sv = torch.zeros(b, h, s, d, dtype=f16), torch.zeros(b, h, s, dv, dtype=f16)
         tk, tv = torch.zeros(b, h, w, d, dtype=f16), torch.zeros(b, h, w, dv, dtype=f16)
         kc, krs, kcs, vc, vrs, vcs, nt, kp = _tile_tensors(b, h, n, d, dv, g, kb, vb)
         m = torch.zeros(b, 1, tq, 4096, dtype=torch.bool)
-        exact = A.exact_splits(s + w)
+        exact = 1 if fused else A.exact_splits(s + w)
         o = torch.zeros(b, hq, tq, split + exact, dv)
         lse = torch.zeros(b, hq, tq, split + exact)
         cnt = torch.zeros(b * h, dtype=torch.int32)
@@ -352,7 +370,8 @@ def _attention_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, block_n=128,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=A.EXACT_BLOCK, PREFETCH=prefetch, CAUSAL=True, MULTI=tq > 1,
             HAS_WINDOW=False, HAS_MASK=mask, MASK_ROW=mask and tq == 1, MASK_FLAG=mask,
             ERR_MASK=32, HAS_K_PLAIN=True,
-            INPUT_PRECISION=precision, PHASED=phased, Q_SCRATCH=block_m <= 16, grid=(1,),
+            INPUT_PRECISION=precision, PHASED=phased, Q_SCRATCH=block_m <= 16, FUSED=fused,
+            SCRATCH_W=max(_block(d), _block(dv)), grid=(1,),
             num_warps=num_warps, num_stages=1)
 
     cfg = dict(kernel="_kvarn_attn_kernel", k_bits=kb, v_bits=vb, D=d, G=g, group_q=hq // h,
@@ -362,7 +381,8 @@ def _attention_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, block_n=128,
         cfg["DV"] = dv
     return Case(f"attention_k{kb}v{vb}_d{d}" + (f"v{dv}" if dv != d else "")
                 + f"g{g}_n{block_n}_{precision}" + (f"_tq{tq}" if tq > 1 else "")
-                + ("_mask" if mask else "") + suffix, "decode" if tq == 1 else "prefill",
+                + ("_mask" if mask else "") + (f"_m{block_m}" if block_m != default_m else "")
+                + suffix, "decode" if tq == 1 else "prefill",
                 cfg, build, num_warps, tile_bytes(d, g, kb, vb, dv=dv), outer_trips=g // block_n)
 
 
@@ -493,7 +513,7 @@ def _append_decode_case(*, b=1, h=8, d=128, g=128, sink=128, tail=255, tiles=4,
 
 def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=128, g=128,
                    hq=32, h=8, tq=1, split=4, num_warps=None, num_stages=1, bias=False,
-                   plain=False, prefetch=None, dv=None, phased=None):
+                   plain=False, prefetch=None, dv=None, phased=None, bool_mask=False):
     """The tile template (``kvarn_decode.py.jinja``) rendered standalone. tq > 1: a
     multi-token ("prefill") config, as ``heuristics.prefill_configs`` makes it: one split,
     the loop's own warps for the block."""
@@ -521,8 +541,8 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                        NT=torch.zeros(b, dtype=i64), KVLO=torch.zeros(b, tq, dtype=i64),
                        KVHI=torch.zeros(b, tq, dtype=i64))
         if bias:    # (bias 2: one row for the block, a bool mask as HF passes it)
-            tensors["BIAS"] = torch.zeros(b, 1, tq, n * g, dtype=torch.bool if bias == 2
-                                          else torch.float32)
+            tensors["BIAS"] = torch.zeros(b, 1, tq, n * g, dtype=torch.bool
+                                          if bias == 2 or bool_mask else torch.float32)
         split_max = split if family == "decode" else 1
         tensors["LSE"] = torch.zeros(b, hq, tq, split_max)
         out = torch.zeros(b, hq, tq, split_max, dv)
@@ -541,7 +561,8 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
 
     cfg = dict(kernel=template.split(".")[0] + "_template", k_bits=kb, v_bits=vb, D=d, G=g,
                group_q=hq // h, TQ=tq, BLOCK_N=block_n, BLOCK_M=block_m,
-               input_precision=precision, bias=bias, k_plain=plain, num_warps=num_warps,
+               input_precision=precision, bias=bias, bool_mask=bool_mask or bias == 2,
+               k_plain=plain, num_warps=num_warps,
                num_stages=num_stages, prefetch=prefetch)
     cfg["phased"] = phased
     if dv != d:
@@ -549,6 +570,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
     name = ("kvarn_prefill" if family == "prefill" else template.split('.')[0]) \
         + f"_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else "") \
         + f"_n{block_n}_m{block_m}" + ("_bias" if bias else "") + ("row" if bias == 2 else "") \
+        + ("_bool" if bool_mask and bias == 1 else "") \
         + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") + suffix
     return Case(name, family, cfg, build, num_warps,
                 tile_bytes(d, g, kb, vb, dv=dv) if family == "decode" else None,
@@ -608,8 +630,9 @@ def cases(quick: bool) -> list[Case]:
     """Quick (CI): the decode kernel and the decode template in their production configs,
     the append (tile quantizer) kernel at D = G = 128 and 64 and the decode step's append, the
     decode kernel, the decode step's append and the key quantizer for keys and values of
-    different head dims (D = 192, Dv = 128), and the latent attention kernel (D = 512,
-    Dv = 64). Full: also the other code widths and precisions,
+    different head dims (D = 192, Dv = 128), the latent attention kernel (D = 512,
+    Dv = 64), and a prompt's default block (the prefill template and the op in one launch,
+    with a bool mask and key frames). Full: also the other code widths and precisions,
     the autotune configs, the combine kernel, the prefill template, more D = 192 configs and
     the latent attention's template (``kvarn_latent``)."""
     out = [
@@ -629,6 +652,11 @@ def cases(quick: bool) -> list[Case]:
         # absorbed multi-head latent attention (DeepSeek: latent 512 at 4 bits, RoPE key 64 at
         # 8 bits, 16 query heads per kv head)
         _latent_case(),
+        # a prompt's queries in their default block (16 rows), key frames on and a bool mask
+        # per row, as transformers passes one: the prefill template and the op in one launch
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
+                       precision="fp16", bias=True, bool_mask=True, plain=True),
+        _attention_case(4, 2, "fp16", tq=64, mask=True),
     ]
     if quick:
         return out
@@ -643,6 +671,7 @@ def cases(quick: bool) -> list[Case]:
         _attention_case(2, 2, "fp16"),
         _attention_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16),
         _attention_case(4, 2, "fp16", tq=64),
+        _attention_case(4, 2, "fp16", tq=64, block_m=64),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
                        precision="fp16", phased=False),
         _decode_kernel_case(4, 2, "tf32"),
@@ -665,10 +694,15 @@ def cases(quick: bool) -> list[Case]:
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16,
                        prefetch=False),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=32, block_m=16, num_warps=8),
-        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
-                       precision="fp16"),
-        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+        # a 256-query prompt, key frames on: the default block (16 rows, the decode step's)
+        # with no mask, a bool mask per row (as transformers passes one), an fp32 one; the
+        # 64-row block the autotuner also offers; the byte loop (tf32) at its own 64 rows
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
+                       precision="fp16", plain=True),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
                        precision="fp16", bias=True, plain=True),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+                       precision="fp16", bias=True, bool_mask=True, plain=True),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
                        bias=True, plain=True),
         # D = 192, Dv = 128 (the production configs are in the quick list)
@@ -677,7 +711,7 @@ def cases(quick: bool) -> list[Case]:
                        hq=16, h=16, precision="fp16"),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=4, block_n=64, block_m=16, d=192, dv=128,
                        hq=16, h=16),
-        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
                        d=192, dv=128, hq=16, h=16, precision="fp16"),
         _latent_case(frames=True),
         _latent_case(g=64),
@@ -705,6 +739,9 @@ def report(case: Case, sass_dir: pathlib.Path | None = None) -> dict:
     if sass_dir is not None:
         (sass_dir / f"{case.name}.sass").write_text(text)
     row.update(loop_stats(text, case.inner_trips, case.outer_trips))
+    if case.family == "prefill":
+        row["row_instructions"] = round(row["loop_instructions"] * case.warps
+                                        / case.config["BLOCK_M"], 1)
     if case.nbytes is not None:
         row["tile_bytes"] = case.nbytes
         row["est_bandwidth_fraction"] = round(

@@ -128,14 +128,14 @@ def decode_configs(mode: str, *, group: int, rows: int, max_split: int) -> list[
     return list(dict.fromkeys(keep))
 
 
-def prefill_configs(mode: str, *, group: int, rows: int) -> list[DecodeConfig]:
+def prefill_configs(mode: str, *, group: int, rows: int, phased: bool) -> list[DecodeConfig]:
     """Multi-token shapes (``rows`` = query heads per kv head x query positions): one split,
-    64-row blocks (the query heads of 64 / g positions: each tile unpacked once for them),
-    and the loop's own step, warps and prefetch for such a block (64 tokens, 4 warps of 16
-    rows each)."""
-    from kvarn_compile.kernels.triton.attention import loop_block_n
+    the loop's own block (``default_block_m``: 16 rows for the phased loop, ``phased`` being
+    whether it runs phased at that block's step; up to 64 for the byte loop) and its own
+    step, warps and prefetch for such a block."""
+    from kvarn_compile.kernels.triton.attention import default_block_m, loop_block_n
 
-    block_m = min(64, _pow2_at_least(rows))
+    block_m = default_block_m(rows, phased)
     default = DecodeConfig(block_n=loop_block_n(block_m, group), block_m=block_m, split=1,
                            num_warps=None, num_stages=1)
     if mode == "default":
@@ -145,9 +145,8 @@ def prefill_configs(mode: str, *, group: int, rows: int) -> list[DecodeConfig]:
                                             block_m=max(16, block_m // 2), split=1,
                                             num_warps=4, num_stages=1)]
     elif mode == "autotune":
-        # and the decode step's block (16 rows, the whole tile a step, the loop's warps):
-        # sm_90, 256 queries, k4v2, no mask: 0 spills and 257 warp instructions per tile and
-        # query row, against 480 B and 275 for the default; but 4x the tile reads from L2
+        # and the 16-row block at the loop's own step and warps (the byte loop's default is
+        # larger: its unpacking is shared by a warp's rows, where the phased loop's is not)
         candidates = [default, DecodeConfig(loop_block_n(16, group), 16, 1, None, 1)] + [
             DecodeConfig(bn, bm, 1, w, 1) for bm, bn, w in
             itertools.product((32, 64, 128), (32, 64, 128), (4, 8))]

@@ -7,7 +7,7 @@ here runs on a CPU-only machine (tests render it standalone: :func:`render_stand
 
 One template serves decode and multi-token shapes (prefill, chunked prefill, speculative
 verify): the lowering's configs differ (splits of the tile range for a few query rows;
-one split and 64-row blocks for many), the program does not. How it shares the kernel's
+one split for many, in the loop's own block: ``default_block_m``), the program does not. How it shares the kernel's
 body: the template is only the *driver* of one program (its grid position, the query rows
 it packs, the split range, the loads of q/kv bounds/bias, the stores). The tile loop, i.e.
 the in-register unpack of the codes, the dual-scale fold into the scores and the values

@@ -236,7 +236,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
         offer(torch_spec, add_torch)
     if template_ok:
         from kvarn_compile._torch_compat import kvarn_sources_hash
-        from kvarn_compile.kernels.triton.attention import phased_decode
+        from kvarn_compile.kernels.triton.attention import loop_block_n, phased_decode
         from kvarn_compile.lowering import tile_templates as templates
 
         heads = shapes["k_codes"][1]
@@ -258,7 +258,9 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
             few = rows <= heuristics.DECODE_ROWS_MAX
             configs = (heuristics.decode_configs(mode, group=group, rows=rows,
                                                  max_split=int(split_max)) if few
-                       else heuristics.prefill_configs(mode, group=group, rows=rows))
+                       else heuristics.prefill_configs(
+                           mode, group=group, rows=rows,
+                           phased=phased_decode(precision, loop_block_n(16, group), kb, dv, vb)))
             for cfg in configs:
                 phased = phased_decode(precision, cfg.block_n, kb, dv, vb)
                 opts = dict(cfg.resolved(phased).template_kwargs(), PHASED=phased)

@@ -87,6 +87,9 @@ GEOMETRIES = {
     (1, True, 0, None, 1), (1, True, 0, None, 3), (1, True, 40, "bool", 2),
     (5, True, 0, "float", 2), (3, False, 0, None, 2), (4, True, 37, "half", 4),
     (3, True, 0, "row", 2),
+    # a prompt's blocks (2 x 33+ rows a kv head: several blocks of 16 or 64) in one split:
+    # FUSED, one program per block for tiles, exact region and output
+    (36, True, 0, "bool", 1), (34, True, 29, "float", 1), (33, False, 0, None, 1),
 ])
 def test_one_launch_attention_matches_the_reference(geometry, tq, causal, window, mask, splits):
     g, d, dv, dtype, cfg, precision, tol = GEOMETRIES[geometry]
@@ -166,6 +169,40 @@ def test_one_launch_attention_prefill_block_is_causal_inside_the_tiles(mask):
     m = _mask(mask, 2, 2 * H, tq, tq)
     want = attention_ref.attention(q, buffers, m, d ** -0.5, True, 0)
     _close(_run(q, buffers, m, num_splits=2), want, 2e-5)
+    _close(_run(q, buffers, m, num_splits=1), want, 2e-5)     # FUSED
+
+
+def test_fused_prompt_blocks_need_no_partials(monkeypatch):
+    """A prompt's launch in one split runs FUSED: one program per block writes its rows'
+    output (empty rows 0 and lse -inf, the same bits twice), and no partial buffer is
+    allocated for it; a short mask is flagged there too."""
+    from kvarn_compile.kernels.triton import attention as triton_attention
+
+    g, d = 32, 32
+    buffers = _cache([4 * g + 7, 0, g + 40], g, d)
+    q = torch.randn(3, 2 * H, 40, d)       # 80 rows a kv head: 2 blocks of 64 (5 of 16)
+    sizes = []
+    empty = torch.empty
+
+    def recording_empty(*shape, **kw):
+        t = empty(*shape, **kw)
+        sizes.append(t.numel())
+        return t
+
+    monkeypatch.setattr(triton_attention.torch, "empty", recording_empty)
+    out, lse = _run(q, buffers, window=50, num_splits=1, return_lse=True)
+    monkeypatch.undo()
+    want = attention_ref.attention(q, buffers, None, d ** -0.5, True, 50)
+    _close(out, want, 2e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    assert torch.equal(out, _run(q, buffers, window=50, num_splits=1))
+    # out, lse, no partials, the scratch (q's blocks, padded to 16 rows): the partials of
+    # the split path would be at least twice q (a tile split and an exact one per row)
+    assert sorted(sizes)[:2] == [0, 0] and max(sizes) < 2 * q.numel(), sizes
+    flags = torch.zeros((), dtype=torch.int32, device=DEV)
+    _run(q[:2], _cache([3 * g + 20, g + 3], g, d), torch.zeros(2, 1, 40, g + 10),
+         num_splits=1, error_flags=flags, error_bit=triton_append.ERR_MASK)
+    assert int(flags) == triton_append.ERR_MASK
 
 
 @pytest.mark.parametrize("per_program", [8, 12])

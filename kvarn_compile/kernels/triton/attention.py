@@ -170,6 +170,22 @@ def _packed_dot(a, byte, zero_terms, R: tl.constexpr, NC: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def _frame_q(q, qp_rows, s_qpd, m_valid, plain, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The queries a K tile is scored with: q (rotated, fp32 [BLOCK_M, BLOCK_D]) for a
+    rotated tile; for a key frame (``plain`` != 0) the un-rotated queries, loaded only then
+    from ``qp_rows`` (a pointer per row; column stride ``s_qpd``). Held beside q across the
+    loop they were a second fp32 block of registers (sm_90, a 16-row prefill block with a
+    mask: 292 B of spills against 32 B); key frames are the rare outlier tiles."""
+    if plain != 0:
+        offs_d = tl.arange(0, BLOCK_D)
+        q_t = tl.load(qp_rows[:, None] + offs_d[None, :] * s_qpd,
+                      mask=m_valid[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+    else:
+        q_t = q
+    return q_t
+
+
+@triton.jit
 def _load_chunk(kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                 s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp, it, ok,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -312,6 +328,28 @@ def _phase_columns(n, k: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
+def _phase_split(x, M: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
+    """x [M, NW * 16 // BITS] in token order -> the K phases' columns (``_phase_columns``):
+    a tuple of PER = 8 // BITS tensors [M, 2 * NW], phase k's column b * NW + w being token
+    (16 // BITS) * w + b * PER + k. Only relabels and regroups registers (a layout change at
+    most): a chunk's mask row is loaded once in token order, contiguous, and split here."""
+    PER: tl.constexpr = 8 // BITS
+    x = tl.reshape(tl.permute(tl.reshape(x, [M, NW, 2, PER]), (0, 2, 1, 3)), [M, 2 * NW, PER])
+    if PER == 1:
+        out = (tl.reshape(x, [M, 2 * NW]),)
+    elif PER == 2:
+        a, b = tl.split(x)
+        out = (a, b)
+    else:
+        tl.static_assert(PER == 4, "phases per byte: 1, 2 or 4")
+        lo, hi = tl.split(tl.reshape(x, [M, 2 * NW, 2, 2]))   # k = 2 * k1 + k0: k0 0 / 1
+        a, c = tl.split(lo)
+        b, d = tl.split(hi)
+        out = (a, b, c, d)
+    return out
+
+
+@triton.jit
 def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, ok,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
                    BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr):
@@ -389,7 +427,7 @@ def _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, it, ok,
 
 
 @triton.jit
-def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+def _decode_range_phased(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                          s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
                          start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
                          BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -452,12 +490,21 @@ def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
         k_t0, k_t1, k_rs, k_rz, k_cs, plain = k_cur
         q_t = q
         if HAS_K_PLAIN:
-            q_t = tl.where(plain != 0, q_plain, q)
+            q_t = _frame_q(q, qp_rows, s_qpd, m_valid, plain, D, BLOCK_D)
         a = (q_t * k_rs.to(tl.float32)[None, :]).to(tl.float16)
         # every code comes as 1024 + code * 2^s: the matmul starts from a @ (-1024), the
         # same products, so the fp32 accumulator cancels the 1024s exactly as it adds them
         bias_k = tl.dot(a, tl.full([BLOCK_D, NK], -1024.0, tl.float16), out_dtype=tl.float32)
         z_k = tl.sum(q_t * k_rz.to(tl.float32)[None, :], axis=1)   # the zero points' term
+        if HAS_BIAS == 1:
+            # a mask row per query row: the chunk's BLOCK_N values in token order, one
+            # contiguous load per row, then split into the phases' columns
+            toks = it * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = m_valid[:, None]
+            if HAS_HI:      # nothing is read at or past kv_hi (a mask may end there)
+                ok = ok & (toks[None, :] < kv_hi[:, None])
+            bias_ph = _phase_split(tl.load(bias_rows[:, None] + toks[None, :].to(tl.int64)
+                                           * s_bias, mask=ok, other=0), BLOCK_M, K_BITS, NKW)
         ss = ()
         for k in tl.static_range(KPER):
             SH = 1.0 / (1 << (K_BITS * k))
@@ -466,8 +513,13 @@ def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
             s = (raw + (z_k * (1.0 / SH))[:, None]) \
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
             tok = it * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
-            ss = ss + (_mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS,
-                                    HAS_LO, HAS_HI),)
+            if HAS_BIAS == 1:
+                s = _mask_scores(s + _additive_log2(bias_ph[k]), tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias,
+                                 0, HAS_LO, HAS_HI)
+            else:
+                s = _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS,
+                                 HAS_LO, HAS_HI)
+            ss = ss + (s,)
         m_new = tl.maximum(m_i, tl.max(_tuple_max(ss, KPER), axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
@@ -511,7 +563,7 @@ def _decode_range_phased(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
 
 
 @triton.jit
-def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+def _decode_range_bytes(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                         s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
                         start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
                         BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -537,7 +589,8 @@ def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
 
     Masks: query row m sees token t (= tile * G + offset) when kv_lo[m] <= t (HAS_LO) and
     t < kv_hi[m] (HAS_HI); HAS_BIAS adds bias_rows[m] + t * s_bias (natural-log units) to
-    the score. HAS_K_PLAIN: a tile whose kp flag is 1 is scored with q_plain.
+    the score. HAS_K_PLAIN: a tile whose kp flag is 1 is scored with the un-rotated queries
+    (``_frame_q``: rows ``qp_rows``, column stride ``s_qpd``).
     """
     CH: tl.constexpr = G // BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
@@ -567,7 +620,7 @@ def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                 DV, BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS, HAS_K_PLAIN)
         q_t = q
         if HAS_K_PLAIN:
-            q_t = tl.where(c_plain != 0, q_plain, q)
+            q_t = _frame_q(q, qp_rows, s_qpd, m_valid, c_plain, D, BLOCK_D)
         rs = c_k_rs.to(tl.float32)
         rz = c_k_rz.to(tl.float32)
         s = _packed_dot(q_t * rs[None, :], c_kbyte, q_t * rz[None, :], BLOCK_D, BLOCK_N,
@@ -584,7 +637,7 @@ def _decode_range_bytes(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
 
 
 @triton.jit
-def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+def _decode_range(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                   s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
                   start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
                   BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -605,13 +658,13 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
         tl.static_assert(BLOCK_DV * V_BITS >= 128, "phased: V phases need 16 channels")
         tl.static_assert((DV * V_BITS) % 16 == 0, "phased: V rows of whole 16-bit words")
         m_i, l_i, acc = _decode_range_phased(
-            q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
+            q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
             s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
             s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
             HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV)
     else:
         m_i, l_i, acc = _decode_range_bytes(
-            q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
+            q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
             s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
             s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
             HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV)
@@ -619,7 +672,7 @@ def _decode_range(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
 
 
 @triton.jit
-def _head_tiles(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, head, start, end,
+def _head_tiles(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, head, start, end,
                 m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale, BLOCK_M: tl.constexpr,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
                 K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_LO: tl.constexpr,
@@ -631,7 +684,7 @@ def _head_tiles(q, q_plain, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, head, star
     K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
     V_ROW_BYTES: tl.constexpr = DV * V_BITS // 8
     return _decode_range(
-        q, q_plain, kc + head * (D * K_ROW_BYTES), krs + head * D, krz + head * D, kcs + head * G,
+        q, qp_rows, s_qpd, kc + head * (D * K_ROW_BYTES), krs + head * D, krz + head * D, kcs + head * G,
         vc + head * (G * V_ROW_BYTES), vrs + head * G, vrz + head * G, vcs + head * DV, kp + head,
         D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1, start, end, m_valid, kv_lo, kv_hi,
         bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO,
@@ -715,10 +768,9 @@ def _kvarn_decode_attn_kernel(
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
                 + tq[:, None] * stride_qt + offs_d[None, :],
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    if HAS_K_PLAIN:
-        q_plain = tl.load(q_plain_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
-                          + tq[:, None] * stride_qt + offs_d[None, :],
-                          mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    # the un-rotated queries' rows (HAS_K_PLAIN: read by the loop for a key-frame tile)
+    qp_rows = q_plain_ptr + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh \
+        + tq * stride_qt
 
     # ---- this split's tile range
     n = tl.minimum(tl.maximum(tl.load(n_tiles_ptr + b).to(tl.int32), 0), N)
@@ -743,12 +795,10 @@ def _kvarn_decode_attn_kernel(
         kv_lo = tq
     if not HAS_KV_END:
         kv_hi = tq
-    if not HAS_K_PLAIN:
-        q_plain = q
     bias_rows = bias_ptr + b.to(tl.int64) * stride_bb + hq.to(tl.int64) * stride_bh \
         + tq.to(tl.int64) * stride_bt
     m_i, l_i, acc = _head_tiles(
-        q, q_plain, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr, v_codes_ptr,
+        q, qp_rows, 1, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr, v_codes_ptr,
         v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr, k_plain_ptr, head, start, end,
         m_valid, kv_lo, kv_hi, bias_rows, 1, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS,
         V_BITS, HAS_KV_START, HAS_KV_END, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV,
@@ -893,6 +943,62 @@ def _query_rows(q_ptr, s_qb, s_qh, s_qt, b64, h, pid_m, Tq, GROUP_Q: tl.constexp
     return offs_m < GROUP_Q * Tq, hq, tq, q_rows
 
 
+@triton.jit
+def _exact_state(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
+                 mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, b64, h, pid_m, lo, hi, length,
+                 n_raw, qk_scale, H, Tq, S, W, window, GROUP_Q: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr):
+    """Slots [lo, hi) of the exact region (sink ++ tail) for one block of query rows, with
+    the plain queries: (m_valid, hq, tq, m, l, acc), m in log2 units, acc un-normalized."""
+    m_valid, hq, tq, q_rows = _query_rows(q_ptr, s_qb, s_qh, s_qt, b64, h, pid_m, Tq, GROUP_Q,
+                                          BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & (offs_d < D)[None, :],
+                other=0.0).to(tl.float32)
+    mask_rows = mask_ptr + b64 * s_mb + hq.to(tl.int64) * s_mh + tq.to(tl.int64) * s_mt
+    head_s = (b64 * H + h) * S
+    head_w = (b64 * H + h) * W
+    m_i, l_i, acc = _exact_range(
+        q, sink_k_ptr + head_s * D, sink_v_ptr + head_s * DV, tail_k_ptr + head_w * D,
+        tail_v_ptr + head_w * DV, S, W, lo, hi, length, n_raw * G, length - Tq + tq, m_valid,
+        mask_rows, s_mk, mask_len, qk_scale, window, BLOCK_M, D, BLOCK_D, DV, BLOCK_DV, BLOCK_E,
+        CAUSAL, HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
+    return m_valid, hq, tq, m_i, l_i, acc
+
+
+@triton.jit(noinline=True)
+def _exact_staged(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
+                  mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, stage_ptr, lse_ptr, b, h, pid_m,
+                  length, n_raw, qk_scale, H, Tq, S, W, window, GROUP_Q: tl.constexpr,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_E: tl.constexpr, SCRATCH_W: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr):
+    """FUSED: the whole exact region for one block of query rows, its normalized output
+    stored in the block's scratch rows (``stage_ptr`` [BLOCK_M, SCRATCH_W]) and its lse
+    (natural log) in ``lse_ptr`` at the rows' places, for the program to merge. A function
+    of its own (noinline, scalar arguments: its registers are allocated apart from the tile
+    loop's; returning tensors from one does not compile on triton 3.6)."""
+    b64 = b.to(tl.int64)
+    m_valid, hq, tq, m_i, l_i, acc = _exact_state(
+        q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr, mask_ptr, s_mb,
+        s_mh, s_mt, s_mk, mask_len, b64, h, pid_m, 0, S + W, length, n_raw, qk_scale, H, Tq, S,
+        W, window, GROUP_Q, D, BLOCK_D, DV, BLOCK_DV, G, BLOCK_M, BLOCK_E, CAUSAL, HAS_WINDOW,
+        HAS_MASK, INPUT_PRECISION)
+    has = l_i > 0.0
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(stage_ptr + offs_r[:, None] * SCRATCH_W + offs_dv[None, :],
+             acc / tl.where(has, l_i, 1.0)[:, None])
+    tl.store(lse_ptr + (b64 * (H * GROUP_Q) + hq) * Tq + tq,
+             tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf")),
+             mask=m_valid)
+
+
 @triton.jit(noinline=True)
 def _exact_program(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
                    mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, o_part_ptr, lse_part_ptr,
@@ -908,21 +1014,13 @@ def _exact_program(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, 
     apart from the tile loop's (inlined, sm_90 triton 3.6: the tile loop spilled ~24 B
     more)."""
     b64 = b.to(tl.int64)
-    m_valid, hq, tq, q_rows = _query_rows(q_ptr, s_qb, s_qh, s_qt, b64, h, pid_m, Tq, GROUP_Q,
-                                          BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & (offs_d < D)[None, :],
-                other=0.0).to(tl.float32)
-    mask_rows = mask_ptr + b64 * s_mb + hq.to(tl.int64) * s_mh + tq.to(tl.int64) * s_mt
-    head_s = (b64 * H + h) * S
-    head_w = (b64 * H + h) * W
     per_e = tl.cdiv(S + W, EXACT)
     lo = (split - SPLIT) * per_e
-    m_i, l_i, acc = _exact_range(
-        q, sink_k_ptr + head_s * D, sink_v_ptr + head_s * DV, tail_k_ptr + head_w * D,
-        tail_v_ptr + head_w * DV, S, W, lo, tl.minimum(lo + per_e, S + W), length, n_raw * G,
-        length - Tq + tq, m_valid, mask_rows, s_mk, mask_len, qk_scale, window, BLOCK_M, D,
-        BLOCK_D, DV, BLOCK_DV, BLOCK_E, CAUSAL, HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
+    m_valid, hq, tq, m_i, l_i, acc = _exact_state(
+        q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr, mask_ptr, s_mb,
+        s_mh, s_mt, s_mk, mask_len, b64, h, pid_m, lo, tl.minimum(lo + per_e, S + W), length,
+        n_raw, qk_scale, H, Tq, S, W, window, GROUP_Q, D, BLOCK_D, DV, BLOCK_DV, G, BLOCK_M,
+        BLOCK_E, CAUSAL, HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
     _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc,
                    (b64 * (H * GROUP_Q) + hq) * Tq + tq, m_valid, SPLIT + EXACT, DV, BLOCK_DV)
 
@@ -947,7 +1045,8 @@ def _kvarn_attn_kernel(
     out_ptr,                      # [B, Hq, Tq, DV] in q's dtype, contiguous
     lse_ptr,                      # fp32 [B, Hq, Tq]
     err_ptr,                      # int32 device error flags (MASK_FLAG)
-    scratch_ptr,                  # fp32 [B * H * SPLIT * M_BLOCKS, BLOCK_M, BLOCK_D] (Q_SCRATCH)
+    scratch_ptr,                  # fp32 [B * H * SPLIT * M_BLOCKS, BLOCK_M, SCRATCH_W]
+                                  # (Q_SCRATCH: the rotated q; FUSED: the exact region's acc)
     qk_scale, H, N, Tq, S, W, window, M_BLOCKS,
     GROUP_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     BLOCK_DV: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
@@ -964,6 +1063,8 @@ def _kvarn_attn_kernel(
     ERR_MASK: tl.constexpr,         # its bit
     HAS_K_PLAIN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PHASED: tl.constexpr,
     Q_SCRATCH: tl.constexpr,        # the rotated q through scratch (decode blocks; see there)
+    FUSED: tl.constexpr,            # one program per block: tiles, exact region, output
+    SCRATCH_W: tl.constexpr,        # scratch row width: max(BLOCK_D, BLOCK_DV)
 ):
     """``kvarn::attention`` of one step in one launch: the exact region, the packed tiles and
     their log-sum-exp merge.
@@ -977,6 +1078,11 @@ def _kvarn_attn_kernel(
     program that finishes last merges the SPLIT + EXACT partials: the tile splits weighted
     in the rotated frame, rotated back once (@ rot_v^T, in column chunks), plus the exact
     region's, written in q's dtype.
+
+    FUSED (a prompt: one split, its query blocks fill the GPU by themselves): grid
+    (B * H, 1, M_BLOCKS), and each program walks all the tiles its rows see, then the whole
+    exact region, and writes its rows' output itself: no partials, counters or merge (the
+    partials of a 32k-token prompt at 32 heads were 1-4 GB).
     """
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -1016,16 +1122,11 @@ def _kvarn_attn_kernel(
             # from the dot's accumulator layout, sm_90 decode spills: triton 3.6, 308 B)
             pid = (pid_bh * SPLIT + split) * M_BLOCKS + pid_m
             offs_r = tl.arange(0, BLOCK_M)
-            scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_D) \
-                + offs_r[:, None] * BLOCK_D + offs_d[None, :]
+            scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_M * SCRATCH_W) \
+                + offs_r[:, None] * SCRATCH_W + offs_d[None, :]
             tl.store(scratch, q)
             tl.debug_barrier()
             q = tl.load(scratch)
-        if HAS_K_PLAIN:
-            q_plain = tl.load(q_rows[:, None] + offs_d[None, :],
-                              mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        else:
-            q_plain = q
         # ---- which packed tokens each row sees (``regions.tile_bounds``)
         n = tl.minimum(tl.maximum(n_raw, 0), N)
         kv_hi = tl.zeros_like(tq) + n * G
@@ -1053,14 +1154,58 @@ def _kvarn_attn_kernel(
         else:
             TILE_MASK = mask_rows + S * s_mk
         m_i, l_i, acc = _head_tiles(
-            q, q_plain, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
+            q, q_rows, 1, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
             v_codes_ptr, v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr, k_plain_ptr,
             (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, TILE_MASK, s_mk,
             qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
             2 if MASK_ROW else HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV,
             PHASED)
-        _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SLOTS,
-                       DV, BLOCK_DV)
+        if FUSED:
+            # then the whole exact region with the plain queries (its output staged in this
+            # block's scratch rows, q's no longer needed), and the block's output
+            if MASK_FLAG:
+                if pid_m == 0:
+                    short = (length > mask_len).to(tl.int32) * ERR_MASK
+                    tl.atomic_or(err_ptr, short, sem="relaxed")
+            stage = scratch_ptr + (pid_bh * M_BLOCKS + pid_m).to(tl.int64) * (BLOCK_M * SCRATCH_W)
+            tl.debug_barrier()
+            _exact_staged(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
+                          mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, stage, lse_ptr, b, h,
+                          pid_m, length, n_raw, qk_scale, H, Tq, S, W, window, GROUP_Q, D,
+                          BLOCK_D, DV, BLOCK_DV, G, BLOCK_M, BLOCK_E, SCRATCH_W, CAUSAL,
+                          HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
+            tl.debug_barrier()
+            # the two partials, as the merge weighs them (natural-log lse)
+            has_t = l_i > 0.0
+            lse_t = tl.where(has_t, (m_i + tl.log2(tl.where(has_t, l_i, 1.0))) * _LN2,
+                             float("-inf"))
+            lse_e = tl.load(lse_ptr + rows, mask=m_valid, other=float("-inf"))
+            top = tl.maximum(lse_t, lse_e)
+            m_ref = tl.where(top == float("-inf"), 0.0, top)
+            w_t = tl.exp(lse_t - m_ref)
+            w_e = tl.exp(lse_e - m_ref)
+            den = w_t + w_e
+            has = den > 0.0
+            inv = 1.0 / tl.where(has, den, 1.0)
+            lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+            tl.store(lse_ptr + rows, tl.where(den != den, den, lse), mask=m_valid)
+            acc_t = acc * (w_t / tl.where(has_t, l_i, 1.0))[:, None]
+            offs_r = tl.arange(0, BLOCK_M)
+            offs_dv = tl.arange(0, BLOCK_DV)
+            for c0 in tl.static_range(0, BLOCK_DV, RC):
+                offs_c = c0 + tl.arange(0, RC)
+                c_ok = offs_c < DV
+                r_t = tl.load(rot_v_ptr + offs_c[None, :] * DV + offs_dv[:, None],
+                              mask=c_ok[None, :] & (offs_dv < DV)[:, None], other=0.0)
+                o_e = tl.load(stage + offs_r[:, None] * SCRATCH_W + offs_c[None, :])
+                out = tl.dot(acc_t, r_t, input_precision=ROT_PRECISION) \
+                    + w_e[:, None] * tl.where(w_e[:, None] > 0.0, o_e, 0.0)
+                out = out * inv[:, None]
+                tl.store(out_ptr + rows[:, None] * DV + offs_c[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & c_ok[None, :])
+        else:
+            _store_partial(o_part_ptr, lse_part_ptr, split, m_i, l_i, acc, rows, m_valid, SLOTS,
+                           DV, BLOCK_DV)
     else:
         _exact_program(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, tail_v_ptr,
                        mask_ptr, s_mb, s_mh, s_mt, s_mk, mask_len, o_part_ptr, lse_part_ptr,
@@ -1072,54 +1217,55 @@ def _kvarn_attn_kernel(
                 short = (length > mask_len).to(tl.int32) * ERR_MASK
                 tl.atomic_or(err_ptr, short, sem="relaxed")
 
-    # ---- the last program of this block merges its SPLIT + EXACT partials
-    tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr + pid_bh * M_BLOCKS + pid_m, 1, sem="acq_rel", scope="gpu")
-    if ticket == SLOTS - 1:
-        offs_dv = tl.arange(0, BLOCK_DV)
-        base = rows * SLOTS
-        # every partial's lse in one load, [BLOCK_M, SLOTS]: the reference point and the sum
-        BLOCK_S: tl.constexpr = triton.next_power_of_2(SLOTS)
-        offs_s = tl.arange(0, BLOCK_S)
-        lse_all = tl.load(lse_part_ptr + base[:, None] + offs_s[None, :],
-                          mask=m_valid[:, None] & (offs_s < SLOTS)[None, :], other=float("-inf"),
-                          cache_modifier=".cg")
-        top = tl.max(lse_all, axis=1)
-        m_ref = tl.where(top == float("-inf"), 0.0, top)
-        den = tl.sum(tl.exp(lse_all - m_ref[:, None]), axis=1)
-        # the tile splits' outputs, MERGE_SPLITS at a time: their loads in flight together
-        offs_g = tl.arange(0, MERGE_SPLITS)
-        acc_rot = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        for s0 in range(0, SPLIT, MERGE_SPLITS):
-            s_ok = (s0 + offs_g) < SPLIT
-            w_g = tl.exp(tl.load(lse_part_ptr + base[:, None] + (s0 + offs_g)[None, :],
-                                 mask=m_valid[:, None] & s_ok[None, :], other=float("-inf"),
-                                 cache_modifier=".cg") - m_ref[:, None])
-            o_g = tl.load(o_part_ptr + ((base[:, None] + s0 + offs_g[None, :]) * DV)[:, :, None]
-                          + offs_dv[None, None, :],
-                          mask=(m_valid[:, None] & s_ok[None, :])[:, :, None]
-                          & (offs_dv < DV)[None, None, :], other=0.0, cache_modifier=".cg")
-            acc_rot += tl.sum(w_g[:, :, None] * tl.where(w_g[:, :, None] > 0.0, o_g, 0.0), axis=1)
-        has = den > 0.0
-        inv = 1.0 / tl.where(has, den, 1.0)
-        lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
-        tl.store(lse_ptr + rows, tl.where(den != den, den, lse), mask=m_valid)
-        for c0 in tl.static_range(0, BLOCK_DV, RC):
-            offs_c = c0 + tl.arange(0, RC)
-            c_ok = offs_c < DV
-            r_t = tl.load(rot_v_ptr + offs_c[None, :] * DV + offs_dv[:, None],
-                          mask=c_ok[None, :] & (offs_dv < DV)[:, None], other=0.0)
-            out = tl.dot(acc_rot, r_t, input_precision=ROT_PRECISION)
-            for s in tl.static_range(SPLIT, SLOTS):     # the exact region's, in column chunks
-                w_e = tl.exp(tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
-                                     cache_modifier=".cg") - m_ref)
-                o_e = tl.load(o_part_ptr + (base + s)[:, None] * DV + offs_c[None, :],
-                              mask=m_valid[:, None] & c_ok[None, :], other=0.0,
+    if not FUSED:
+        # ---- the last program of this block merges its SPLIT + EXACT partials
+        tl.debug_barrier()
+        ticket = tl.atomic_add(count_ptr + pid_bh * M_BLOCKS + pid_m, 1, sem="acq_rel", scope="gpu")
+        if ticket == SLOTS - 1:
+            offs_dv = tl.arange(0, BLOCK_DV)
+            base = rows * SLOTS
+            # every partial's lse in one load, [BLOCK_M, SLOTS]: the reference point and the sum
+            BLOCK_S: tl.constexpr = triton.next_power_of_2(SLOTS)
+            offs_s = tl.arange(0, BLOCK_S)
+            lse_all = tl.load(lse_part_ptr + base[:, None] + offs_s[None, :],
+                              mask=m_valid[:, None] & (offs_s < SLOTS)[None, :], other=float("-inf"),
                               cache_modifier=".cg")
-                out += w_e[:, None] * tl.where(w_e[:, None] > 0.0, o_e, 0.0)
-            out = out * inv[:, None]
-            tl.store(out_ptr + rows[:, None] * DV + offs_c[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & c_ok[None, :])
+            top = tl.max(lse_all, axis=1)
+            m_ref = tl.where(top == float("-inf"), 0.0, top)
+            den = tl.sum(tl.exp(lse_all - m_ref[:, None]), axis=1)
+            # the tile splits' outputs, MERGE_SPLITS at a time: their loads in flight together
+            offs_g = tl.arange(0, MERGE_SPLITS)
+            acc_rot = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            for s0 in range(0, SPLIT, MERGE_SPLITS):
+                s_ok = (s0 + offs_g) < SPLIT
+                w_g = tl.exp(tl.load(lse_part_ptr + base[:, None] + (s0 + offs_g)[None, :],
+                                     mask=m_valid[:, None] & s_ok[None, :], other=float("-inf"),
+                                     cache_modifier=".cg") - m_ref[:, None])
+                o_g = tl.load(o_part_ptr + ((base[:, None] + s0 + offs_g[None, :]) * DV)[:, :, None]
+                              + offs_dv[None, None, :],
+                              mask=(m_valid[:, None] & s_ok[None, :])[:, :, None]
+                              & (offs_dv < DV)[None, None, :], other=0.0, cache_modifier=".cg")
+                acc_rot += tl.sum(w_g[:, :, None] * tl.where(w_g[:, :, None] > 0.0, o_g, 0.0), axis=1)
+            has = den > 0.0
+            inv = 1.0 / tl.where(has, den, 1.0)
+            lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+            tl.store(lse_ptr + rows, tl.where(den != den, den, lse), mask=m_valid)
+            for c0 in tl.static_range(0, BLOCK_DV, RC):
+                offs_c = c0 + tl.arange(0, RC)
+                c_ok = offs_c < DV
+                r_t = tl.load(rot_v_ptr + offs_c[None, :] * DV + offs_dv[:, None],
+                              mask=c_ok[None, :] & (offs_dv < DV)[:, None], other=0.0)
+                out = tl.dot(acc_rot, r_t, input_precision=ROT_PRECISION)
+                for s in tl.static_range(SPLIT, SLOTS):     # the exact region's, in column chunks
+                    w_e = tl.exp(tl.load(lse_part_ptr + base + s, mask=m_valid, other=float("-inf"),
+                                         cache_modifier=".cg") - m_ref)
+                    o_e = tl.load(o_part_ptr + (base + s)[:, None] * DV + offs_c[None, :],
+                                  mask=m_valid[:, None] & c_ok[None, :], other=0.0,
+                                  cache_modifier=".cg")
+                    out += w_e[:, None] * tl.where(w_e[:, None] > 0.0, o_e, 0.0)
+                out = out * inv[:, None]
+                tl.store(out_ptr + rows[:, None] * DV + offs_c[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & c_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------
@@ -1216,8 +1362,19 @@ class _TilePlan(NamedTuple):
     num_warps: int
 
 
-def default_block_m(rows: int) -> int:
-    """Query rows per program for ``rows`` = g * Tq rows per kv head: a power of two, 16-64."""
+def default_block_m(rows: int, phased: bool) -> int:
+    """Query rows per program for ``rows`` = g * Tq rows per kv head: the phased loop
+    (``phased``: it runs phased at the 16-row block's step) 16, the decode step's block,
+    for any number of rows; the byte loop a power of two, 16-64.
+
+    sm_90, per warp instruction and query row of a 128-token tile, a 256-query prompt at
+    k4v2, key frames on: the phased loop at 16 rows 253 with no mask, 313 with a bool mask
+    per row, no spills but 8 B, 4 programs per SM; at 64 rows 293 and 330, 760 B and 880 B of
+    spills, 2 programs per SM (every warp of a 64-row block unpacks the whole tile for its
+    16 rows: the larger block saves L2 reads, not work). The byte loop (tf32): 498 at 16
+    rows, 294 at 64 (its unpacking is shared by the rows of a warp)."""
+    if phased:
+        return 16
     return min(64, max(16, triton.next_power_of_2(max(rows, 1))))
 
 
@@ -1289,7 +1446,8 @@ def _tile_plan(q, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_
     g = hq // heads
     rows = g * tq
     if block_m is None:
-        block_m = default_block_m(rows)
+        block_m = default_block_m(rows, phased_decode(input_precision, loop_block_n(16, group),
+                                                      kb, dv, vb))
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"Expected block_m a power of two >= 16, but got {block_m}.")
     if split is None:
@@ -1502,7 +1660,8 @@ def kvarn_attention(
 ):
     """``kvarn::attention`` over a whole packed cache (exact sink and tail ring, packed
     tiles) in one kernel launch (:func:`_kvarn_attn_kernel`), plus the zeroing of its
-    per-block counters.
+    per-block counters. A prompt's launch (one split, several query blocks) runs FUSED: one
+    program per block for all of it, no partials or counters.
 
     Args:
         q: [B, Hq, Tq, D] queries as the model gives them (fp16, bf16, fp32 or fp64, computed
@@ -1579,14 +1738,25 @@ def kvarn_attention(
     out = torch.empty(bsz, hq, tq, dv, dtype=q.dtype, device=dev)
     lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device=dev)
     if out.numel():
-        exact = exact_splits(s_len + w_len)
-        # (a prefill block's rotated q would need scratch the size of q times the splits: it
-        # takes the dot's layout, as the loop's spills there are the block's own anyway)
+        # a prompt (one split: its query blocks fill the GPU by themselves) runs FUSED, one
+        # program per block doing tiles, exact region and output: no partials, which at
+        # 32k tokens and 32 heads were 3.8 GB (7 slots of fp32 per query row). Otherwise
+        # the exact region is shared by several programs (one per 64 slots) where they help
+        # fill the GPU
+        fused = split == 1 and m_blocks > 1
+        exact = 1 if fused else exact_splits(s_len + w_len)
+        slots = 0 if fused else split + exact
+        # the rotated q of a block of up to 16 rows goes through scratch (fp32, the size of
+        # q times the splits); a larger block takes the dot's layout. FUSED also stages the
+        # exact region's output there
         q_scratch = block_m <= 16
-        o_part = torch.empty(bsz, hq, tq, split + exact, dv, dtype=torch.float32, device=dev)
-        lse_part = torch.empty(bsz, hq, tq, split + exact, dtype=torch.float32, device=dev)
-        counts = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=dev)
-        _kvarn_attn_kernel[(bsz * heads, split + exact, m_blocks)](
+        block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+        scratch_w = max(block_d, block_dv)
+        o_part = torch.empty(bsz, hq, tq, slots, dv, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(bsz, hq, tq, slots, dtype=torch.float32, device=dev)
+        counts = torch.zeros(0 if fused else bsz * heads * m_blocks, dtype=torch.int32,
+                             device=dev)
+        _kvarn_attn_kernel[(bsz * heads, 1 if fused else split + exact, m_blocks)](
             q, q.stride(0), q.stride(1), q.stride(2), rot, rot_v,
             sink_k, sink_v, tail_k, tail_v, lengths, n_tiles,
             k_codes, k_row_scale, k_row_zero, k_col_scale,
@@ -1594,13 +1764,13 @@ def kvarn_attention(
             k_plain if k_plain is not None else n_tiles,
             m4 if m4 is not None else q, *strides, m4.shape[-1] if m4 is not None else 0,
             o_part, lse_part, counts, out, lse,
-            error_flags if error_flags is not None else counts,
-            torch.empty(bsz * heads * split * m_blocks * block_m * max(16, triton.next_power_of_2(d))
-                        if q_scratch else 0, dtype=torch.float32, device=dev),
+            error_flags if error_flags is not None else lse,     # (read only with MASK_FLAG)
+            torch.empty(bsz * heads * split * m_blocks * block_m * scratch_w
+                        if q_scratch or fused else 0, dtype=torch.float32, device=dev),
             float(scale) * math.log2(math.e), heads, plan.cap, tq, s_len, w_len, int(window),
             m_blocks,
-            GROUP_Q=hq // heads, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv,
-            BLOCK_DV=max(16, triton.next_power_of_2(dv)), G=plan.group, K_BITS=plan.k_bits,
+            GROUP_Q=hq // heads, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
+            G=plan.group, K_BITS=plan.k_bits,
             V_BITS=plan.v_bits, SPLIT=split, EXACT=exact, BLOCK_M=block_m, BLOCK_N=plan.block_n,
             BLOCK_E=EXACT_BLOCK,
             PREFETCH=plan.prefetch, CAUSAL=bool(causal), MULTI=tq > 1, HAS_WINDOW=window > 0,
@@ -1609,7 +1779,7 @@ def kvarn_attention(
             MASK_FLAG=m4 is not None and error_flags is not None,
             ERR_MASK=int(error_bit), HAS_K_PLAIN=k_plain is not None,
             INPUT_PRECISION=plan.input_precision, PHASED=plan.phased, Q_SCRATCH=q_scratch,
-            num_warps=plan.num_warps)
+            FUSED=fused, SCRATCH_W=scratch_w, num_warps=plan.num_warps)
     return (out, lse) if return_lse else out
 
 
