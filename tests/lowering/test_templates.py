@@ -418,3 +418,22 @@ def test_templates_on_cuda(name, dtype, fresh_inductor):
     want = attention_ref.attention(q, st.buffers, mask, 0.3, True, 0)
     err = (out.float() - want.float()).abs().max().item() / want.float().abs().max().item()
     assert err <= (1e-2 if dtype == torch.bfloat16 else 3e-3), f"{name}: {err:.2e} ({tiles[-1].winner})"
+
+
+@pytest.mark.parametrize("phased,block_m,block_n,warps", [(True, 16, 128, 2), (False, 64, 64, 4)])
+def test_prompt_configs_take_the_loops_own_block(phased, block_m, block_n, warps):
+    """A prompt's default config (and the one-launch op's block) is the loop's own: the phased
+    fp16 loop runs the decode step's 16-row block (every warp unpacks the whole tile for its
+    rows, so larger blocks only spilled); the byte loop up to 64 rows (its warps share the
+    unpack). The autotuner still offers the other block sizes."""
+    from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, default_block_m
+    from kvarn_compile.lowering.heuristics import prefill_configs
+
+    rows = 4 * 256                                       # 4 query heads a kv head, 256 queries
+    assert default_block_m(rows, phased) == block_m
+    (default,) = prefill_configs("default", group=128, rows=rows, phased=phased)
+    assert (default.block_m, default.block_n, default.split) == (block_m, block_n, 1)
+    resolved = default.resolved(phased)
+    assert (resolved.num_warps, resolved.prefetch) == (warps, DECODE_PREFETCH[phased])
+    tuned = prefill_configs("autotune", group=128, rows=rows, phased=phased)
+    assert tuned[0] == default and {c.block_m for c in tuned} >= {16, 32, 64, 128}
