@@ -1378,6 +1378,51 @@ def default_block_m(rows: int, phased: bool) -> int:
     return min(64, max(16, triton.next_power_of_2(max(rows, 1))))
 
 
+def _no_fp8_scales(name: str, t: torch.Tensor) -> None:
+    """The scale dtypes the attention kernels take: fp16, bf16 or fp32 (not fp8)."""
+    if t.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError(
+            f"Expected {name} in one of {KERNEL_SCALE_DTYPES}, but got float8_e4m3fn: fp8 "
+            "scales need their per-vector factor, which the kernel does not apply yet.")
+    if t.dtype not in KERNEL_SCALE_DTYPES:
+        raise TypeError(f"Expected {name} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
+
+
+def check_tile_tensors(tensors: dict, factors: dict, q: torch.Tensor, heads: int, cap: int,
+                       group: int, dv: int, kb: int, vb: int, scale_rule) -> None:
+    """One-line errors for the packed tiles ([B, H, N, ...], as ``QuantizedTiles.core``) of
+    queries q [B, Hq, Tq, D]: each tensor's shape, device, contiguity and dtype (codes
+    uint8; scales as ``scale_rule(name, tensor)`` allows; fp8 per-vector ``factors`` [B, H,
+    N, 1] in the kernel scale dtypes). Shared by the attention launchers and the latent
+    one."""
+    bsz, _, _, d = q.shape
+    expected = {
+        "k_codes": (bsz, heads, cap, d, group * kb // 8),
+        "k_row_scale": (bsz, heads, cap, d), "k_row_zero": (bsz, heads, cap, d),
+        "k_col_scale": (bsz, heads, cap, group),
+        "v_codes": (bsz, heads, cap, group, dv * vb // 8),
+        "v_row_scale": (bsz, heads, cap, group), "v_row_zero": (bsz, heads, cap, group),
+        "v_col_scale": (bsz, heads, cap, dv),
+    }
+    expected.update({name: (bsz, heads, cap, 1) for name in factors})
+    for name, t in {**tensors, **factors}.items():
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"Expected {name} of shape {list(expected[name])} (B={bsz}, H={heads}, "
+                             f"N={cap}, D={d}, Dv={dv}, G={group}), but got {list(t.shape)}.")
+        if t.device != q.device:
+            raise ValueError(f"Expected {name} on {q.device}, but got {t.device}.")
+        if not t.is_contiguous():
+            raise ValueError(f"Expected a contiguous {name}, but got strides {t.stride()}.")
+        if name.endswith("codes"):
+            if t.dtype != torch.uint8:
+                raise TypeError(f"Expected {name} of dtype torch.uint8, but got {t.dtype}.")
+        elif name.endswith("factor"):
+            if t.dtype not in KERNEL_SCALE_DTYPES:
+                raise TypeError(f"Expected {name} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
+        else:
+            scale_rule(name, t)
+
+
 def _tile_plan(q, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_scale,
                v_row_zero, v_col_scale, n_tiles, k_plain, input_precision, block_m, split,
                block_n, prefetch, num_warps, k_bits=None, v_bits=None) -> _TilePlan:
@@ -1398,34 +1443,10 @@ def _tile_plan(q, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_
         raise ValueError(f"Expected v_col_scale [B, H, N, Dv] with Dv >= 1, but got "
                          f"{list(v_col_scale.shape)}.")
     vb = _bits_of(v_codes, dv, "V code")
-    expected = {
-        "k_codes": (bsz, heads, cap, d, group * kb // 8),
-        "k_row_scale": (bsz, heads, cap, d), "k_row_zero": (bsz, heads, cap, d),
-        "k_col_scale": (bsz, heads, cap, group),
-        "v_codes": (bsz, heads, cap, group, dv * vb // 8),
-        "v_row_scale": (bsz, heads, cap, group), "v_row_zero": (bsz, heads, cap, group),
-        "v_col_scale": (bsz, heads, cap, dv),
-    }
     tensors = {"k_codes": k_codes, "k_row_scale": k_row_scale, "k_row_zero": k_row_zero,
                "k_col_scale": k_col_scale, "v_codes": v_codes, "v_row_scale": v_row_scale,
                "v_row_zero": v_row_zero, "v_col_scale": v_col_scale}
-    for name, t in tensors.items():
-        if tuple(t.shape) != expected[name]:
-            raise ValueError(f"Expected {name} of shape {list(expected[name])} (B={bsz}, H={heads}, "
-                             f"N={cap}, D={d}, Dv={dv}, G={group}), but got {list(t.shape)}.")
-        if t.device != q.device:
-            raise ValueError(f"Expected {name} on {q.device}, but got {t.device}.")
-        if not t.is_contiguous():
-            raise ValueError(f"Expected a contiguous {name}, but got strides {t.stride()}.")
-        if name.endswith("codes"):
-            if t.dtype != torch.uint8:
-                raise TypeError(f"Expected {name} of dtype torch.uint8, but got {t.dtype}.")
-        elif t.dtype == torch.float8_e4m3fn:
-            raise NotImplementedError(
-                f"Expected {name} in one of {KERNEL_SCALE_DTYPES}, but got float8_e4m3fn: fp8 "
-                "scales need their per-vector factor, which the kernel does not apply yet.")
-        elif t.dtype not in KERNEL_SCALE_DTYPES:
-            raise TypeError(f"Expected {name} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
+    check_tile_tensors(tensors, {}, q, heads, cap, group, dv, kb, vb, _no_fp8_scales)
     for name, given, got in (("k_bits", k_bits, kb), ("v_bits", v_bits, vb)):
         if given is not None and given != got:
             raise ValueError(f"Expected {name}={given} to match the packed rows, but the rows "

@@ -74,7 +74,7 @@ import triton.language as tl
 
 from kvarn_compile.kernels import CUDA_PRECISION
 from kvarn_compile.kernels.triton.attention import (
-    _bits_of, _load_tile_part, _mask_scores, _unpack_bytes, _unpack_bytes_f16,
+    _bits_of, _load_tile_part, _mask_scores, _unpack_bytes, _unpack_bytes_f16, check_tile_tensors,
 )
 from kvarn_compile.kernels.triton.quantize import KERNEL_SCALE_DTYPES
 
@@ -455,34 +455,14 @@ def _check_tiles(q_rot, tensors, factors, k_plain, n_tiles, kv_lo, kv_hi, bias):
             f"Expected a power-of-two tile length G >= 16 for the Triton kernel, but got {group}.")
     kb = _bits_of(kc, group, "latent (K) code")
     vb = _bits_of(tensors["v_codes"], dv, "RoPE (V) code")
-    expected = {
-        "k_codes": (bsz, heads, cap, d, group * kb // 8),
-        "k_row_scale": (bsz, heads, cap, d), "k_row_zero": (bsz, heads, cap, d),
-        "k_col_scale": (bsz, heads, cap, group),
-        "v_codes": (bsz, heads, cap, group, dv * vb // 8),
-        "v_row_scale": (bsz, heads, cap, group), "v_row_zero": (bsz, heads, cap, group),
-        "v_col_scale": (bsz, heads, cap, dv),
-    }
-    expected.update({name: (bsz, heads, cap, 1) for name in factors})
-    for name, t in {**tensors, **factors}.items():
-        if tuple(t.shape) != expected[name]:
-            raise ValueError(f"Expected {name} of shape {list(expected[name])} (B={bsz}, H={heads}, "
-                             f"N={cap}, D={d}, Dv={dv}, G={group}), but got {list(t.shape)}.")
-        if t.device != q_rot.device:
-            raise ValueError(f"Expected {name} on {q_rot.device}, but got {t.device}.")
-        if not t.is_contiguous():
-            raise ValueError(f"Expected a contiguous {name}, but got strides {t.stride()}.")
-        if name.endswith("codes"):
-            if t.dtype != torch.uint8:
-                raise TypeError(f"Expected {name} of dtype torch.uint8, but got {t.dtype}.")
-        elif name.endswith("factor"):
-            if t.dtype not in KERNEL_SCALE_DTYPES:
-                raise TypeError(f"Expected {name} dtype in {KERNEL_SCALE_DTYPES}, but got {t.dtype}.")
-        elif t.dtype not in LATENT_SCALE_DTYPES:
+    def latent_scales(name, t):
+        if t.dtype not in LATENT_SCALE_DTYPES:
             raise TypeError(f"Expected {name} dtype in {LATENT_SCALE_DTYPES}, but got {t.dtype}.")
-        elif t.dtype == torch.float8_e4m3fn and not factors:
+        if t.dtype == torch.float8_e4m3fn and not factors:
             raise ValueError(f"Expected the fp8 scales' per-vector factors with fp8 {name} "
                              "(k_row_factor, k_col_factor, v_row_factor, v_col_factor).")
+
+    check_tile_tensors(tensors, factors, q_rot, heads, cap, group, dv, kb, vb, latent_scales)
     if n_tiles.dtype not in (torch.int32, torch.int64) or tuple(n_tiles.shape) != (bsz,) \
             or n_tiles.device != q_rot.device:
         raise ValueError(f"Expected n_tiles int32/int64 of shape [{bsz}] on {q_rot.device}, but got "
