@@ -86,6 +86,17 @@ def _additive_log2(bias):
 
 
 @triton.jit
+def _mask_block(bias_rows, tok, s_bias, m_valid, kv_hi, HAS_HI: tl.constexpr):
+    """The mask values of tokens tok [N] for the block's rows (row pointers bias_rows, token
+    stride s_bias), as loaded: [BLOCK_M, N]; nothing is read at or past a row's kv_hi
+    (HAS_HI: a mask may end there) nor for an invalid row (0 there)."""
+    ok = m_valid[:, None]
+    if HAS_HI:
+        ok = ok & (tok[None, :] < kv_hi[:, None])
+    return tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias, mask=ok, other=0)
+
+
+@triton.jit
 def _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS: tl.constexpr,
                  HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
     """Scores s [BLOCK_M, N] (log2 units) of the tokens tok [N] under the loop's masks: the
@@ -96,11 +107,7 @@ def _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS: tl.
     if HAS_BIAS == 2:   # one mask row for every row of the block: bias_rows is its pointer
         s = s + _additive_log2(tl.load(bias_rows + tok.to(tl.int64) * s_bias))[None, :]
     elif HAS_BIAS:
-        ok = m_valid[:, None]
-        if HAS_HI:      # nothing is read at or past kv_hi (a mask may end there)
-            ok = ok & (tok[None, :] < kv_hi[:, None])
-        s = s + _additive_log2(tl.load(bias_rows[:, None] + tok[None, :].to(tl.int64) * s_bias,
-                                       mask=ok, other=0))
+        s = s + _additive_log2(_mask_block(bias_rows, tok, s_bias, m_valid, kv_hi, HAS_HI))
     if HAS_LO:
         s = tl.where(tok[None, :] >= kv_lo[:, None], s, float("-inf"))
     if HAS_HI:
@@ -499,12 +506,9 @@ def _decode_range_phased(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs
         if HAS_BIAS == 1:
             # a mask row per query row: the chunk's BLOCK_N values in token order, one
             # contiguous load per row, then split into the phases' columns
-            toks = it * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = m_valid[:, None]
-            if HAS_HI:      # nothing is read at or past kv_hi (a mask may end there)
-                ok = ok & (toks[None, :] < kv_hi[:, None])
-            bias_ph = _phase_split(tl.load(bias_rows[:, None] + toks[None, :].to(tl.int64)
-                                           * s_bias, mask=ok, other=0), BLOCK_M, K_BITS, NKW)
+            bias_ph = _phase_split(_mask_block(bias_rows, it * BLOCK_N + tl.arange(0, BLOCK_N),
+                                               s_bias, m_valid, kv_hi, HAS_HI),
+                                   BLOCK_M, K_BITS, NKW)
         ss = ()
         for k in tl.static_range(KPER):
             SH = 1.0 / (1 << (K_BITS * k))
@@ -513,13 +517,10 @@ def _decode_range_phased(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs
             s = (raw + (z_k * (1.0 / SH))[:, None]) \
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
             tok = it * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
-            if HAS_BIAS == 1:
-                s = _mask_scores(s + _additive_log2(bias_ph[k]), tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias,
-                                 0, HAS_LO, HAS_HI)
-            else:
-                s = _mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias, HAS_BIAS,
-                                 HAS_LO, HAS_HI)
-            ss = ss + (s,)
+            if HAS_BIAS == 1:       # (loaded above; _mask_scores applies the bounds)
+                s = s + _additive_log2(bias_ph[k])
+            ss = ss + (_mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias,
+                                    0 if HAS_BIAS == 1 else HAS_BIAS, HAS_LO, HAS_HI),)
         m_new = tl.maximum(m_i, tl.max(_tuple_max(ss, KPER), axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
@@ -916,13 +917,31 @@ def _exact_range(q, sk, sv, tk, tv, S, W, lo, hi, length, n_tok, q_pos, m_valid,
 
 
 @triton.jit
+def _normalized(m_i, l_i):
+    """An online-softmax state's (l, natural-log lse): 1 and -inf where it saw nothing
+    (acc / the first is its normalized output, 0 there)."""
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    return l_safe, tl.where(has, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+
+
+@triton.jit
+def _merged(m_ref, den):
+    """The merge of partials weighted exp(lse - m_ref), summing to den: (1 / den, the
+    merged natural-log lse; 1 and -inf where none saw anything, NaN kept)."""
+    has = den > 0.0
+    den_safe = tl.where(has, den, 1.0)
+    lse = tl.where(has, m_ref + tl.log(den_safe), float("-inf"))
+    return 1.0 / den_safe, tl.where(den != den, den, lse)
+
+
+@triton.jit
 def _store_partial(o_part_ptr, lse_part_ptr, slot, m_i, l_i, acc, rows, m_valid,
                    SLOTS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Store one program's normalized partial (acc / l, natural-log lse; 0 and -inf when it
     saw nothing) at ``slot`` of its rows: o_part [rows, SLOTS, DV], lse_part [rows, SLOTS]."""
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    l_safe, lse = _normalized(m_i, l_i)
+    out = acc / l_safe[:, None]
     row = rows * SLOTS + slot
     offs_dv = tl.arange(0, BLOCK_DV)
     tl.store(o_part_ptr + row[:, None] * DV + offs_dv[None, :], out,
@@ -989,14 +1008,11 @@ def _exact_staged(q_ptr, s_qb, s_qh, s_qt, sink_k_ptr, sink_v_ptr, tail_k_ptr, t
         s_mh, s_mt, s_mk, mask_len, b64, h, pid_m, 0, S + W, length, n_raw, qk_scale, H, Tq, S,
         W, window, GROUP_Q, D, BLOCK_D, DV, BLOCK_DV, G, BLOCK_M, BLOCK_E, CAUSAL, HAS_WINDOW,
         HAS_MASK, INPUT_PRECISION)
-    has = l_i > 0.0
+    l_safe, lse = _normalized(m_i, l_i)
     offs_r = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    tl.store(stage_ptr + offs_r[:, None] * SCRATCH_W + offs_dv[None, :],
-             acc / tl.where(has, l_i, 1.0)[:, None])
-    tl.store(lse_ptr + (b64 * (H * GROUP_Q) + hq) * Tq + tq,
-             tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf")),
-             mask=m_valid)
+    tl.store(stage_ptr + offs_r[:, None] * SCRATCH_W + offs_dv[None, :], acc / l_safe[:, None])
+    tl.store(lse_ptr + (b64 * (H * GROUP_Q) + hq) * Tq + tq, lse, mask=m_valid)
 
 
 @triton.jit(noinline=True)
@@ -1176,20 +1192,15 @@ def _kvarn_attn_kernel(
                           HAS_WINDOW, HAS_MASK, INPUT_PRECISION)
             tl.debug_barrier()
             # the two partials, as the merge weighs them (natural-log lse)
-            has_t = l_i > 0.0
-            lse_t = tl.where(has_t, (m_i + tl.log2(tl.where(has_t, l_i, 1.0))) * _LN2,
-                             float("-inf"))
+            l_safe, lse_t = _normalized(m_i, l_i)
             lse_e = tl.load(lse_ptr + rows, mask=m_valid, other=float("-inf"))
             top = tl.maximum(lse_t, lse_e)
             m_ref = tl.where(top == float("-inf"), 0.0, top)
             w_t = tl.exp(lse_t - m_ref)
             w_e = tl.exp(lse_e - m_ref)
-            den = w_t + w_e
-            has = den > 0.0
-            inv = 1.0 / tl.where(has, den, 1.0)
-            lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
-            tl.store(lse_ptr + rows, tl.where(den != den, den, lse), mask=m_valid)
-            acc_t = acc * (w_t / tl.where(has_t, l_i, 1.0))[:, None]
+            inv, lse = _merged(m_ref, w_t + w_e)
+            tl.store(lse_ptr + rows, lse, mask=m_valid)
+            acc_t = acc * (w_t / l_safe)[:, None]
             offs_r = tl.arange(0, BLOCK_M)
             offs_dv = tl.arange(0, BLOCK_DV)
             for c0 in tl.static_range(0, BLOCK_DV, RC):
@@ -1246,10 +1257,8 @@ def _kvarn_attn_kernel(
                               mask=(m_valid[:, None] & s_ok[None, :])[:, :, None]
                               & (offs_dv < DV)[None, None, :], other=0.0, cache_modifier=".cg")
                 acc_rot += tl.sum(w_g[:, :, None] * tl.where(w_g[:, :, None] > 0.0, o_g, 0.0), axis=1)
-            has = den > 0.0
-            inv = 1.0 / tl.where(has, den, 1.0)
-            lse = tl.where(has, m_ref + tl.log(tl.where(has, den, 1.0)), float("-inf"))
-            tl.store(lse_ptr + rows, tl.where(den != den, den, lse), mask=m_valid)
+            inv, lse = _merged(m_ref, den)
+            tl.store(lse_ptr + rows, lse, mask=m_valid)
             for c0 in tl.static_range(0, BLOCK_DV, RC):
                 offs_c = c0 + tl.arange(0, RC)
                 c_ok = offs_c < DV
