@@ -703,6 +703,9 @@ def cases(quick: bool) -> list[Case]:
                        precision="fp16", bias=True, plain=True),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
                        precision="fp16", bias=True, bool_mask=True, plain=True),
+        # the 16-row block at 4 warps (autotune): no spills, more warp instructions a row
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
+                       precision="fp16", bias=True, bool_mask=True, plain=True, num_warps=4),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=64, tq=256,
                        bias=True, plain=True),
         # D = 192, Dv = 128 (the production configs are in the quick list)

@@ -146,8 +146,13 @@ def prefill_configs(mode: str, *, group: int, rows: int, phased: bool) -> list[D
                                             num_warps=4, num_stages=1)]
     elif mode == "autotune":
         # and the 16-row block at the loop's own step and warps (the byte loop's default is
-        # larger: its unpacking is shared by a warp's rows, where the phased loop's is not)
-        candidates = [default, DecodeConfig(loop_block_n(16, group), 16, 1, None, 1)] + [
+        # larger: its unpacking is shared by a warp's rows, where the phased loop's is not),
+        # and at 4 warps: the phased loop's 2-warp block spills a little on sm_90 with a key
+        # frame (triton 3.6: 188-284 B, 15 reloads per tile outside the key-frame branch;
+        # 3.9: 8-60 B), 4 warps not at all, for ~30% more warp instructions per query row
+        # (static report); which is faster is the GPU's to measure
+        candidates = [default] + [DecodeConfig(loop_block_n(16, group), 16, 1, w, 1)
+                                  for w in (None, 4)] + [
             DecodeConfig(bn, bm, 1, w, 1) for bm, bn, w in
             itertools.product((32, 64, 128), (32, 64, 128), (4, 8))]
     else:
