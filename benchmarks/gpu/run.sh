@@ -22,7 +22,7 @@
 #
 # Outputs (at most 8 files come back from the lent machine): env.json, summary.json, steps.log
 # (each step's stderr), tests.log (every pytest run), cuda-graph.json,
-# bench_decode_attention_gpu.json, e2e_decode_gpu.json. The static sm_90 report
+# bench_decode_attention_gpu.json, e2e_decode_gpu.json, bench_prefill_attention_gpu.json. The static sm_90 report
 # (benchmarks/gpu/static_report.py) needs no GPU and runs where the code is written.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -132,5 +132,9 @@ step gpu_tests 80 bash -c 'run_tests "$@"' _ gpu_tests -m gpu $GPU_FILES "${IGNO
     ${KVARN_GPU_PYTEST_ARGS:-}
 # the op's one-launch kernel against its reference (last: ~40 configs to compile)
 step attention_tests 60 bash -c 'run_tests "$@"' _ attention_tests tests/kernels/test_triton_attention.py
+# a prompt's attention against SDPA (last: it runs on what is left of the budget, or alone
+# with KVARN_GPU_STEPS=bench_prefill_attention)
+step bench_prefill_attention 90 "$PY" benchmarks/bench_prefill_attention_gpu.py \
+    --out "$OUT/bench_prefill_attention_gpu.json" > /dev/null
 tail -5 "$OUT/tests.log" >&2 2>/dev/null
 cat "$summary" >&2
