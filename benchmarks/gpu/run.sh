@@ -9,7 +9,7 @@
 #   KVARN_GPU_BENCH_ARGS, KVARN_GPU_E2E_LENGTHS, KVARN_GPU_PYTEST_ARGS: the decode benchmark's
 #   arguments (--quick), the e2e context lengths (4096 32768), more pytest arguments for the
 #   GPU-marked tests (e.g. "-k autotune --tb=long"); KVARN_GPU_E2E_SECONDS: the e2e step's
-#   limit (170)
+#   limit (170); KVARN_GPU_PYTEST_WORKERS: pytest-xdist workers of the test steps (8; 0: none)
 #
 # Missing pure-Python packages (expecttest, gguf on the lent H200 image) come from wheels in
 # .whl/ when that folder exists (fetch them beforehand with `pip download --no-deps`); test
@@ -114,9 +114,15 @@ run_tests() {   # run_tests LABEL PYTEST-ARGS...: appended to tests.log under a 
     echo "===== $label" >> "$OUT/tests.log"
     # -v: each test's outcome is logged as it ends (a step cut at its limit still says which
     # failed); short tracebacks, and one per-test limit where pytest-timeout is installed
-    local limit=()
+    local limit=() workers=()
     "$PY" -c "import pytest_timeout" 2>/dev/null && limit=(--timeout 60)
-    "$PY" -m pytest -v --tb=short -p no:cacheprovider -W ignore "${limit[@]}" "$@" \
+    # the steps are mostly Triton compiles (CPU-bound): spread over worker processes where
+    # pytest-xdist is installed and there is a GPU (KVARN_GPU_PYTEST_WORKERS, default 8; 0: one)
+    if [ "$TRITON_INTERPRET" = "0" ] && [ "${KVARN_GPU_PYTEST_WORKERS:-8}" != "0" ] \
+            && "$PY" -c "import xdist" 2>/dev/null; then
+        workers=(-n "${KVARN_GPU_PYTEST_WORKERS:-8}")
+    fi
+    "$PY" -m pytest -v --tb=short -p no:cacheprovider -W ignore "${limit[@]}" "${workers[@]}" "$@" \
         >> "$OUT/tests.log" 2>&1
 }
 export -f run_tests; export OUT PY
