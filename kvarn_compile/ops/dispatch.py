@@ -183,15 +183,21 @@ def latent_attention_cuda(q: torch.Tensor, q_pe: torch.Tensor, buffers: list[tor
     lse fp32 [B, Hq, Tq])).
 
     No host sync but ``checked``'s mask-length check (``check_mask``: it reads the row
-    lengths; ``checked=False`` inside a CUDA graph capture). ``kernel_options`` go to
-    ``latent_tile_partials`` (num_splits, block_m, block_n, num_warps, input_precision,
-    prefetch)."""
+    lengths); unchecked (inside a CUDA graph capture, a compiled decode step), a mask shorter
+    than the cache sets ``ERR_MASK`` in the device's error flags, read after the step
+    (:func:`raise_device_errors`), as ``kvarn::attention``'s kernel does. ``kernel_options``
+    go to ``latent_tile_partials`` (num_splits, block_m, block_n, num_warps,
+    input_precision, prefetch)."""
+    from kvarn_compile.kernels.triton import append as triton_append
     from kvarn_compile.kernels.triton.latent_attention import latent_tile_partials
 
     f = unpack(buffers)
     attention_ref.check_latent_queries(q, q_pe, f)
-    if checked:
+    if mask is not None and checked:
         attention_ref.check_mask(f, mask)
+    elif mask is not None:
+        short = (f.lengths.max() > mask.shape[-1]).to(torch.int32) * triton_append.ERR_MASK
+        triton_append.error_flags(q.device).bitwise_or_(short)
     geo = Geometry.of(f)
     d, r, bsz, tq = geo.head_dim, geo.value_head_dim, q.shape[0], q.shape[2]
     scale = (d + r) ** -0.5 if scale is None else float(scale)
@@ -230,8 +236,10 @@ def _latent_attention_cuda(q, q_pe, buffers, mask, scale, causal, window):
     from kvarn_compile.kernels import triton_available
 
     if triton_available():
+        # (a decode step inside ``deferred_checks`` checks on the device, as kvarn::attention)
+        checked = _single_token_checks_on(q.device) if q.shape[2] == 1 else cuda_checks_on()
         return latent_attention_cuda(q, q_pe, buffers, mask, scale, causal, window,
-                                     checked=cuda_checks_on())
+                                     checked=checked)
     return attention_ref.latent_attention(q, q_pe, buffers, mask, scale, causal, window).contiguous()
 
 

@@ -384,3 +384,52 @@ def test_the_append_kernel_chooses_key_frames_by_the_reference_rule():
         want = choose_key_frame(tiles)
         assert 0 < int(want.sum()) < 64, "the tiles must straddle the threshold"
         assert torch.equal(out.bool(), want), (d, out.tolist(), want.int().tolist())
+
+
+@pytest.mark.parametrize("frames,tq,masked", [(False, 1, False), (True, 1, True), (True, 5, True)],
+                         ids=["decode", "frames-mask", "several-queries"])
+def test_unchecked_latent_attention_does_not_sync(frames, tq, masked):
+    """``kvarn::latent_attention`` on CUDA (the exact region in torch, the tiles on the Triton
+    kernel, merged by lse) with its host checks off: no sync, for a decode step and a
+    multi-query step with causal bounds inside the tiles, per-tile key frames and a mask;
+    the reference's output."""
+    from kvarn_compile.testing import latent_rows
+
+    seq = latent_rows("k4v2", tq=tq, frames=frames, rank=64, rope=16, heads=1, group=32,
+                      max_len=256)
+    gen = torch.Generator().manual_seed(0)
+    q, q_pe = torch.randn(2, 6, tq, 64, generator=gen), torch.randn(2, 6, tq, 16, generator=gen)
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, tq, 170, generator=gen) > 0.2
+        mask[..., :1] = True
+    with HostSyncDetector():
+        out = dispatch.latent_attention_cuda(q, q_pe, seq.buffers, mask, None, checked=False)
+    want = attention_ref.latent_attention(q, q_pe, seq.buffers, mask, None, True, 0)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_unchecked_latent_attention_flags_a_short_mask_on_the_device(monkeypatch):
+    """A mask shorter than the latent cache, host checks off (a replayed graph's step): no
+    sync, ``ERR_MASK`` in the device flags, raised after the step with the checked mode's
+    cause, as ``kvarn::attention`` does; a covering mask flags nothing. A decode step of the
+    registered CUDA kernel inside ``deferred_checks`` runs without host checks."""
+    from kvarn_compile.testing import latent_rows
+
+    seq = latent_rows("k4v2", rank=64, rope=16, heads=1, group=32, max_len=256)   # lengths 85, 160
+    q, q_pe = torch.randn(2, 6, 1, 64), torch.randn(2, 6, 1, 16)
+    with HostSyncDetector():
+        dispatch.latent_attention_cuda(q, q_pe, seq.buffers, torch.ones(2, 1, 1, 160, dtype=torch.bool),
+                                       None, checked=False)
+    dispatch.raise_device_errors("cpu")                     # covering: nothing flagged
+    short = torch.ones(2, 1, 1, 120, dtype=torch.bool)
+    with HostSyncDetector():
+        dispatch.latent_attention_cuda(q, q_pe, seq.buffers, short, None, checked=False)
+    with pytest.raises(ValueError, match="a mask shorter than the cache"):
+        dispatch.raise_device_errors("cpu")
+    with pytest.raises(ValueError, match="the mask covers 120 key positions"):
+        dispatch.latent_attention_cuda(q, q_pe, seq.buffers, short, None, checked=True)
+    monkeypatch.setenv(dispatch.CUDA_CHECKS_ENV, "auto")
+    with pytest.raises(ValueError, match="mask"), dispatch.deferred_checks(device="cpu"):
+        with HostSyncDetector():
+            dispatch._latent_attention_cuda(q, q_pe, seq.buffers, short, None, True, 0)
