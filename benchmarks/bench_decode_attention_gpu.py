@@ -196,16 +196,17 @@ def template_sweep(time_config, nbytes: int) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("ms_median", float("inf")))
 
 
-def _tile_quantize(cfg, batch: int, device: str) -> dict:
-    """Quantizing one completed tile per (batch row, kv head), K and V, with the Triton kernel."""
+def _tile_quantize(cfg, batch: int, device: str, tiles: int = 1, timer=None) -> dict:
+    """Quantizing ``tiles`` completed tiles per (batch row, kv head), K and V, with the
+    Triton kernel (one: what a decode step that completes a tile adds)."""
     from kvarn_compile.kernels import quantize_tiles_into
     from kvarn_compile.state import allocate_layer
 
     g = cfg.group_size
-    st = allocate_layer(cfg, batch=batch, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_len=3 * g,
-                        dtype=torch.float16, device=device)
-    x = torch.randn(batch, KV_HEADS, g, HEAD_DIM, device=device, dtype=torch.float16)
-    dst = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    st = allocate_layer(cfg, batch=batch, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                        max_len=(tiles + 2) * g, dtype=torch.float16, device=device)
+    x = torch.randn(batch, KV_HEADS, tiles * g, HEAD_DIM, device=device, dtype=torch.float16)
+    dst = torch.arange(tiles, dtype=torch.int64, device=device)[None].expand(batch, -1).contiguous()
 
     def run():
         for kind, bits in (("k", cfg.key_bits), ("v", cfg.value_bits)):
@@ -213,7 +214,7 @@ def _tile_quantize(cfg, batch: int, device: str) -> dict:
                                 getattr(st, f"{kind}_row_zero"), getattr(st, f"{kind}_col_scale"),
                                 kind=kind, bits=bits, rotate=True, normalize=True,
                                 iters=cfg.sinkhorn_iters, dst_tile=dst)
-    return _bench_ms(run)
+    return (timer or _bench_ms)(run)
 
 
 def run_case(cfg, batch: int, tokens: int, device: str = "cuda") -> dict:
@@ -295,26 +296,37 @@ def main(argv: list[str] | None = None) -> int:
     lengths, batches = args.lengths, args.batches
     if args.quick:
         lengths, batches = [4096, 32768, 131072], [1]
-    import triton
-
-    env = {"torch": torch.__version__, "triton": triton.__version__,
-           "device": torch.cuda.get_device_name(), "capability": "sm%d%d" % torch.cuda.get_device_capability()}
     rows = []
-
-    def dump() -> str:
-        return json.dumps({"benchmark": "decode_attention_gpu", "env": env, "rows": rows}, indent=1,
-                          default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
-
     for b in batches:
         for n in lengths:
             rows.append(run_case(cfg, b, n))
-            if args.out:     # a run cut short by a timeout still leaves every finished case
-                with open(args.out + ".tmp", "w") as fh:
-                    fh.write(dump())
-                import os
-                os.replace(args.out + ".tmp", args.out)
-    print(dump())
+            write_rows("decode_attention_gpu", rows, args.out)
+    print(rows_json("decode_attention_gpu", rows))
     return 0
+
+
+def gpu_env() -> dict:
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__,
+            "device": torch.cuda.get_device_name(),
+            "capability": "sm%d%d" % torch.cuda.get_device_capability()}
+
+
+def rows_json(name: str, rows: list[dict]) -> str:
+    return json.dumps({"benchmark": name, "env": gpu_env(), "rows": rows}, indent=1,
+                      default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+
+
+def write_rows(name: str, rows: list[dict], path: str | None) -> None:
+    """The JSON so far to ``path`` (replaced whole): a run cut short by a timeout still
+    leaves every finished case."""
+    if path:
+        import os
+
+        with open(path + ".tmp", "w") as fh:
+            fh.write(rows_json(name, rows))
+        os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

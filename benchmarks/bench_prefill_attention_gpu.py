@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -100,37 +99,41 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def _quantize_prompt(cfg, tokens: int, device: str, timer) -> dict:
     """Quantizing the prompt's tiles (T // G per kv head), K and V, with the Triton kernel."""
-    from kvarn_compile.kernels import quantize_tiles_into
-    from kvarn_compile.state import allocate_layer
-
-    g = cfg.group_size
-    n = max(1, tokens // g)
-    st = allocate_layer(cfg, batch=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_len=(n + 2) * g,
-                        dtype=torch.float16, device=device)
-    x = torch.randn(1, KV_HEADS, n * g, HEAD_DIM, device=device, dtype=torch.float16)
-    dst = torch.arange(n, device=device, dtype=torch.int64)[None]
-
-    def run():
-        for kind, bits in (("k", cfg.key_bits), ("v", cfg.value_bits)):
-            quantize_tiles_into(x, getattr(st, f"{kind}_codes"), getattr(st, f"{kind}_row_scale"),
-                                getattr(st, f"{kind}_row_zero"), getattr(st, f"{kind}_col_scale"),
-                                kind=kind, bits=bits, rotate=True, normalize=True,
-                                iters=cfg.sinkhorn_iters, dst_tile=dst)
-    return dict(timer(run), tiles=n)
+    n = max(1, tokens // cfg.group_size)
+    return dict(decode_bench._tile_quantize(cfg, 1, device, tiles=n, timer=timer), tiles=n)
 
 
-def _tflops(row: dict, flops: float) -> dict:
-    row["tflop_per_s"] = flops / (row["ms_median"] * 1e-3) / 1e12
-    return row
+def _sdpa(q16: torch.Tensor, scale: float, timer) -> dict:
+    """fp16 SDPA, causal, over a fresh fp16 K/V as long as the prompt."""
+    import torch.nn.functional as F
+
+    k16 = torch.randn(1, KV_HEADS, q16.shape[2], HEAD_DIM, device=q16.device, dtype=torch.float16)
+    v16 = torch.randn_like(k16)
+    return timer(lambda: F.scaled_dot_product_attention(q16, k16, v16, is_causal=True,
+                                                        enable_gqa=True, scale=scale))
+
+
+def _kvarn(cfg, q16: torch.Tensor, scale: float, timer) -> dict:
+    """The op over a packed cache of the prompt's length: one launch, compiled, and the
+    template's prompt configs."""
+    from kvarn_compile import lowering
+
+    st, n_tiles, _, _ = decode_bench._random_packed_state(cfg, 1, q16.shape[2], str(q16.device))
+    out = {"packed_tiles": n_tiles,
+           "kvarn_one_launch": timer(lambda: torch.ops.kvarn.attention(q16, st.buffers, None,
+                                                                       scale, True, 0))}
+    first = len(lowering.DECISIONS)
+    fn = decode_bench._kvarn_compiled(st, scale)
+    fn(q16, *st.buffers)
+    out["kvarn"] = timer(lambda: fn(q16, *st.buffers))
+    out["kvarn"]["lowering"] = [d.line() for d in lowering.DECISIONS[first:]]
+    out["template_configs"] = _template_configs(st, q16, scale, timer)
+    return out
 
 
 def run_case(cfg, tokens: int, device: str = "cuda", timer=None) -> dict:
     """One prompt length; ``timer(fn) -> {"ms_median", ...}`` (default: the decode
     benchmark's CUDA-graph timer). Each part that fails is reported and the rest goes on."""
-    import torch.nn.functional as F
-
-    from kvarn_compile import lowering
-
     timer = timer or decode_bench._bench_ms
     torch.manual_seed(0)
     scale = HEAD_DIM ** -0.5
@@ -138,38 +141,23 @@ def run_case(cfg, tokens: int, device: str = "cuda", timer=None) -> dict:
     row = {"tokens": tokens, "head_dim": HEAD_DIM, "q_heads": GQA_Q_HEADS, "kv_heads": KV_HEADS,
            "preset": cfg.short(), "causal_flops": flops}
     q16 = torch.randn(1, GQA_Q_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.float16)
-    try:
-        k16 = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.float16)
-        v16 = torch.randn_like(k16)
-        row["sdpa_fp16"] = _tflops(timer(lambda: F.scaled_dot_product_attention(
-            q16, k16, v16, is_causal=True, enable_gqa=True, scale=scale)), flops)
-        del k16, v16
-    except Exception as err:  # noqa: BLE001
-        row["sdpa_error"] = f"{type(err).__name__}: {err}"[:300]
-    try:
-        st, n_tiles, _, packed_bytes = decode_bench._random_packed_state(cfg, 1, tokens, device)
-        row["packed_tiles"] = n_tiles
-        row["kvarn_one_launch"] = _tflops(timer(lambda: torch.ops.kvarn.attention(
-            q16, st.buffers, None, scale, True, 0)), flops)
-        first = len(lowering.DECISIONS)
-        fn = decode_bench._kvarn_compiled(st, scale)
-        fn(q16, *st.buffers)
-        row["kvarn"] = _tflops(timer(lambda: fn(q16, *st.buffers)), flops)
-        row["kvarn"]["lowering"] = [d.line() for d in lowering.DECISIONS[first:]]
-        row["template_configs"] = _template_configs(st, q16, scale, timer)
-        del st
-    except Exception as err:  # noqa: BLE001
-        row["kvarn_error"] = f"{type(err).__name__}: {err}"[:500]
-    try:
-        row["quantize_prompt"] = _quantize_prompt(cfg, tokens, device, timer)
-    except Exception as err:  # noqa: BLE001
-        row["quantize_error"] = f"{type(err).__name__}: {err}"[:300]
+    for name, part in (("sdpa_fp16", lambda: {"sdpa_fp16": _sdpa(q16, scale, timer)}),
+                       ("kvarn", lambda: _kvarn(cfg, q16, scale, timer)),
+                       ("quantize_prompt", lambda: {"quantize_prompt": _quantize_prompt(
+                           cfg, tokens, device, timer)})):
+        try:
+            row.update(part())
+        except Exception as err:  # noqa: BLE001 - (e.g. out of memory) report, go on
+            row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:500]
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for name in ("sdpa_fp16", "kvarn_one_launch", "kvarn"):
+        if name in row:
+            row[name]["tflop_per_s"] = flops / (row[name]["ms_median"] * 1e-3) / 1e12
     if all(k in row for k in ("sdpa_fp16", "kvarn_one_launch", "quantize_prompt")):
         row["kvarn_over_sdpa"] = (row["kvarn_one_launch"]["ms_median"]
                                   + row["quantize_prompt"]["ms_median"]) \
             / row["sdpa_fp16"]["ms_median"]
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -184,29 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
-    import triton
-
     from kvarn_compile.config import get_config
 
     torch.set_grad_enabled(False)
     cfg = get_config(args.preset)
-    env = {"torch": torch.__version__, "triton": triton.__version__,
-           "device": torch.cuda.get_device_name(),
-           "capability": "sm%d%d" % torch.cuda.get_device_capability()}
     rows = []
-
-    def dump() -> str:
-        return json.dumps({"benchmark": "prefill_attention_gpu", "env": env, "rows": rows},
-                          indent=1, default=lambda o: None if isinstance(o, float)
-                          and math.isnan(o) else str(o))
-
     for n in args.lengths:
         rows.append(run_case(cfg, n))
-        if args.out:     # a run cut short still leaves every finished case
-            with open(args.out + ".tmp", "w") as fh:
-                fh.write(dump())
-            os.replace(args.out + ".tmp", args.out)
-    print(dump())
+        decode_bench.write_rows("prefill_attention_gpu", rows, args.out)
+    print(decode_bench.rows_json("prefill_attention_gpu", rows))
     return 0
 
 
