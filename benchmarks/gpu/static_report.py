@@ -65,6 +65,8 @@ import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)   # compiled kernels, not the interpreter's stand-ins
+# the kernels as a CUDA build of torch compiles them (kernels.use_inline_ptx), on any torch
+os.environ.setdefault("KVARN_TRITON_PTX", "1")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -763,9 +765,12 @@ def main(argv=None) -> int:
         args.sass.mkdir(parents=True, exist_ok=True)
     driver.set_active(_StandInDriver(args.arch))
     rows = []
+    from kvarn_compile.kernels import use_inline_ptx
+
     print(json.dumps({"triton": triton.__version__, "torch": torch.__version__,
-                      "arch": f"sm_{args.arch}", "model": {"sms": SMS, "clock_hz": CLOCK_HZ,
-                                                          "hbm_bytes_per_s": HBM_BYTES_PER_S}}))
+                      "arch": f"sm_{args.arch}", "inline_ptx": use_inline_ptx(),
+                      "model": {"sms": SMS, "clock_hz": CLOCK_HZ,
+                                "hbm_bytes_per_s": HBM_BYTES_PER_S}}))
     for case in cases(args.quick):
         if args.only and args.only not in case.name:
             continue

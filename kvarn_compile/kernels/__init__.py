@@ -59,6 +59,26 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+#: ``KVARN_TRITON_PTX``: "1" / "0" force inline PTX in the Triton kernels on or off (default:
+#: :func:`use_inline_ptx` decides; the sm_90 static report sets it, compiling on a CPU-only torch).
+PTX_ENV = "KVARN_TRITON_PTX"
+
+
+def use_inline_ptx() -> bool:
+    """Whether the Triton kernels use inline PTX (``lop3``: the phased loop's AND-OR of two
+    codes in one instruction, where ptxas made two or kept register moves): only where they
+    are compiled for an NVIDIA GPU, i.e. not under the interpreter (which runs no PTX) and
+    with a CUDA build of torch (not ROCm or XPU). Read once, when the kernels' module loads."""
+    forced = os.environ.get(PTX_ENV, "").strip().lower()
+    if forced in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+        return forced in ("1", "true", "on", "yes")
+    if _interpreting():
+        return False
+    import torch
+
+    return torch.version.cuda is not None and torch.version.hip is None
+
+
 def triton_available() -> bool:
     """True when triton imports and can run here: a CUDA device, or ``TRITON_INTERPRET=1``."""
     try:

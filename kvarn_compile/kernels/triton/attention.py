@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_compile.kernels import CUDA_PRECISION
+from kvarn_compile.kernels import CUDA_PRECISION, use_inline_ptx
 from kvarn_compile.kernels.triton.quantize import KERNEL_BITS, KERNEL_SCALE_DTYPES
 from kvarn_compile.quant.quantize import QuantizedTiles
 
@@ -268,6 +268,40 @@ def _rows_f16(pair, R2: tl.constexpr, NW: tl.constexpr):
     return x.to(tl.float16, bitcast=True)
 
 
+#: Inline PTX where the kernels compile for an NVIDIA GPU (``kernels.use_inline_ptx``).
+_PTX = tl.constexpr(use_inline_ptx())
+
+
+@triton.jit
+def _lop3_or_6400(x, M2: tl.constexpr):
+    """(x & M2) | 0x64006400 on int32 words: one ``lop3`` (LUT 0xEA: (a & b) | c) with
+    ``_PTX``. Written as two operations, ptxas kept them two (triton 3.6: 592 LOP3 per warp
+    and tile of the decode kernel, against 336) or added register moves around them (3.9:
+    ~300 MOV / IMAD.MOV); one PTX literal per mask the phased loop uses (4-bit and 2-bit
+    codes), since a jit function cannot build a string."""
+    if _PTX and M2 == 0x000F000F:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r",
+                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    elif _PTX and M2 == 0x00F000F0:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00F000F0, 0x64006400, 0xEA;", "=r,r",
+                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    elif _PTX and M2 == 0x00030003:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00030003, 0x64006400, 0xEA;", "=r,r",
+                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    elif _PTX and M2 == 0x000C000C:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000C000C, 0x64006400, 0xEA;", "=r,r",
+                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    elif _PTX and M2 == 0x00300030:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00300030, 0x64006400, 0xEA;", "=r,r",
+                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    elif _PTX and M2 == 0x00C000C0:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00C000C0, 0x64006400, 0xEA;", "=r,r",
+                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        y = (x & M2) | 0x64006400
+    return y
+
+
 @triton.jit
 def _phase_f16(t0, t1, k: tl.constexpr, BITS: tl.constexpr, R2: tl.constexpr, NW: tl.constexpr):
     """Phase k (0 <= k < PER = 8 // BITS) of paired 16-bit code words (t0 = even | odd << 16,
@@ -278,8 +312,8 @@ def _phase_f16(t0, t1, k: tl.constexpr, BITS: tl.constexpr, R2: tl.constexpr, NW
     power of two the caller takes off) and 0x6400 makes each half the fp16 number 1024 +
     its low bits."""
     MASK: tl.constexpr = ((1 << BITS) - 1) << (BITS * k)
-    lo = _rows_f16((t0 & (MASK | (MASK << 16))) | 0x64006400, R2, NW)
-    hi = _rows_f16((t1 & (MASK | (MASK << 16))) | 0x64006400, R2, NW)
+    lo = _rows_f16(_lop3_or_6400(t0, MASK | (MASK << 16)), R2, NW)
+    hi = _rows_f16(_lop3_or_6400(t1, MASK | (MASK << 16)), R2, NW)
     return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [2 * R2, 2 * NW])
 
 
