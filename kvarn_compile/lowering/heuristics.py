@@ -147,10 +147,10 @@ def prefill_configs(mode: str, *, group: int, rows: int, phased: bool) -> list[D
     elif mode == "autotune":
         # and the 16-row block at the loop's own step and warps (the byte loop's default is
         # larger: its unpacking is shared by a warp's rows, where the phased loop's is not),
-        # and at 4 warps: the phased loop's 2-warp block spills a little on sm_90 with a key
-        # frame (triton 3.6: 188-284 B, 15 reloads per tile outside the key-frame branch;
-        # 3.9: 8-60 B), 4 warps not at all, for ~30% more warp instructions per query row
-        # (static report); which is faster is the GPU's to measure
+        # and at 4 warps: the phased loop's 2-warp block spills a little on sm_90 with key
+        # frames (triton 3.6: 56-284 B; 3.9: up to 44 B, 4-11 reloads per tile in the loop),
+        # 4 warps not at all, for ~35% more warp instructions per query row (static
+        # report); which is faster is the GPU's to measure
         candidates = [default] + [DecodeConfig(loop_block_n(16, group), 16, 1, w, 1)
                                   for w in (None, 4)] + [
             DecodeConfig(bn, bm, 1, w, 1) for bm, bn, w in
