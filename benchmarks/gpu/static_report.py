@@ -28,6 +28,8 @@ Per kernel and config:
   global loads in that body by width; ``widest_global_load`` (bytes, 16 = LDG.E.128);
   ``loop_spill_instructions``: local loads and stores (spill traffic) in that body, counted
   the same way (a kernel's spills can sit outside its loop, where they cost once);
+  ``loop_spill_stores``: the stores among them (0: the loop only reloads values set before
+  it, from L1, and keeps its own state in registers);
 * ``tile_bytes``: bytes of codes and scales read per packed tile (K and V; the per-tile cost of
   the memory wall);
 * ``est_bandwidth_fraction`` (decode kernels): the issue-bound estimate below;
@@ -197,7 +199,7 @@ def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
                 loops.append((int(m[1], 16), addr))
     if not loops:
         return {"loop_instructions": 0, "loop_global_loads": {}, "widest_global_load": None,
-                "loop_spill_instructions": 0}
+                "loop_spill_instructions": 0, "loop_spill_stores": 0}
     outer = max(loops, key=lambda ab: ab[1] - ab[0])
     inner = [ab for ab in loops if ab != outer and outer[0] <= ab[0] and ab[1] <= outer[1]]
 
@@ -212,8 +214,11 @@ def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
         total += (inner_trips - 1) * count(lo, hi)
     total *= outer_trips
     # spill traffic (local loads / stores) inside the loop, counted as the instructions are
-    spills = sum(trips_of(a) for a, body in insns if outer[0] <= a <= outer[1]
-                 and re.sub(r"^@!?U?P\w+\s+", "", body).startswith(("LDL", "STL")))
+    # (stores: 0 means the loop only reloads values set before it, none of its own state)
+    local = [(a, re.sub(r"^@!?U?P\w+\s+", "", body)) for a, body in insns
+             if outer[0] <= a <= outer[1]]
+    spills = sum(trips_of(a) for a, op in local if op.startswith(("LDL", "STL")))
+    spill_stores = sum(trips_of(a) for a, op in local if op.startswith("STL"))
     loads: dict[str, int] = {}
     widest = None
     for a, body in insns:
@@ -226,7 +231,8 @@ def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
                 loads[key] = loads.get(key, 0) + trips
                 widest = w if widest is None else max(widest, w)
     return {"loop_instructions": total, "loop_global_loads": loads, "widest_global_load": widest,
-            "loop_spill_instructions": spills, "loops": len(loops)}
+            "loop_spill_instructions": spills, "loop_spill_stores": spill_stores,
+            "loops": len(loops)}
 
 
 def ctas_per_sm(registers: int, warps: int, shared: int) -> int:

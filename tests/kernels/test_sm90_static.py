@@ -38,8 +38,9 @@ MLA = ("decode_kernel_k4v2_d192v128g128_n128_fp16", "append_decode_h16_d192v128_
 MLA_NO_SPILLS = ("decode_kernel_k4v2_d192v128g128_n128_fp16",)
 #: A prompt's default block (16 rows; a bool mask per row and key frames, as transformers and
 #: the default config give them): the prefill template and the op in one launch (FUSED: one
-#: program per block). Held to a few local loads per tile in the loop (11 and 9 of ~2,250
-#: instructions) and a few bytes of spills at all (32 and 36 B): the 64-row blocks they
+#: program per block). Held to no local stores in the loop and a few local loads per tile
+#: (11 and 9 of ~2,250 instructions: reloads of values set before the loop) and a few bytes
+#: of spills at all (32 and 36 B): the 64-row blocks they
 #: replaced spilled 880 B (template) and 740-1,560 B (kernel), with 516-1,154 local loads and
 #: stores per tile.
 PREFILL = ("kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16",
@@ -139,6 +140,9 @@ def test_prefill_block_keeps_its_registers(rows, name):
     row = rows[name]
     assert "error" not in row, row["error"]
     assert row["config"]["BLOCK_M"] == 16 and row["config"]["phased"], row["config"]
+    assert row["loop_spill_stores"] == 0, (
+        f"{name} stores {row['loop_spill_stores']} values per tile to local memory in its loop "
+        "(its own state spilled, not only values set before the loop)")
     assert row["loop_spill_instructions"] <= PREFILL_LOOP_SPILLS_MAX, (
         f"{name}: {row['loop_spill_instructions']} local loads/stores per tile in its loop "
         f"({row['spill_stores']} B of spills, {row['registers']} registers)")
