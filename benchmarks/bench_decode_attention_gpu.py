@@ -133,7 +133,8 @@ def _template_standalone(st, scale: float):
     q = torch.randn(b, GQA_Q_HEADS, 1, HEAD_DIM, device=st.sink_k.device, dtype=torch.float16)
     ins = tile_inputs(q, st.buffers, None, True, 0, rotation_matrix(HEAD_DIM, q.device))
     q_rot, _, kc, krs, krz, kcs, vc, vrs, vrz, vcs, _, nt, lo, hi, _ = ins
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+           if q.device.type == "cuda" else 132)          # (an H100/H200's, for a CPU dry run)
     base_split = split_max(b * KV_HEADS, kc.shape[2], sms)
     g = kcs.shape[-1]
     tmp = tempfile.mkdtemp(prefix="kvarn_bench_")
@@ -217,55 +218,63 @@ def _tile_quantize(cfg, batch: int, device: str, tiles: int = 1, timer=None) -> 
     return (timer or _bench_ms)(run)
 
 
-def run_case(cfg, batch: int, tokens: int, device: str = "cuda") -> dict:
+def _fp16_baselines(q16: torch.Tensor, tokens: int, scale: float, nbytes: int) -> dict:
+    """fp16 SDPA and FlexDecoding over a fresh fp16 cache of ``tokens`` tokens."""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
+    k16 = torch.randn(q16.shape[0], KV_HEADS, tokens, HEAD_DIM, device=q16.device,
+                      dtype=torch.float16)
+    v16 = torch.randn_like(k16)
+    out = {"sdpa_fp16": _with_gbps(_bench_ms(lambda: F.scaled_dot_product_attention(
+        q16, k16, v16, enable_gqa=True, scale=scale)), nbytes)}
+    flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    out["flex_decoding"] = _with_gbps(_bench_ms(lambda: flex(q16, k16, v16, scale=scale,
+                                                             enable_gqa=True)), nbytes)
+    return out
+
+
+def _kvarn_parts(cfg, q16: torch.Tensor, tokens: int, scale: float) -> dict:
+    """The op over a packed cache of ``tokens`` tokens: compiled, in one launch, the template
+    standalone (scales, sweep), and one tile's quantization."""
     from kvarn_compile import lowering
 
+    st, _, _, packed_bytes = _random_packed_state(cfg, q16.shape[0], tokens, str(q16.device))
+    first = len(lowering.DECISIONS)
+    fn = _kvarn_compiled(st, scale)
+    fn(q16, *st.buffers)
+    out = {"kvarn": _with_gbps(_bench_ms(lambda: fn(q16, *st.buffers)), packed_bytes)}
+    out["kvarn"]["lowering"] = [d.line() for d in lowering.DECISIONS[first:]]
+    out["kvarn_one_launch"] = _with_gbps(_bench_ms(lambda: torch.ops.kvarn.attention(
+        q16, st.buffers, None, scale, True, 0)), packed_bytes)
+    time_config, cols = _template_standalone(st, scale)
+    out["scales"] = _single_vs_dual(time_config, cols)
+    if SWEEP_LENGTHS is None or tokens in SWEEP_LENGTHS:
+        out["template_sweep"] = template_sweep(time_config, packed_bytes)
+    out["tile_quantize"] = _tile_quantize(cfg, q16.shape[0], str(q16.device))
+    out["tile_quantize_share_of_G_decode_steps"] = out["tile_quantize"]["ms_median"] / (
+        cfg.group_size * out["kvarn"]["ms_median"])
+    return out
+
+
+def run_case(cfg, batch: int, tokens: int, device: str = "cuda") -> dict:
     torch.manual_seed(0)
     scale = HEAD_DIM ** -0.5
     row = {"batch": batch, "tokens": tokens, "head_dim": HEAD_DIM, "q_heads": GQA_Q_HEADS,
            "kv_heads": KV_HEADS, "preset": cfg.short()}
     q16 = torch.randn(batch, GQA_Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.float16)
     fp16_bytes = 2 * batch * KV_HEADS * tokens * HEAD_DIM * 2
-    try:
-        k16 = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.float16)
-        v16 = torch.randn_like(k16)
-        row["sdpa_fp16"] = _with_gbps(_bench_ms(lambda: F.scaled_dot_product_attention(
-            q16, k16, v16, enable_gqa=True, scale=scale)), fp16_bytes)
-        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-        row["flex_decoding"] = _with_gbps(_bench_ms(lambda: flex(q16, k16, v16, scale=scale,
-                                                                 enable_gqa=True)), fp16_bytes)
-        del k16, v16
-    except Exception as err:  # noqa: BLE001  (e.g. out of memory at 128k x 32)
-        row["fp16_error"] = f"{type(err).__name__}: {err}"[:300]
-    torch.cuda.empty_cache()
-    try:
-        st, n_tiles, _, packed_bytes = _random_packed_state(cfg, batch, tokens, device)
-        first = len(lowering.DECISIONS)
-        fn = _kvarn_compiled(st, scale)
-        fn(q16, *st.buffers)
-        row["kvarn"] = _with_gbps(_bench_ms(lambda: fn(q16, *st.buffers)), packed_bytes)
-        row["kvarn"]["lowering"] = [d.line() for d in lowering.DECISIONS[first:]]
-        if "sdpa_fp16" in row:
-            row["kvarn"]["speedup_vs_sdpa_fp16"] = row["sdpa_fp16"]["ms_median"] / row["kvarn"]["ms_median"]
-        if "flex_decoding" in row:
-            row["kvarn"]["speedup_vs_flex"] = row["flex_decoding"]["ms_median"] / row["kvarn"]["ms_median"]
-        row["kvarn_one_launch"] = _with_gbps(_bench_ms(lambda: torch.ops.kvarn.attention(
-            q16, st.buffers, None, scale, True, 0)), packed_bytes)
-        time_config, cols = _template_standalone(st, scale)
-        row["scales"] = _single_vs_dual(time_config, cols)
-        if SWEEP_LENGTHS is None or tokens in SWEEP_LENGTHS:
-            row["template_sweep"] = template_sweep(time_config, packed_bytes)
-        quant = _tile_quantize(cfg, batch, device)
-        row["tile_quantize"] = quant
-        row["tile_quantize_share_of_G_decode_steps"] = quant["ms_median"] / (
-            cfg.group_size * row["kvarn"]["ms_median"])
-        del st
-    except Exception as err:  # noqa: BLE001  (report and go on with the next case)
-        row["kvarn_error"] = f"{type(err).__name__}: {err}"[:500]
-    torch.cuda.empty_cache()
+    for name, part in (("fp16", lambda: _fp16_baselines(q16, tokens, scale, fp16_bytes)),
+                       ("kvarn", lambda: _kvarn_parts(cfg, q16, tokens, scale))):
+        try:
+            row.update(part())
+        except Exception as err:  # noqa: BLE001 - (e.g. out of memory at 128k x 32) report, go on
+            row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:500]
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for base, key in (("sdpa_fp16", "speedup_vs_sdpa_fp16"), ("flex_decoding", "speedup_vs_flex")):
+        if base in row and "kvarn" in row:
+            row["kvarn"][key] = row[base]["ms_median"] / row["kvarn"]["ms_median"]
     return row
 
 

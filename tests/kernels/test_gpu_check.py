@@ -35,9 +35,10 @@ def test_the_gpu_check_runs_its_steps_and_leaves_a_summary(tmp_path):
 
 def test_the_prompt_benchmark_runs_its_parts_on_cpu(monkeypatch):
     """``bench_prefill_attention_gpu.run_case`` end to end on CPU tensors (the Triton parts
-    under the interpreter; 4 query heads on 1 kv head, timed once): every part reports, none
-    fails, and the template's prompt configs compute the same attention, so the one call a
-    lent GPU gets does not lose this step to a bug in the script."""
+    under the interpreter; 4 query heads on 1 kv head, three of the template's prompt
+    configs, timed once): every part reports, none fails, and the configs compute the same
+    attention, so the one call a lent GPU gets does not lose this step to a bug in the
+    script."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))     # (restored after the test)
     import bench_decode_attention_gpu as decode_bench
     import bench_prefill_attention_gpu as prefill_bench
@@ -47,6 +48,7 @@ def test_the_prompt_benchmark_runs_its_parts_on_cpu(monkeypatch):
     for module in (decode_bench, prefill_bench):
         monkeypatch.setattr(module, "GQA_Q_HEADS", 4)
         monkeypatch.setattr(module, "KV_HEADS", 1)
+    monkeypatch.setattr(prefill_bench, "PROMPT_CONFIGS", prefill_bench.PROMPT_CONFIGS[:3])
     calls = []
 
     def once(fn):
@@ -62,3 +64,24 @@ def test_the_prompt_benchmark_runs_its_parts_on_cpu(monkeypatch):
         assert "error" not in cfg and cfg["max_rel_diff_vs_first"] < 1e-3, cfg
     assert row["packed_tiles"] == 1 and row["quantize_prompt"]["tiles"] == 2
     assert row["kvarn_over_sdpa"] > 0 and "lowering" in row["kvarn"]
+
+
+def test_the_decode_benchmark_runs_its_parts_on_cpu(monkeypatch):
+    """``bench_decode_attention_gpu.run_case``, the GPU check's first step, end to end on CPU
+    tensors the same way (three of its template configs): every part reports, none fails."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))     # (restored after the test)
+    import bench_decode_attention_gpu as decode_bench
+    from kvarn_compile.config import get_config
+
+    monkeypatch.setenv("KVARN_TRITON_CPU", "1")
+    monkeypatch.setattr(decode_bench, "GQA_Q_HEADS", 4)
+    monkeypatch.setattr(decode_bench, "KV_HEADS", 1)
+    monkeypatch.setattr(decode_bench, "SWEEP", decode_bench.SWEEP[:3])
+    monkeypatch.setattr(decode_bench, "_bench_ms",
+                        lambda fn: (fn(), {"ms_median": 1.0, "timer": "once"})[1])
+    with torch.no_grad():
+        row = decode_bench.run_case(get_config("k4v2"), 1, 128 + 2 * 128 + 100, device="cpu")
+    assert not [k for k in row if k.endswith("error")], row
+    assert len(row["template_sweep"]) == 3 and not [r for r in row["template_sweep"] if "error" in r]
+    assert {"speedup_vs_sdpa_fp16", "speedup_vs_flex"} <= set(row["kvarn"])
+    assert row["scales"]["dual_over_single"] > 0 and row["tile_quantize"]["ms_median"] > 0
