@@ -277,3 +277,19 @@ def test_tile_partials_without_tile_slots():
     o_part, lse_part = latent_tile_partials(*args[:3], *none, *args[12:15], None, 0.1)
     assert o_part.shape == (2, HEADS, 1, 2, 1, RANK)
     assert bool((lse_part == float("-inf")).all()) and bool((o_part == 0).all())
+
+
+def test_default_config_takes_narrower_channel_blocks_before_triton_3_9(monkeypatch):
+    """At D = 512 the latent kernel runs 256-channel blocks with triton >= 3.9 and 64-channel
+    ones before (3.6 spills the wide blocks on sm_90: 608 B, against none); narrow latents
+    keep their whole width either way."""
+    from kvarn_compile.kernels.triton import latent_attention
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(latent_attention, "_TRITON_VERSION", (3, 9))
+    assert latent_attention.default_config(512, 16, cpu)["block_dc"] == 256
+    monkeypatch.setattr(latent_attention, "_TRITON_VERSION", (3, 6))
+    assert latent_attention.default_config(512, 16, cpu)["block_dc"] == 64
+    assert latent_attention.default_config(48, 16, cpu)["block_dc"] == 64
+    monkeypatch.setattr(latent_attention, "_TRITON_VERSION", (3, 10))
+    assert latent_attention.default_config(512, 16, cpu)["block_dc"] == 256

@@ -78,6 +78,9 @@ from kvarn_compile.kernels.triton.attention import (
 )
 from kvarn_compile.kernels.triton.quantize import KERNEL_SCALE_DTYPES
 
+#: (major, minor) of the installed triton: the latent channel block's default depends on it.
+_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
+
 __all__ = ["latent_tile_partials", "frame_tile_lists", "default_config", "LATENT_SCALE_DTYPES"]
 
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -411,9 +414,14 @@ def default_config(d: int, rows: int, device: torch.device) -> dict:
     shared memory); 4 warps spill (640 B), 32-row blocks spill (8-230 B) and cost more
     instructions per query row than two 16-row blocks, 64-token steps spill 8 B. So
     Hq = 128 query heads run as 8 blocks of 16 rows (each tile read 8 times, from L2 after
-    the first). D <= 256 fits 4 warps without spills."""
+    the first). D <= 256 fits 4 warps without spills. Triton before 3.9 (3.6: the version
+    torch 2.11 brings) spills the 256-channel blocks at D = 512 (608 B, 744 local loads and
+    stores a tile, 11,060 instructions: estimate 0.11 of H200 bandwidth) and not 64-channel
+    ones (6,100: 0.20), which 3.9 compiles nearly as well as 256 (4,844 against 4,608
+    instructions): those get 64."""
     block_d = max(16, triton.next_power_of_2(d))
-    return {"block_m": 16, "block_n": 32, "block_dc": min(block_d, 256),
+    widest = 256 if _TRITON_VERSION >= (3, 9) else 64
+    return {"block_m": 16, "block_n": 32, "block_dc": min(block_d, widest),
             "num_warps": 8 if block_d > 256 else 4}
 
 
