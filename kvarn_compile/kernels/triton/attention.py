@@ -277,26 +277,11 @@ def _lop3_or_6400(x, M2: tl.constexpr):
     """(x & M2) | 0x64006400 on int32 words: one ``lop3`` (LUT 0xEA: (a & b) | c) with
     ``_PTX``. Written as two operations, ptxas kept them two (triton 3.6: 592 LOP3 per warp
     and tile of the decode kernel, against 336) or added register moves around them (3.9:
-    ~250 MOV / IMAD.MOV); one PTX literal per mask the phased loop uses (4-bit and 2-bit
-    codes), since a jit function cannot build a string."""
-    if _PTX and M2 == 0x000F000F:
-        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r",
-                                      [x], dtype=tl.int32, is_pure=True, pack=1)
-    elif _PTX and M2 == 0x00F000F0:
-        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00F000F0, 0x64006400, 0xEA;", "=r,r",
-                                      [x], dtype=tl.int32, is_pure=True, pack=1)
-    elif _PTX and M2 == 0x00030003:
-        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00030003, 0x64006400, 0xEA;", "=r,r",
-                                      [x], dtype=tl.int32, is_pure=True, pack=1)
-    elif _PTX and M2 == 0x000C000C:
-        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000C000C, 0x64006400, 0xEA;", "=r,r",
-                                      [x], dtype=tl.int32, is_pure=True, pack=1)
-    elif _PTX and M2 == 0x00300030:
-        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00300030, 0x64006400, 0xEA;", "=r,r",
-                                      [x], dtype=tl.int32, is_pure=True, pack=1)
-    elif _PTX and M2 == 0x00C000C0:
-        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00C000C0, 0x64006400, 0xEA;", "=r,r",
-                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    ~250 MOV / IMAD.MOV). The mask goes in as an immediate ("n": a constant block)."""
+    if _PTX:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x64006400, 0xEA;", "=r,r,n",
+                                      [x, tl.full(x.shape, M2, tl.int32)], dtype=tl.int32,
+                                      is_pure=True, pack=1)
     else:
         y = (x & M2) | 0x64006400
     return y
