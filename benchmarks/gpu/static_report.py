@@ -472,12 +472,19 @@ def _quantize_case(kind, bits, *, d=128, g=128, iters_on=True):
         return Q._kvarn_quantize_tiles_kernel.warmup(
             x, *x.stride()[:3], rot, codes, rs, rs, cs, dst, 8, 1, 2, 1,
             D=d, G=g, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_K=kind == "k", BITS=bits,
-            ROTATE=True, NORMALIZE=iters_on, ROT_CHUNK=Q._rot_chunk(d), grid=(1,),
-            num_warps=warps)
+            ROTATE=True, NORMALIZE=iters_on, ROT_CHUNK=Q._rot_chunk(d),
+            SCRATCH=scratch(codes), grid=(1,), num_warps=warps)
+
+    def scratch(codes):
+        rows, cols = (d, g) if kind == "k" else (g, d)
+        return Q._scratch_fits(codes, rows, cols, bits, g if kind == "k" else Q._block_d(d))
 
     warps = Q._num_warps(d, g)          # the launcher's choices (quantize_tiles_into)
     cfg = dict(kernel="_kvarn_quantize_tiles_kernel", kind=kind, bits=bits, D=d, G=g,
-               normalize=iters_on, num_warps=warps)
+               normalize=iters_on, num_warps=warps,
+               scratch=iters_on and scratch(torch.zeros(1, 1, 2, d if kind == "k" else g,
+                                                        (g if kind == "k" else d) * bits // 8,
+                                                        dtype=torch.uint8)))
     if Q._rot_chunk(d):
         cfg["rot_chunk"] = Q._rot_chunk(d)
     return Case(f"quantize_{kind}{bits}_d{d}_g{g}", "append", cfg, build, warps)
@@ -636,7 +643,7 @@ _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
 
 def cases(quick: bool) -> list[Case]:
     """Quick (CI): the decode kernel and the decode template in their production configs,
-    the append (tile quantizer) kernel at D = G = 128 and 64 and the decode step's append, the
+    the append (tile quantizer) kernel for keys and values at D = G = 128 and keys at 64 and the decode step's append, the
     decode kernel, the decode step's append and the key quantizer for keys and values of
     different head dims (D = 192, Dv = 128), the latent attention kernel (D = 512,
     Dv = 64), and a prompt's default block (the prefill template and the op in one launch,
@@ -650,13 +657,14 @@ def cases(quick: bool) -> list[Case]:
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
                        precision="fp16"),
         _quantize_case("k", 4),
+        _quantize_case("v", 2),
         _quantize_case("k", 4, d=64, g=64),
         _append_decode_case(),
         # keys and values of different head dims (MLA decompressed: D = 192 padded to 256 on
         # the score side, Dv = 128 on the value side); 128 query heads over 128 kv heads
         _decode_kernel_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16, block_n=128),
         _append_decode_case(h=16, d=192, dv=128),
-        _quantize_case("k", 4, d=192),   # (V tiles of Dv = 128: quantize_v2_d128_g128 below)
+        _quantize_case("k", 4, d=192),   # (V tiles of Dv = 128: quantize_v2_d128_g128 above)
         # absorbed multi-head latent attention (DeepSeek: latent 512 at 4 bits, RoPE key 64 at
         # 8 bits, 16 query heads per kv head)
         _latent_case(),
@@ -690,9 +698,9 @@ def cases(quick: bool) -> list[Case]:
         _decode_kernel_case(2, 2, "fp16"),
         _decode_kernel_case(4, 2, "tf32", plain=True),
         _decode_kernel_case(4, 2, "tf32", d=64, g=64, hq=8, h=8),
-        _quantize_case("v", 2),
         _quantize_case("k", 2),
         _quantize_case("v", 4),
+        _quantize_case("k", 2, g=64),    # a 128 x 64 tile (8 warps; it spilled at 4)
         _combine_case(),
         _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),

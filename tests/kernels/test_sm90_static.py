@@ -26,12 +26,14 @@ DECODE = ("decode_kernel_k4v2_d128g128_n128_fp16", "kvarn_decode_k4v2_n128_m16_f
           "attention_k4v2_d128g128_n128_fp16",
           # absorbed multi-head latent attention: latent 512 (4-bit), RoPE key 64 (8-bit)
           "latent_kernel_k4v8_d512v64g128_n32_fp16")
-APPEND = ("quantize_k4_d128_g128", "quantize_k4_d64_g64", "append_decode_h8_d128_g128")
+APPEND = ("quantize_k4_d128_g128", "quantize_v2_d128_g128", "quantize_k4_d64_g64",
+          "append_decode_h8_d128_g128")
 #: Keys and values of different head dims (MLA decompressed: D = 192, padded to 256 on the
 #: score side, Dv = 128): the decode kernel, the decode step's append and the key quantizer.
 #: Held to compiling, fitting an SM (shared memory and registers) and 16-byte code loads;
 #: the decode kernel also to no spills (it spilled 156 B before the phased loop's AND-ORs were
-#: one lop3 each), not the others: the padded 256-wide key side spills (the quantizer ~4 KB,
+#: one lop3 each), not the others: the padded 256-wide key side spills (the quantizer ~2.8 KB:
+#: its 256 x 128 fp32 tile and a scaled copy fill the 128 registers a thread has at 16 warps;
 #: the append 16 B).
 MLA = ("decode_kernel_k4v2_d192v128g128_n128_fp16", "append_decode_h16_d192v128_g128",
        "quantize_k4_d192_g128")
@@ -47,10 +49,6 @@ PREFILL = ("kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16",
            "attention_k4v2_d128g128_n128_fp16_tq64_mask")
 PREFILL_LOOP_SPILLS_MAX = 16
 PREFILL_SPILL_BYTES_MAX = 64
-#: Known spills, each a strict xfail: the test fails once the spill is gone, so the entry
-#: must then be removed. The quantizer holds a whole 128 x 128 fp32 tile, its rotated copy
-#: and the normalization's row/column vectors in registers (~0.6 KB of spills at 8 warps).
-KNOWN_SPILLS = {"quantize_k4_d128_g128"}
 #: The issue-bound estimate (static_report's model) the production decode loop must reach:
 #: at least 70% of H200 bandwidth (the byte loop was at 43-47%: its per-code byte shuffles),
 #: and near what it reaches with one lop3 per AND-OR (0.99, 0.87, 0.95), so that a change
@@ -79,13 +77,7 @@ def test_every_quick_kernel_compiles_for_sm90(rows):
     assert not errors, f"compile errors for sm_90: {errors}"
 
 
-def _spill_param(name):
-    if name in KNOWN_SPILLS:
-        return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="known spill"))
-    return name
-
-
-@pytest.mark.parametrize("name", [_spill_param(n) for n in DECODE + APPEND + MLA_NO_SPILLS])
+@pytest.mark.parametrize("name", DECODE + APPEND + MLA_NO_SPILLS)
 def test_decode_and_append_kernels_do_not_spill(rows, name):
     row = rows[name]
     assert "error" not in row, row["error"]

@@ -560,3 +560,43 @@ def test_decode_attention_per_tile_key_frames():
         kvarn_decode_attention(q @ rot, k.codes, k.row_scale, k.row_zero, k.col_scale, v.codes,
                                v.row_scale, v.row_zero, v.col_scale, n_tiles, scale=0.1,
                                k_plain=k.plain)
+
+
+@pytest.mark.parametrize("kind,bits,d,g", [("k", 4, 64, 32), ("v", 2, 80, 16)])
+def test_quantize_best_scales_in_scratch_or_registers(monkeypatch, kind, bits, d, g):
+    """The normalization keeps its best column log-scales in the destination tile's code bytes
+    (``SCRATCH``) where they fit 4-byte aligned, in registers otherwise: both give the same
+    tiles, bit for bit, and a destination whose codes start at an odd address (a contiguous
+    view at offset 1) takes the register path instead of faulting."""
+    from kvarn_compile.kernels.triton import quantize as Q
+
+    x = kv_like(1, 2, tokens=2 * g, d=d)
+    rows, cols = (d, g) if kind == "k" else (g, d)
+    block_c = g if kind == "k" else Q._block_d(d)
+    tile_bytes = rows * cols * bits // 8
+    fits = tile_bytes >= 4 * block_c
+
+    def quantize(codes: torch.Tensor) -> QuantizedTiles:
+        out = QuantizedTiles(
+            codes=codes,
+            row_scale=torch.empty(1, 2, 2, rows, dtype=torch.float16, device=DEV),
+            row_zero=torch.empty(1, 2, 2, rows, dtype=torch.float16, device=DEV),
+            col_scale=torch.empty(1, 2, 2, cols, dtype=torch.float16, device=DEV), bits=bits)
+        quantize_tiles_into(x, *out.tensors(), kind=kind, bits=bits, rotate=True,
+                            normalize=True)
+        return out
+
+    shape = (1, 2, 2, rows, cols * bits // 8)
+    aligned = torch.empty(shape, dtype=torch.uint8, device=DEV)
+    odd = torch.empty(aligned.numel() + 1, dtype=torch.uint8, device=DEV)[1:].view(shape)
+    assert Q._scratch_fits(aligned, rows, cols, bits, block_c) == fits
+    assert not Q._scratch_fits(odd, rows, cols, bits, block_c)
+    got = quantize(aligned)
+    via_registers = quantize(odd)
+    monkeypatch.setattr(Q, "_scratch_fits", lambda *a: False)
+    forced = quantize(torch.empty(shape, dtype=torch.uint8, device=DEV))
+    for t, u, w in zip(got.tensors(), via_registers.tensors(), forced.tensors()):
+        assert torch.equal(t, u) and torch.equal(t, w)
+    ref = quantize_kv(x, kind, method="kvarn", bits=bits, group=g)
+    assert_codes_match(got, ref)
+    assert_scales_match(got, ref)

@@ -133,7 +133,8 @@ def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr,
 def _normalize_variance(x, mask, row_valid, col_valid, iters,
                         R: tl.constexpr, C: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                        MASKED: tl.constexpr = True):
+                        MASKED: tl.constexpr = True, best_a_ptr=None,
+                        SCRATCH: tl.constexpr = False):
     """Two-axis log-domain variance normalization of one fp32 tile X [BLOCK_R, BLOCK_C].
 
     Mirrors ``reference.normalize_variance``::
@@ -144,27 +145,48 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
             b = clip(b + log(clip(rowstd(X / e^a / e^b), 1e-3, 1e3)), -0.3, 10)
             if imbalance(X / e^a / e^b) <= best: best, c*, r* = that, e^a, e^b
 
-    The original X is divided at every step (no drift), in the reference's order (first
-    by the column scale, then by the row scale). Returns (c* [BLOCK_C], r* [BLOCK_R]).
+    The original X is scaled at every step (no drift), in the reference's order (first
+    the columns, then the rows), each division a multiplication by the scale's reciprocal
+    (one rounding more than a division; it keeps ptxas from holding a second copy of the
+    tile). Returns (c* [BLOCK_C], r* [BLOCK_R]).
+
+    ``SCRATCH``: the best column log-scales so far are kept in memory at ``best_a_ptr``
+    ([BLOCK_C] fp32, written by this program only) instead of in registers. In the MMA
+    layout the rotation's dot leaves the tile in, every thread holds a quarter of each
+    column vector (32 registers at 128 columns) and a 128 x 128 tile leaves no room for
+    one more (it spilled 588 B at 8 warps on sm_90). The vector is written only when an
+    iteration wins, read once at the end; barriers order those writes and the read.
     """
     a = tl.zeros([BLOCK_C], dtype=tl.float32)
     b = tl.zeros([BLOCK_R], dtype=tl.float32)
     best = _imbalance(x, mask, row_valid, col_valid, R, C, MASKED)
-    best_c = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
+    if SCRATCH:
+        tl.store(best_a_ptr, a)     # "no scaling": c* = e^0 = 1
+    else:
+        best_c = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
     best_r = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
     for _ in range(iters):
-        y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
+        y = x * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b))[:, None]
         col = tl.minimum(tl.maximum(_masked_std(y, mask, R, 0, MASKED), _STD_LO), _STD_HI)
         a = tl.minimum(tl.maximum(a + tl.log(col), _LOG_LO), _LOG_HI)
-        y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
+        y = x * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b))[:, None]
         row = tl.minimum(tl.maximum(_masked_std(y, mask, C, 1, MASKED), _STD_LO), _STD_HI)
         b = tl.minimum(tl.maximum(b + tl.log(row), _LOG_LO), _LOG_HI)
-        y = x / tl.exp(a)[None, :] / tl.exp(b)[:, None]
+        y = x * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b))[:, None]
         score = _imbalance(y, mask, row_valid, col_valid, R, C, MASKED)
         better = score <= best  # "<=": later iterations win ties, as in the reference
         best = tl.where(better, score, best)
-        best_c = tl.where(better, tl.exp(a), best_c)
+        if SCRATCH:
+            tl.debug_barrier()      # every thread's previous write is done before this one
+            if better:
+                tl.store(best_a_ptr, a)
+        else:
+            best_c = tl.where(better, tl.exp(a), best_c)
         best_r = tl.where(better, tl.exp(b), best_r)
+    if SCRATCH:
+        tl.debug_barrier()          # the last write is visible to every thread
+        best_c = tl.exp(tl.load(best_a_ptr))
+        tl.debug_barrier()          # and read by every thread before the codes overwrite it
     return best_c, best_r
 
 
@@ -231,6 +253,9 @@ def _kvarn_quantize_tiles_kernel(
     NORMALIZE: tl.constexpr,  # run the variance normalization (kvarn); else c* = r* = 1 exactly
     ROT_CHUNK: tl.constexpr = 0,  # rotate in chunks of this many input channels read from
                                   # memory (0: one dot over the whole tile; see below)
+    SCRATCH: tl.constexpr = False,  # keep the normalization's best column log-scales in the
+                                    # destination tile's code bytes until the codes are
+                                    # written (the launcher checks they fit and are aligned)
 ):
     """Quantize one tile of one (batch row, kv head) and store it packed, in place.
 
@@ -317,9 +342,16 @@ def _kvarn_quantize_tiles_kernel(
             x = tl.dot(x, rot, input_precision="tf32x3")
 
     # ---- normalize, then RTN on B = X / c* / r*
+    ROW_BYTES: tl.constexpr = C * BITS // 8
+    slot = (b.to(tl.int64) * H + h) * N + dst  # flat index of the destination tile
+    tile_codes_ptr = codes_ptr + slot * (R * ROW_BYTES)
     if NORMALIZE:
+        # SCRATCH: the tile's own code bytes, written by this program only and overwritten
+        # by its codes at the end, hold the best column log-scales meanwhile (fp32 [BLOCK_C])
         col_s, row_s = _normalize_variance(x, mask, row_valid, col_valid, iters,
-                                           R, C, BLOCK_R, BLOCK_C, PADDED)
+                                           R, C, BLOCK_R, BLOCK_C, PADDED,
+                                           tile_codes_ptr.to(tl.pointer_type(tl.float32))
+                                           + offs_c, SCRATCH)
         xb = x / col_s[None, :] / row_s[:, None]
     else:
         col_s = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
@@ -332,12 +364,9 @@ def _kvarn_quantize_tiles_kernel(
     # ok is 0/1 as an int: the valid lengths below become 0 for a skipped tile. (An int, not a
     # bool: the interpreter cannot broadcast a loaded scalar bool into a block mask.)
     ok = ((dst >= 0) & (dst < N)).to(tl.int32)
-    dst = dst * ok
-    slot = (b.to(tl.int64) * H + h) * N + dst  # flat index of the destination tile
-    ROW_BYTES: tl.constexpr = C * BITS // 8
     n_rows = R * ok
     offs_byte = tl.arange(0, BLOCK_C * BITS // 8)
-    tl.store(codes_ptr + slot * (R * ROW_BYTES) + offs_r[:, None] * ROW_BYTES + offs_byte[None, :],
+    tl.store(tile_codes_ptr + offs_r[:, None] * ROW_BYTES + offs_byte[None, :],
              packed, mask=(offs_r < n_rows)[:, None] & (offs_byte < ROW_BYTES)[None, :])
     rs_ptr = row_scale_ptr + slot * R + offs_r
     tl.store(rs_ptr, (row_s * delta).to(rs_ptr.dtype.element_ty), mask=offs_r < n_rows)
@@ -380,11 +409,20 @@ def _rot_chunk(d: int) -> int:
 
 
 def _num_warps(d: int, group: int) -> int:
-    """8 warps from a 128 x 128 tile on (4 below); 16 where BLOCK_D > 128 (the tile alone is
-    128 fp32 registers per thread at 8 warps)."""
+    """4 warps up to 64 x 64 tiles, 8 up to 128 x 128 (at 4 warps a 128 x 64 tile spilled
+    ~0.4 KB on sm_90), 16 where BLOCK_D > 128 (the tile alone is 128 fp32 registers per
+    thread at 8 warps)."""
     if _block_d(d) > 128:
         return 16
-    return 8 if group * _block_d(d) >= 128 * 128 else 4
+    return 8 if group * _block_d(d) > 64 * 64 else 4
+
+
+def _scratch_fits(dst_codes: torch.Tensor, rows: int, cols: int, bits: int, block_c: int
+                  ) -> bool:
+    """Whether a destination tile's code bytes can hold the normalization's best column
+    log-scales (SCRATCH): BLOCK_C fp32 values, 4-byte aligned in every tile."""
+    tile_bytes = rows * cols * bits // 8
+    return tile_bytes >= 4 * block_c and tile_bytes % 4 == 0 and dst_codes.data_ptr() % 4 == 0
 
 
 def quantize_tiles_into(
@@ -513,6 +551,7 @@ def quantize_tiles_into(
     if n_src == 0 or bsz * heads == 0:
         return
 
+    block_d = _block_d(d)
     grid = (bsz * heads, n_src)
     _kvarn_quantize_tiles_kernel[grid](
         x, x.stride(0), x.stride(1), x.stride(2),
@@ -521,8 +560,9 @@ def quantize_tiles_into(
         dst_tile,
         iters if normalize else 0,
         heads, cap, n_src,
-        D=d, G=group, BLOCK_D=_block_d(d), IS_K=kind == "k", BITS=bits,
+        D=d, G=group, BLOCK_D=block_d, IS_K=kind == "k", BITS=bits,
         ROTATE=bool(rotate), NORMALIZE=bool(normalize) and iters > 0, ROT_CHUNK=_rot_chunk(d),
+        SCRATCH=_scratch_fits(dst_codes, rows, cols, bits, group if kind == "k" else block_d),
         num_warps=_num_warps(d, group),
     )
 
