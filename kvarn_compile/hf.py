@@ -364,6 +364,27 @@ def use_kvarn_attention(model) -> None:
     model.set_attn_implementation("kvarn")
 
 
+#: the projections whose output holds the attention keys (separate or fused); sharding one of
+#: them by columns splits the KV heads among the ranks
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
+def _kv_heads_per_rank(tp_plan: dict[str, str] | None, heads: int, tp: int) -> int | None:
+    """The KV heads one rank holds under ``tp_plan``: transformers' own answer where it has
+    one (``get_kv_heads_per_rank``, in recent 5.x releases), else the same rule: heads split
+    evenly when a key projection is sharded by columns (None when they do not divide), all
+    of them on every rank otherwise."""
+    try:
+        from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+    except ImportError:   # older 5.x (5.17): no helper
+        sharded = any(name.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style == "colwise"
+                      for name, style in (tp_plan or {}).items())
+        if not sharded:
+            return heads
+        return heads // tp if heads % tp == 0 else None
+    return get_kv_heads_per_rank(tp_plan or {}, heads, tp)
+
+
 def kv_geometry(model) -> tuple[int, int]:
     """(KV heads, head dim) of a transformers model's attention layers, from its config;
     for a tensor-parallel model (``tp_plan``) the KV heads of this rank."""
@@ -373,9 +394,7 @@ def kv_geometry(model) -> tuple[int, int]:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     tp = getattr(model, "_tp_size", None) or 1
     if tp > 1:
-        from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
-
-        local = get_kv_heads_per_rank(model.tp_plan, heads, tp)
+        local = _kv_heads_per_rank(model.tp_plan, heads, tp)
         if local is None:
             raise ValueError(f"Expected the {heads} KV heads to divide by the tensor-parallel "
                              f"size, but got {tp} (see kvarn_compile.distributed).")

@@ -495,6 +495,38 @@ def test_heads_rule():
         tensor_parallel_heads(8, 4, 8, replicate_kv=False)
 
 
+def test_kv_heads_per_rank_without_the_transformers_helper(monkeypatch):
+    """transformers releases without ``get_kv_heads_per_rank`` (5.17, the GPU image's) get
+    the same answers from kvarn's own rule, where the helper exists, its answers."""
+    import builtins
+    import importlib
+
+    from kvarn_compile.hf import _kv_heads_per_rank
+
+    plans = [({"layers.*.self_attn.k_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"},
+              8, 2, 4),
+             ({"layers.*.self_attn.qkv_proj": "colwise"}, 6, 4, None),  # 6 heads, 4 ranks
+             ({"layers.*.mlp.experts": "local"}, 8, 2, 8),     # heads not sharded
+             (None, 8, 2, 8)]
+    tp_module = importlib.import_module("transformers.distributed.tensor_parallel")
+    helper = getattr(tp_module, "get_kv_heads_per_rank", None)
+    for plan, heads, tp, want in plans:
+        assert _kv_heads_per_rank(plan, heads, tp) == want
+        if helper is not None:
+            assert helper(plan or {}, heads, tp) == want
+    real_import = builtins.__import__
+
+    def without_helper(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "transformers.distributed.tensor_parallel" and fromlist \
+                and "get_kv_heads_per_rank" in fromlist:
+            raise ImportError("cannot import name 'get_kv_heads_per_rank'")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", without_helper)
+    for plan, heads, tp, want in plans:
+        assert _kv_heads_per_rank(plan, heads, tp) == want
+
+
 def test_hf_rule_refuses_smollm2_on_two_ranks():
     import transformers as tf
 
