@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -175,11 +177,17 @@ _METADATA = frozenset(
     [getattr(torch.Tensor, n) for n in (
         "size", "dim", "stride", "numel", "nelement", "ndimension", "storage_offset",
         "is_contiguous", "element_size", "data_ptr", "untyped_storage", "get_device",
-        "is_pinned", "__len__", "__hash__")]
+        "is_pinned", "__len__", "__hash__",
+        # what Dynamo asks of a graph input while it describes it for its fake copy (with
+        # torch 2.11 outside is_compiling(), on every recompile)
+        "_is_view", "is_floating_point", "is_complex", "is_inference", "is_conj", "is_neg",
+        "_is_zerotensor", "dense_dim", "sparse_dim") if hasattr(torch.Tensor, n)]
     + [getattr(torch.Tensor, n).__get__ for n in (
-        "shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "layout",
-        "requires_grad", "is_leaf", "grad_fn", "grad", "_version", "is_sparse", "is_quantized",
-        "is_nested", "_base") if hasattr(torch.Tensor, n)]
+        "shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad_fn", "grad",
+        "_version", "_base", "itemsize", "nbytes") if hasattr(torch.Tensor, n)]
+    # every is_* property (is_cuda, is_sparse, is_mkldnn, ...: what a fake copy is made from)
+    + [getattr(torch.Tensor, n).__get__ for n in dir(torch.Tensor) if n.startswith("is_")
+       and isinstance(inspect.getattr_static(torch.Tensor, n), types.GetSetDescriptorType)]
     # new tensors shaped like it (a second request's cache): they read none of its data
     + [getattr(torch, n) for n in ("zeros_like", "ones_like", "empty_like", "full_like",
                                    "rand_like", "randn_like", "randint_like")]

@@ -495,6 +495,43 @@ def test_compiled_head_dims_and_kv_groups(d, layout):
     assert all(torch.equal(a, b) for a, b in zip(state.buffers, ref_state.buffers))
 
 
+def test_describing_a_packed_buffer_reads_no_tokens():
+    """Dynamo describes every graph input before a (re)compile, for its fake copy: is_conj(),
+    _is_view(), is_mkldnn, ... (torch 2.11 asks outside ``is_compiling()``, so a model buffer
+    whose tokens are packed saw those queries as an eager access, got its tokens dequantized
+    and packed again: other codes, 0.3 off after one decode step). No such query reads data:
+    the buffer stays packed, the next step matches the eager ops, and nothing is noted."""
+    from torch._subclasses.meta_utils import MetaTensorDescriber
+
+    from kvarn_compile.cache_book import PackedBuffer
+
+    torch._dynamo.reset()
+    backend = kvarn_backend(**PRESET, compiler="eager")
+    run = torch.compile(_static_step, backend=backend, fullgraph=True)
+    b, hq, h, d, cap = 1, 4, 2, 64, 96
+    kc, vc = torch.zeros(b, h, cap, d), torch.zeros(b, h, cap, d)
+    causal = torch.ones(cap, cap, dtype=torch.bool).tril()
+    ref_state = new_state(get_config(**PRESET), batch=b, heads=h, head_dim=d, max_len=cap)
+    pos0 = 0
+    for t in (70, 1):
+        assert all(isinstance(buf, PackedBuffer) for buf in (kc, vc)) == (pos0 > 0)
+        if pos0:
+            for buf in (kc, vc):
+                MetaTensorDescriber().describe_tensor(buf)
+                buf.is_conj(), buf.is_neg(), buf._is_view(), buf.is_mkldnn, buf.is_inference()
+                assert isinstance(buf, PackedBuffer)
+        q = torch.randn(b, hq, t, d)
+        k, v = kv(b, h, t, d, seed=t)
+        pos = torch.arange(pos0, pos0 + t)
+        out = run(q, k, v, pos, kc, vc, causal[None, None, pos0:pos0 + t])
+        append(ref_state, k, v)
+        want = torch.ops.kvarn.attention(q, ref_state.buffers, causal[None, None, pos0:pos0 + t],
+                                         d ** -0.5, True, 0)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        pos0 += t
+    assert not any("touched" in note for note in backend.report.notes), backend.report.notes
+
+
 @pytest.mark.parametrize("batch, steps, cap", [
     (1, [1, 1, 1], 64),                       # length 1, then single tokens
     (1, [G - 1, 1, 1], 64),                   # G-1: the sink completes on the next step
