@@ -364,6 +364,16 @@ def use_kvarn_attention(model) -> None:
     model.set_attn_implementation("kvarn")
 
 
+def cache_kwarg(model) -> str:
+    """The name ``model``'s forward (and so ``generate``) takes its cache by: ``cache`` from
+    transformers 5.24 on (``past_key_values`` deprecated there), ``past_key_values`` before
+    (5.0-5.23, e.g. 5.17). ``model(ids, **{cache_kwarg(model): cache})`` runs on both."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 #: the projections whose output holds the attention keys (separate or fused); sharding one of
 #: them by columns splits the KV heads among the ranks
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")

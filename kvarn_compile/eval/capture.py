@@ -31,6 +31,8 @@ def capture_kv(
     """
     from transformers import DynamicCache
 
+    from kvarn_compile.hf import cache_kwarg
+
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -42,7 +44,7 @@ def capture_kv(
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     decoder = getattr(model, "base_model", model)
-    decoder(input_ids=input_ids.to(device), cache=cache, use_cache=True)
+    decoder(input_ids=input_ids.to(device), use_cache=True, **{cache_kwarg(decoder): cache})
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     if len(kv) != n_layers or any(k is None for k, _ in kv):

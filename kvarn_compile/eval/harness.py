@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -102,18 +101,14 @@ def n_layers(model) -> int:
     return text.num_hidden_layers
 
 
-def _cache_kwarg(model) -> str:
-    """transformers 5 renamed ``past_key_values`` to ``cache``; use what the model takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.no_grad()
 def forward(model, ids: torch.Tensor, cache: Cache, *, logits_to_keep: int = 0) -> torch.Tensor:
     """Logits [1, T, V] (fp32) of ``ids`` [1, T] run on top of ``cache`` (which it extends)."""
+    from kvarn_compile.hf import cache_kwarg
+
     device = next(model.parameters()).device
     out = model(input_ids=ids.to(device), use_cache=True, logits_to_keep=logits_to_keep,
-                **{_cache_kwarg(model): cache})
+                **{cache_kwarg(model): cache})
     return out.logits.float()
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -57,13 +56,6 @@ def format_spread(s: dict[str, Any], fmt: str = ".1f") -> str:
         return "n/a"
     f = lambda x: format(x, fmt)  # noqa: E731
     return f"{f(s['median'])} [{f(s['p25'])}-{f(s['p75'])}] {f(s['min'])}-{f(s['max'])}"
-
-
-def _cache_kwarg(model) -> str:
-    """transformers 5 names the forward's cache argument ``cache`` (``past_key_values`` is
-    deprecated there); older releases only know ``past_key_values``."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 @dataclasses.dataclass
@@ -104,17 +96,17 @@ def make_runners(kv_model, fp_model, *, preset, max_len: int, compiler: str = "i
     ``compiler`` is what runs kvarn_backend's rewritten graphs (``"eager"``: no Inductor).
     """
     from kvarn_compile.backend import kvarn_backend
-    from kvarn_compile.hf import static_cache_for
+    from kvarn_compile.hf import cache_kwarg, static_cache_for
 
     backend = kvarn_backend(preset, max_cache_len=max_len, compiler=compiler)
     kv_model.compile(backend=backend)
     fp_compiled = torch.compile(fp_model, backend=fp_backend)
     fp_name = "Inductor" if fp_backend == "inductor" else f"compiled ({fp_backend})"
     runners = [Runner("kvarn", "KVarN", kv_model, static_cache_for(kv_model, max_len),
-                      _cache_kwarg(kv_model), backend=backend),
+                      cache_kwarg(kv_model), backend=backend),
                Runner("inductor", f"{fp_name} {_dtype_name(fp_model)}", fp_compiled,
                       static_cache_for(fp_model, max_len),
-                      _cache_kwarg(fp_model))]
+                      cache_kwarg(fp_model))]
     if eager:
         runners.append(eager_runner(fp_model, max_len))
     return runners
@@ -122,10 +114,10 @@ def make_runners(kv_model, fp_model, *, preset, max_len: int, compiler: str = "i
 
 def eager_runner(fp_model, max_len: int) -> Runner:
     """The uncompiled model over a fresh full-precision ``StaticCache`` of ``max_len`` tokens."""
-    from kvarn_compile.hf import static_cache_for
+    from kvarn_compile.hf import cache_kwarg, static_cache_for
 
     return Runner("eager", f"eager {_dtype_name(fp_model)}", fp_model,
-                  static_cache_for(fp_model, max_len), _cache_kwarg(fp_model))
+                  static_cache_for(fp_model, max_len), cache_kwarg(fp_model))
 
 
 def _dtype(model) -> torch.dtype:

@@ -122,36 +122,37 @@ class HFSubject:
     # the uncompressed model's logits for ids[:, start:] given ids[:, :start], and those of
     # the same model over a whole-sequence KVarN cache of the backend's preset
     def reference(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvarn_compile.hf import KVarNCache
+        from kvarn_compile.hf import KVarNCache, cache_kwarg
 
         cache = KVarNCache(self.q.config, max_cache_len=self.max_len, preset=self.backend.config)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return self.fp(ids).logits[:, start:], self.q(ids, cache=cache).logits[:, start:]
+            kv_logits = self.q(ids, **{cache_kwarg(self.q): cache}).logits
+            return self.fp(ids).logits[:, start:], kv_logits[:, start:]
 
     def _cropped(self, ids: torch.Tensor, drop: int, more: torch.Tensor) -> torch.Tensor:
         """Logits of ``more`` after ``ids`` went into an eager KVarN cache cropped by ``drop``."""
-        from kvarn_compile.hf import KVarNCache
+        from kvarn_compile.hf import KVarNCache, cache_kwarg
 
         cache = KVarNCache(self.q.config, max_cache_len=self.max_len, preset=self.backend.config)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.q(ids, cache=cache)
+            self.q(ids, **{cache_kwarg(self.q): cache})
             cache.crop(-drop)
-            return self.q(more, cache=cache).logits
+            return self.q(more, **{cache_kwarg(self.q): cache}).logits
 
     def _assisted(self, ids: torch.Tensor, new: int, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logits) of the same assisted ``generate`` on an eager KVarN cache: drafts
         rejected out of a tile they completed are revised there too (the tile's other tokens
         go back to the tail dequantized and are quantized again), which the preset's error
         over a whole-sequence cache does not include."""
-        from kvarn_compile.hf import KVarNCache
+        from kvarn_compile.hf import KVarNCache, cache_kwarg
 
         cache = KVarNCache(self.q.config, max_cache_len=self.max_len, preset=self.backend.config)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.q.generate(ids, max_new_tokens=new, do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True, cache=cache, **kw)
+                                  return_dict_in_generate=True, **{cache_kwarg(self.q): cache}, **kw)
         return out.sequences, torch.stack(out.logits, 1)
 
     def _ids(self, rng: random.Random, batch: int, n: int) -> torch.Tensor:

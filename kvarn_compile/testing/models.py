@@ -115,9 +115,11 @@ def tiny_generate(model, ids, *, cache=None, mask=None, sample_seed=None, new=TI
     ``sample_seed`` (top_k=0, temperature 1)."""
     import warnings
 
+    from kvarn_compile.hf import cache_kwarg
+
     kw = dict(max_new_tokens=new, output_logits=True, return_dict_in_generate=True)
     if cache is not None:
-        kw["past_key_values"] = cache
+        kw[cache_kwarg(model)] = cache
     if mask is not None:
         kw["attention_mask"] = mask
     if sample_seed is None:
