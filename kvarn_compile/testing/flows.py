@@ -167,9 +167,11 @@ class HFSubject:
         return DynamicCache(config=self.model.config)
 
     def _forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> Any:
+        from kvarn_compile.hf import cache_kwarg
+
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return self.model(ids, cache=cache, use_cache=True, **kw)
+            return self.model(ids, use_cache=True, **{cache_kwarg(self.model): cache}, **kw)
 
     def step(self, rng: random.Random, log: list[str], rtol: float) -> None:
         kind = rng.choice(["generate", "generate", "chunks", "deepcopy", "crop", "continue",
@@ -188,7 +190,9 @@ class HFSubject:
             if static == "implementation":
                 kw["cache_implementation"] = "static"
             elif static == "object":
-                kw["cache"] = self._cache("static", batch)
+                from kvarn_compile.hf import cache_kwarg
+
+                kw[cache_kwarg(self.model)] = self._cache("static", batch)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out = self.model.generate(ids, **kw)

@@ -255,14 +255,14 @@ def fp_prefill_then_kvarn(model, ids, new: int):
 
     from transformers import DynamicCache
 
-    from kvarn_compile.hf import KVarNCache, use_kvarn_attention
+    from kvarn_compile.hf import KVarNCache, cache_kwarg, use_kvarn_attention
 
     fp = copy.deepcopy(model)
     kv = copy.deepcopy(model)
     use_kvarn_attention(kv)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = fp(ids, cache=DynamicCache(config=fp.config), use_cache=True)
+        out = fp(ids, use_cache=True, **{cache_kwarg(fp): DynamicCache(config=fp.config)})
         cache = KVarNCache(kv.config, max_cache_len=TINY_MAX_LEN, **TINY_PRESET)
         for layer, fp_layer in zip(cache.layers, out.past_key_values.layers):
             layer.update(fp_layer.keys, fp_layer.values)
@@ -270,7 +270,7 @@ def fp_prefill_then_kvarn(model, ids, new: int):
         for _ in range(new - 1):
             tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
             pos = tokens.shape[1] - 1
-            step = kv(tokens[:, -1:], cache=cache, cache_position=torch.tensor([pos]))
+            step = kv(tokens[:, -1:], cache_position=torch.tensor([pos]), **{cache_kwarg(kv): cache})
             logits.append(step.logits[:, -1])
         tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
     return tokens, logits
