@@ -1,7 +1,7 @@
 """Hugging Face transformers integration: a ``Cache`` that holds only KVarN-packed state.
 
     cache = KVarNCache(model.config, max_cache_len=4096, preset="k4v2")
-    out = model.generate(ids, cache=cache, max_new_tokens=256)   # transformers < 5.24: past_key_values=
+    out = model.generate(ids, cache=cache, max_new_tokens=256)   # before transformers 5.24: past_key_values
 
 Each layer keeps a :class:`~kvarn_compile.state.LayerState` (sink, packed tiles, tail);
 no full-precision K/V cache is ever allocated. What ``update`` hands back to the model's
