@@ -360,20 +360,16 @@ def _kvarn_quantize_tiles_kernel(
     codes, delta, lo = _rtn_rows(xb, mask, row_valid, BITS, PADDED)
     packed = _pack_rows(codes, BITS, BLOCK_R, BLOCK_C)
 
-    # ---- store at the destination tile (skipped when the index is out of range)
-    # ok is 0/1 as an int: the valid lengths below become 0 for a skipped tile. (An int, not a
-    # bool: the interpreter cannot broadcast a loaded scalar bool into a block mask.)
-    ok = ((dst >= 0) & (dst < N)).to(tl.int32)
-    n_rows = R * ok
+    # ---- store at the destination tile (in range: a program whose tile goes nowhere returned)
     offs_byte = tl.arange(0, BLOCK_C * BITS // 8)
     tl.store(tile_codes_ptr + offs_r[:, None] * ROW_BYTES + offs_byte[None, :],
-             packed, mask=(offs_r < n_rows)[:, None] & (offs_byte < ROW_BYTES)[None, :])
+             packed, mask=row_valid[:, None] & (offs_byte < ROW_BYTES)[None, :])
     rs_ptr = row_scale_ptr + slot * R + offs_r
-    tl.store(rs_ptr, (row_s * delta).to(rs_ptr.dtype.element_ty), mask=offs_r < n_rows)
+    tl.store(rs_ptr, (row_s * delta).to(rs_ptr.dtype.element_ty), mask=row_valid)
     rz_ptr = row_zero_ptr + slot * R + offs_r
-    tl.store(rz_ptr, (row_s * lo).to(rz_ptr.dtype.element_ty), mask=offs_r < n_rows)
+    tl.store(rz_ptr, (row_s * lo).to(rz_ptr.dtype.element_ty), mask=row_valid)
     cs_ptr = col_scale_ptr + slot * C + offs_c
-    tl.store(cs_ptr, col_s.to(cs_ptr.dtype.element_ty), mask=offs_c < C * ok)
+    tl.store(cs_ptr, col_s.to(cs_ptr.dtype.element_ty), mask=col_valid)
 
 
 # ------------------------------------------------------------------------------------------
