@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvarn_compile import kvarn_backend
     from kvarn_compile.eval.models import _default_model_dir, text_windows
-    from kvarn_compile.hf import KVarNCache, static_cache_for, use_kvarn_attention
+    from kvarn_compile.hf import KVarNCache, cache_kwarg, static_cache_for, use_kvarn_attention
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             model.forward = torch.compile(fwd, backend=holder)
             cache = static_cache_for(model, max_len)
         try:
+            # cache=cache on transformers >= 5.24, past_key_values before: cache_kwarg asks the model
             out = model.generate(ids, max_new_tokens=opts.new, do_sample=False,
-                                 cache=cache, pad_token_id=tokenizer.eos_token_id)
+                                 pad_token_id=tokenizer.eos_token_id, **{cache_kwarg(model): cache})
         finally:
             model.forward = fwd
         return out[0, ids.shape[1]:], holder

@@ -46,7 +46,8 @@ from kvarn_compile.ops.append import check_method, crop_, materialize
 from kvarn_compile.state import LayerState, allocate_layer
 
 __all__ = ["KVarNCache", "KVarNLayer", "use_kvarn_attention", "kvarn_attention_forward",
-           "static_cache_for", "kv_geometry", "TunedKVarNCache", "TunedKVarNLayer"]
+           "static_cache_for", "kv_geometry", "TunedKVarNCache", "TunedKVarNLayer", "cache_kwarg",
+           "output_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +371,18 @@ def cache_kwarg(model) -> str:
     (5.0-5.23, e.g. 5.17). ``model(ids, **{cache_kwarg(model): cache})`` runs on both."""
     import inspect
 
+    model = getattr(model, "_orig_mod", model)      # torch.compile's wrapper takes *args, **kwargs
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(output):
+    """The cache a model output or a ``generate`` result carries: its ``cache`` field from
+    transformers 5.24 on, ``past_key_values`` before."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(output)}
+    return getattr(output, "cache" if "cache" in names else "past_key_values")
 
 
 #: the projections whose output holds the attention keys (separate or fused); sharding one of

@@ -28,7 +28,7 @@ __all__ = [
     "TINY_PRESET", "TINY_MAX_LEN", "TINY_PROMPT", "TINY_NEW", "TINY_NEW_SHORT", "TINY_WINDOW",
     "TINY_VOCAB", "TINY_FAMILIES", "family_attentions", "EAGER_RTOL", "INDUCTOR_RTOL", "FLIP_RTOL",
     "tiny_config_kwargs", "build_tiny", "tiny_model", "sliding_layers", "tiny_static_cache",
-    "tiny_prompt", "tiny_generate", "EagerOracle", "flipped_codes", "assert_same_generation",
+    "tiny_prompt", "tiny_generate", "cache_arg", "static_cache_crops", "cpu_inductor_compiles_dynamic_llama", "EagerOracle", "flipped_codes", "assert_same_generation",
     "check_sites", "fp_prefill_then_kvarn",
     "examples_dir", "load_example", "gpt_fast_model", "nanogpt_model", "llama_ref_model",
     "EXAMPLES", "model_cache_buffers",

@@ -174,6 +174,9 @@ class HFSubject:
             return self.model(ids, use_cache=True, **{cache_kwarg(self.model): cache}, **kw)
 
     def step(self, rng: random.Random, log: list[str], rtol: float) -> None:
+        from kvarn_compile.hf import cache_kwarg, output_cache
+        from kvarn_compile.testing.models import static_cache_crops
+
         kind = rng.choice(["generate", "generate", "chunks", "deepcopy", "crop", "continue",
                            "eager", "assisted"])
         batch = rng.choice([1, 1, 2])
@@ -190,16 +193,14 @@ class HFSubject:
             if static == "implementation":
                 kw["cache_implementation"] = "static"
             elif static == "object":
-                from kvarn_compile.hf import cache_kwarg
-
                 kw[cache_kwarg(self.model)] = self._cache("static", batch)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out = self.model.generate(ids, **kw)
             got = torch.stack(out.logits, 1)
             _compare(got, [x[:, :new] for x in self.reference(out.sequences, n - 1)], rtol, log[-1])
-            if out.past_key_values is not None and rng.random() < 0.5:
-                self.alive.append((out.past_key_values, out.sequences[:, :-1]))
+            if output_cache(out) is not None and rng.random() < 0.5:
+                self.alive.append((output_cache(out), out.sequences[:, :-1]))
         elif kind == "chunks":
             total = rng.randint(2, 140)
             cuts = sorted(rng.sample(range(1, total), min(rng.randint(0, 3), total - 1)))
@@ -227,6 +228,8 @@ class HFSubject:
         elif kind == "crop":
             n = rng.randint(4, 120)
             drop = rng.randint(1, min(n - 1, rng.choice([8, 48])))      # 48: into the tiles
+            if cache_kind == "static" and not static_cache_crops():
+                cache_kind = "dynamic"
             log.append(f"prefill {n}, crop(-{drop}), continue (B={batch}, {cache_kind})")
             ids = self._ids(rng, batch, n)
             cache = self._cache(cache_kind, batch)

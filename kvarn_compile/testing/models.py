@@ -110,6 +110,31 @@ def tiny_prompt(seed: int, batch: int = 1, length: int = TINY_PROMPT) -> torch.T
     return torch.randint(2, TINY_VOCAB, (batch, length), generator=g)
 
 
+def cache_arg(model, cache) -> dict:
+    """``cache`` as the keyword ``model`` takes it: ``model(ids, **cache_arg(model, cache))``
+    (see :func:`kvarn_compile.hf.cache_kwarg`)."""
+    from kvarn_compile.hf import cache_kwarg
+
+    return {cache_kwarg(model): cache}
+
+
+def cpu_inductor_compiles_dynamic_llama() -> bool:
+    """False on torch < 2.13, whose C++ Inductor cannot compile the tiny Llama's dynamic-shape
+    decode graphs by itself (plain ``torch.compile``, no kvarn: "'tmp2' was not declared in
+    this scope" in a generated kernel; seen with torch 2.11)."""
+    from kvarn_compile._torch_compat import _torch_minor
+
+    return _torch_minor() >= (2, 13)
+
+
+def static_cache_crops() -> bool:
+    """Whether this transformers' static cache can be cropped (``StaticLayer.crop``, from
+    5.24 on; before it, ``StaticCache.crop`` raises AttributeError in transformers itself)."""
+    from transformers.cache_utils import StaticLayer
+
+    return hasattr(StaticLayer, "crop")
+
+
 def tiny_generate(model, ids, *, cache=None, mask=None, sample_seed=None, new=TINY_NEW):
     """``model.generate`` of ``new`` tokens with per-step logits: greedy, or sampling from
     ``sample_seed`` (top_k=0, temperature 1)."""

@@ -141,13 +141,15 @@ def _tiny_llama():
 def _generate(model, ids, cache, backend=None, new=8, dynamic=False):
     from transformers import GenerationConfig
 
+    from kvarn_compile.testing import cache_arg
+
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0)
     fwd = model.forward
     if backend is not None:
         model.forward = torch.compile(fwd, backend=backend, dynamic=dynamic)
     try:
         with torch.no_grad():
-            out = model.generate(ids, generation_config=gen, cache=cache)
+            out = model.generate(ids, generation_config=gen, **cache_arg(model, cache))
     finally:
         model.forward = fwd
     return out[0, ids.shape[1]:].tolist()

@@ -123,7 +123,9 @@ def _load_hf(model_dir: str, tp: int):
 def _hf_generate(model, cache=None) -> dict:
     import torch
 
-    kw = {} if cache is None else {"past_key_values": cache}
+    from kvarn_compile.testing import cache_arg
+
+    kw = {} if cache is None else cache_arg(model, cache)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(_prompt(), max_new_tokens=NEW, do_sample=False, output_logits=True,

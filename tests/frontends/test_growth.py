@@ -31,7 +31,7 @@ from kvarn_compile.hf import KVarNCache, kv_geometry, use_kvarn_attention
 from kvarn_compile.state import (
     GROW_AXIS_FIELDS, MIN_GROWN_SLOTS, allocate_layer, fp16_cache_bytes, tiles_for, unpack,
 )
-from kvarn_compile.testing import tiny_model
+from kvarn_compile.testing import cache_arg, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -198,7 +198,7 @@ def _eager_tokens(model, ids, new, max_len):
     cache = KVarNCache(eager.config, max_cache_len=max_len, preset="k4v2", group_size=G)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return eager.generate(ids, max_new_tokens=new, do_sample=False, cache=cache,
+        return eager.generate(ids, max_new_tokens=new, do_sample=False, **cache_arg(eager, cache),
                               output_logits=True, return_dict_in_generate=True)
 
 
@@ -209,7 +209,7 @@ def _decode(model, ids, new):
     x = ids
     with torch.no_grad():
         for _ in range(new):
-            step = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
+            step = model(input_ids=x, **cache_arg(model, cache), use_cache=True).logits[:, -1]
             logits.append(step)
             x = step.argmax(-1, keepdim=True)
             out.append(int(x))

@@ -24,7 +24,7 @@ from kvarn_compile import hf
 from kvarn_compile.hf import KVarNCache, KVarNLayer, use_kvarn_attention
 from kvarn_compile.ops.append import materialize
 from kvarn_compile.state import BUF
-from kvarn_compile.testing import oracle_attention
+from kvarn_compile.testing import cache_arg, oracle_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,7 +76,7 @@ def new_cache(model, max_len=128, preset="k4v2", **kw):
 
 def generate(model, ids, cache, n, **kw):
     with torch.no_grad():
-        return model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False,
+        return model.generate(ids, **cache_arg(model, cache), max_new_tokens=n, do_sample=False,
                               pad_token_id=0, output_logits=True, return_dict_in_generate=True,
                               **kw)
 
@@ -155,11 +155,11 @@ def test_fused_decode_matches_manual_attention_at_every_step(checked_attention):
     mask = torch.ones(2, 45, dtype=torch.long)
     mask[0, :10] = 0
     with torch.no_grad():
-        out = fused(ids, attention_mask=mask, cache=cache)
+        out = fused(ids, attention_mask=mask, **cache_arg(fused, cache))
         for _ in range(25):                             # 45 -> 70 crosses the 64 edge
             nxt = out.logits[:, -1:].argmax(-1)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-            out = fused(nxt, attention_mask=mask, cache=cache)
+            out = fused(nxt, attention_mask=mask, **cache_arg(fused, cache))
     assert cache.layers[0].state.lengths.tolist() == [70, 70]
     assert cache.layers[0].state.n_tiles.tolist() == [1, 1]
     assert len(checked_attention) == 2 * 26 and max(checked_attention) < 1e-5
@@ -239,6 +239,23 @@ def test_fused_update_returns_storage_free_placeholders():
     assert cache.get_seq_length() == 7
 
 
+def test_cache_keyword_and_output_cache_on_this_transformers():
+    """The cache goes in under the name this transformers' forward takes (also through a
+    ``torch.compile`` wrapper, whose own signature is ``*args, **kwargs``), and comes back out
+    of the model's output and of ``generate``'s result as the same object."""
+    import inspect
+
+    model = fused_copy(build())
+    name = hf.cache_kwarg(model)
+    assert name in inspect.signature(model.forward).parameters
+    assert hf.cache_kwarg(torch.compile(model, backend="eager")) == name
+    cache = new_cache(model)
+    with torch.no_grad():
+        out = model(prompt(5), use_cache=True, **cache_arg(model, cache))
+    assert hf.output_cache(out) is cache and cache.get_seq_length() == 5
+    assert hf.output_cache(generate(model, prompt(5), cache, 2)) is cache
+
+
 # ------------------------------------------------------------------------------ cache API
 def test_lengths_and_mask_sizes():
     model = fused_copy(build())
@@ -247,14 +264,14 @@ def test_lengths_and_mask_sizes():
     assert cache.get_max_length() == 100
     assert cache.get_mask_sizes(5, 0) == (100, 0)
     with torch.no_grad():
-        model(prompt(37), cache=cache)
+        model(prompt(37), **cache_arg(model, cache))
     assert cache.get_seq_length() == 37 == cache.get_seq_length(1)
     assert cache.get_max_length() == 100 and cache.layers[0].get_max_length() == 100
     assert cache.get_mask_sizes(1, 1) == (100, 0)
     cache.reset()
     assert cache.get_seq_length() == 0
     with torch.no_grad():                                   # reusable after reset
-        model(prompt(5), cache=cache)
+        model(prompt(5), **cache_arg(model, cache))
     assert cache.get_seq_length() == 5
 
 
@@ -262,7 +279,7 @@ def test_reorder_cache_permutes_rows_in_place():
     model = fused_copy(build())
     cache = new_cache(model, max_len=100)
     with torch.no_grad():
-        model(prompt(70, batch=3), cache=cache)
+        model(prompt(70, batch=3), **cache_arg(model, cache))
     before = [[t.clone() for t in layer.state.buffers] for layer in cache.layers]
     ptrs = [[t.data_ptr() for t in layer.state.buffers] for layer in cache.layers]
     idx = torch.tensor([2, 0, 0])
@@ -281,7 +298,7 @@ def test_reorder_cache_permutes_rows_in_place():
         for now, then in zip(layer.state.buffers, old):
             assert torch.equal(now, then[idx][[1, 2]][[0, 0, 1, 1]])
     with torch.no_grad():                                   # and the cache keeps working
-        model(prompt(1, batch=4), cache=cache)
+        model(prompt(1, batch=4), **cache_arg(model, cache))
     assert cache.get_seq_length() == 71
 
 
@@ -344,17 +361,17 @@ def test_crop_rolls_back_the_tail_and_revises_tiles():
     draft = prompt(5, seed=4)
     fix = prompt(2, seed=5)
     with torch.no_grad():
-        model(ids, cache=cache)
-        model(draft, cache=cache)                          # 65 tokens; the draft is uncommitted
+        model(ids, **cache_arg(model, cache))
+        model(draft, **cache_arg(model, cache))              # 65 tokens; the draft is uncommitted
         assert cache.layers[0].state.n_tiles.tolist() == [0]
         cache.crop(0)                                      # transformers' "remove nothing"
         assert cache.get_seq_length() == 65
         cache.crop(-3)                                     # reject the last 3 draft tokens
         assert cache.get_seq_length() == 62
-        got = model(fix, cache=cache).logits               # continue at position 62
-        model(ids, cache=ref_cache)                        # same tokens, never seeing the rejects
-        model(draft[:, :2], cache=ref_cache)
-        want = model(fix, cache=ref_cache).logits
+        got = model(fix, **cache_arg(model, cache)).logits   # continue at position 62
+        model(ids, **cache_arg(model, ref_cache))            # same tokens, never seeing the rejects
+        model(draft[:, :2], **cache_arg(model, ref_cache))
+        want = model(fix, **cache_arg(model, ref_cache)).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     for layer, ref in zip(cache.layers, ref_cache.layers):
         assert layer.state.lengths.tolist() == ref.state.lengths.tolist() == [64]
@@ -363,7 +380,7 @@ def test_crop_rolls_back_the_tail_and_revises_tiles():
     # without spec tokens everything is committed and tile [32, 64) is frozen at once
     cache = new_cache(model, max_len=128)
     with torch.no_grad():
-        model(prompt(70), cache=cache)
+        model(prompt(70), **cache_arg(model, cache))
     assert cache.layers[0].state.n_tiles.tolist() == [1]
     cache.crop(-6)                                         # 64: still in the tail
     assert cache.get_seq_length() == 64
@@ -382,9 +399,10 @@ def test_crop_rolls_back_the_tail_and_revises_tiles():
     more = prompt(12, seed=6)
     full = torch.cat([prompt(70)[:, :54], more], 1)
     with torch.no_grad():
-        got = model(more, cache=cache).logits
+        got = model(more, **cache_arg(model, cache)).logits
         want = build()(full).logits[:, 54:]
-        once = model(full, cache=new_cache(model, max_len=128)).logits[:, 54:]  # never cropped
+        once = model(full, **cache_arg(model, new_cache(model, max_len=128)))  # never cropped
+        once = once.logits[:, 54:]
     assert cache.layers[0].state.n_tiles.tolist() == [1]   # the tile froze again at 64
     err = float((got - want).abs().max() / want.abs().max())
     err_once = float((once - want).abs().max() / want.abs().max())
@@ -491,11 +509,11 @@ def test_latent_attention_cache_packs_the_latent_and_keeps_the_model_close():
     cache = new_cache(model, max_len=512)
     with torch.no_grad():
         ref = model(ids).logits[0, 299:499]
-        got = [model(ids[:, :300], cache=cache).logits[0, -1:]]
+        got = [model(ids[:, :300], **cache_arg(model, cache)).logits[0, -1:]]
         for t in range(300, 499):
-            got.append(model(ids[:, t:t + 1], cache=cache).logits[0])
+            got.append(model(ids[:, t:t + 1], **cache_arg(model, cache)).logits[0])
         plain = T.DynamicCache(config=model.config)
-        model(ids[:, :499], cache=plain)                     # the latents, uncompressed
+        model(ids[:, :499], **cache_arg(model, plain))       # the latents, uncompressed
     got = torch.cat(got)
     for layer in cache.layers:
         st = layer.state

@@ -17,6 +17,7 @@ import transformers as tf
 
 from kvarn_compile import kvarn_backend
 from kvarn_compile.hf import KVarNCache, use_kvarn_attention
+from kvarn_compile.testing import cache_arg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,7 +45,7 @@ def _biased_qwen2():
 def _generate(model, ids, cache=None):
     kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     if cache is not None:
-        kw["past_key_values"] = cache
+        kw.update(cache_arg(model, cache))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(ids, **kw)

@@ -36,7 +36,7 @@ import transformers as tf
 from kvarn_compile import kvarn_backend
 from kvarn_compile.ops.buffers import is_freed, releasable, released
 from kvarn_compile.testing import (
-    EAGER_RTOL, EagerOracle, assert_same_generation, fp_prefill_then_kvarn,
+    EAGER_RTOL, EagerOracle, assert_same_generation, cache_arg, fp_prefill_then_kvarn,
     gpt_fast_model, llama_ref_model, tiny_generate, tiny_model, tiny_prompt, tiny_static_cache,
 )
 from kvarn_compile.testing import TINY_MAX_LEN as MAX_LEN, TINY_PRESET as PRESET
@@ -149,7 +149,7 @@ def test_compile_config_second_request_on_the_same_cache():
         cache.reset()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = model.generate(ids, max_new_tokens=5, do_sample=False, cache=cache,
+            out = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_arg(model, cache),
                                  compile_config=cc, output_logits=True,
                                  return_dict_in_generate=True)
         tokens, logits = fp_prefill_then_kvarn(model, ids, 5)

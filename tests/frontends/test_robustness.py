@@ -100,11 +100,13 @@ import torch.nn.functional as F
 
 import kvarn_compile.ops  # noqa: F401  (registers torch.ops.kvarn)
 from kvarn_compile import get_config, kvarn_backend
+from kvarn_compile.hf import output_cache
 from kvarn_compile.ops import append as append_ref
 from kvarn_compile.quant import NonFiniteError
 from kvarn_compile.state import BUF, allocate_layer
 from kvarn_compile.testing import (
-    FLIP_RTOL, INDUCTOR_RTOL, build_tiny, oracle_attention, random_kv, reference_attention,
+    FLIP_RTOL, INDUCTOR_RTOL, build_tiny, cache_arg, oracle_attention, random_kv,
+    reference_attention,
     tiny_config_kwargs, tiny_model, tiny_prompt,
 )
 from kvarn_compile.testing import TINY_VOCAB as VOCAB
@@ -256,7 +258,7 @@ def test_check_finite_in_compiled_model_names_layer_and_position():
     with pytest.raises(NonFiniteError, match=r"model\.layers\.0\.self_attn: NaN/inf in the new keys/values "
                                              r"at batch row 0, kv head \d, token position 25"):
         with torch.no_grad():
-            model(ids, cache=tf.DynamicCache(config=model.config))
+            model(ids, **cache_arg(model, tf.DynamicCache(config=model.config)))
     for (name, _), state in backend.states.items():
         assert state.lengths.tolist() == [0], name                   # nothing written
     # without the check: NaN logits exactly where the full-precision model has them
@@ -269,7 +271,7 @@ def test_check_finite_in_compiled_model_names_layer_and_position():
     backend = kvarn_backend(**PRESET, compiler="eager", max_cache_len=128)
     model.compile(backend=backend)
     with torch.no_grad():
-        got = model(ids, cache=tf.DynamicCache(config=model.config)).logits
+        got = model(ids, **cache_arg(model, tf.DynamicCache(config=model.config))).logits
     # (full precision poisons the earlier queries of the prompt too: 0 * NaN in weights @ V)
     assert torch.isnan(want[0, 25:]).all()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
@@ -288,7 +290,7 @@ def test_check_finite_in_kvarn_cache():
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad():
-            model(ids, cache=cache)
+            model(ids, **cache_arg(model, cache))
     assert cache.layers[0].state.lengths.tolist() == [0]
 
 
@@ -638,7 +640,7 @@ def _kvarn_eager(model, ids, new, *, max_len=256, spec_tokens=0, **kw):
     other = copy.deepcopy(model)
     use_kvarn_attention(other)
     cache = KVarNCache(other.config, max_cache_len=max_len, spec_tokens=spec_tokens, **PRESET)
-    return _generate(other, ids, new, cache=cache, **kw)
+    return _generate(other, ids, new, **cache_arg(other, cache), **kw)
 
 
 def _same(got, want, rtol=1e-4):
@@ -699,7 +701,7 @@ def test_assisted_decoding_compiled(fresh_dynamo, monkeypatch):
     seq = got.sequences
     with torch.no_grad():
         out = fp(seq[:, :-1], use_cache=True)
-    for i, layer in enumerate(out.past_key_values.layers):
+    for i, layer in enumerate(output_cache(out).layers):
         state = backend.states[(f"model.layers.{i}.self_attn", 1)]
         n_tiles = int(state.n_tiles)
         assert n_tiles >= 1 and int(state.lengths) == seq.shape[1] - 1
@@ -792,7 +794,7 @@ def test_softcap_kvarn_cache_fused_path_refuses():
     use_kvarn_attention(model)
     cache = KVarNCache(model.config, max_cache_len=128, **PRESET)
     with pytest.raises(NotImplementedError, match="soft-capping"), torch.no_grad():
-        model(tiny_prompt(1), cache=cache)
+        model(tiny_prompt(1), **cache_arg(model, cache))
 
 
 def _bloom():
@@ -1110,7 +1112,7 @@ def test_two_models_inductor_pass_in_two_threads(fresh_dynamo):
 
     _in_threads(work, 2)
     for got, want, kv_pass in zip(results, wants, passes):
-        flips = _inductor_code_flips(kv_pass, want.past_key_values)   # _kvarn_eager's cache
+        flips = _inductor_code_flips(kv_pass, output_cache(want))   # _kvarn_eager's cache
         _same(got, want, rtol=FLIP_RTOL if flips else INDUCTOR_RTOL)
         assert kv_pass.report.rewritten and not kv_pass.report.unchanged
         kv_pass.close()
@@ -1127,13 +1129,14 @@ def test_one_backend_two_models_interleaved(fresh_dynamo):
         m.compile(backend=backend)
     caches = [tf.DynamicCache(config=m.config) for m in models]
     with torch.no_grad():
-        logits = [m(p, cache=c).logits[:, -1:] for m, p, c in zip(models, prompts, caches)]
+        logits = [m(p, **cache_arg(m, c)).logits[:, -1:]
+                  for m, p, c in zip(models, prompts, caches)]
         tokens = [[], []]
         for _ in range(6):
             for i, m in enumerate(models):
                 nxt = logits[i].argmax(-1)
                 tokens[i].append(nxt.item())
-                logits[i] = m(nxt, cache=caches[i]).logits[:, -1:]
+                logits[i] = m(nxt, **cache_arg(m, caches[i])).logits[:, -1:]
     assert tokens == wants
 
 
@@ -1282,16 +1285,16 @@ def test_batch_select_indices_on_handles_continues_the_selected_packed_rows(fres
     one = tiny_prompt(47, length=1)
     cache = tf.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **cache_arg(model, cache))
         cache.batch_select_indices(torch.tensor([1]))
-        got = model(one, cache=cache).logits[0, -1]
+        got = model(one, **cache_arg(model, cache)).logits[0, -1]
     torch._dynamo.reset()
     tf, direct, _, backend = _handle_flow()
     direct.load_state_dict(twin.state_dict())
     cache = tf.DynamicCache(config=direct.config)
     with torch.no_grad():
-        direct(ids[1:], cache=cache)
-        want = direct(one, cache=cache).logits[0, -1]
+        direct(ids[1:], **cache_arg(direct, cache))
+        want = direct(one, **cache_arg(direct, cache)).logits[0, -1]
     assert torch.equal(got, want)
 
 
@@ -1305,9 +1308,9 @@ def test_batch_repeat_interleave_on_handles_continues_the_repeated_packed_rows(f
     two = tiny_prompt(46, batch=2, length=1)
     cache = tf.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **cache_arg(model, cache))
         cache.batch_repeat_interleave(2)
-        got = model(two, cache=cache).logits[:, -1]
+        got = model(two, **cache_arg(model, cache)).logits[:, -1]
     assert not backend.report.unchanged, str(backend.report)
     torch._dynamo.reset()
     tf, direct, _, _ = _handle_flow()
@@ -1315,8 +1318,8 @@ def test_batch_repeat_interleave_on_handles_continues_the_repeated_packed_rows(f
     for row in range(2):
         cache = tf.DynamicCache(config=direct.config)
         with torch.no_grad():
-            direct(ids, cache=cache)
-            want = direct(two[row:row + 1], cache=cache).logits[0, -1]
+            direct(ids, **cache_arg(direct, cache))
+            want = direct(two[row:row + 1], **cache_arg(direct, cache)).logits[0, -1]
         torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
 
 

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from kvarn_compile import kvarn_backend
 from kvarn_compile.cache_book import PackedBuffer, PackedHandle
 from kvarn_compile.testing.flows import HelperSubject
-from kvarn_compile.testing.models import tiny_model
+from kvarn_compile.testing.models import cache_arg, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread", "many_recompiles")
 
@@ -50,7 +50,7 @@ def _close(got, want, what):
 def _forward(model, ids, cache):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model(ids, cache=cache, use_cache=True).logits
+        return model(ids, **cache_arg(model, cache), use_cache=True).logits
 
 
 def test_uncompiled_forward_continues_a_dynamic_cache_the_compiled_model_packed():

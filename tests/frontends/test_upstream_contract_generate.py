@@ -10,6 +10,7 @@ from transformers import StaticCache
 from transformers.cache_utils import Cache
 from transformers.generation import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
+from kvarn_compile.hf import output_cache
 from kvarn_compile.testing.models import tiny_model, tiny_prompt
 from tests.frontends import test_upstream_contract as contract
 from tests.frontends.test_upstream_contract import (
@@ -48,11 +49,11 @@ def test_greedy_generate_dict_outputs_use_cache(pool):
     assert out.sequences.shape == (1, PROMPT + NEW)
     assert len(out.scores) == len(out.logits) == NEW
     assert all(x.shape == (1, s.config.vocab_size) for x in out.scores)
-    assert isinstance(out.cache, Cache)
-    assert out.cache.get_seq_length() == PROMPT + NEW - 1
+    assert isinstance(output_cache(out), Cache)
+    assert output_cache(out).get_seq_length() == PROMPT + NEW - 1
     check_hidden_states(s, out, PROMPT)
     assert_teacher_forced(s, out, PROMPT)
-    s.assert_kvarn(out.cache, since)
+    s.assert_kvarn(output_cache(out), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_greedy_generate_dict_outputs_use_cache @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -65,7 +66,7 @@ def test_output_hidden_states_after_an_earlier_generate(pool):
     out = s.generate(ids, **gen_kw(output_hidden_states=True))
     check_hidden_states(s, out, PROMPT)
     assert_teacher_forced(s, out, PROMPT, what="generate(output_hidden_states=True)")
-    s.assert_kvarn(out.cache, since)
+    s.assert_kvarn(output_cache(out), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_greedy_generate_dict_outputs_use_cache @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -93,7 +94,7 @@ def test_output_attentions(pool):
                 assert a.shape[:3] == (1, heads, q.stop - q.start) and a.shape[-1] >= src, a.shape
                 assert_close(a[..., :src], want[:, :, q, :src], quantized[:, :, q, :src],
                              f"step {step} attention weights")
-    s.assert_kvarn(out.cache, since)
+    s.assert_kvarn(output_cache(out), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_past_key_values_format @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -103,7 +104,7 @@ def test_past_key_values_format(pool):
     ids = tiny_prompt(21, length=PROMPT)
     cache = s.cache() if s.mode == "kvarncache" else None
     out = s.forward(ids, cache)
-    cache = out.cache
+    cache = output_cache(out)
     assert isinstance(cache, Cache) and len(cache.layers) == s.config.num_hidden_layers
     shape = (1, s.config.num_key_value_heads, PROMPT, s.config.head_dim)
     for i, layer in enumerate(cache.layers):
@@ -125,7 +126,7 @@ def test_generate_from_inputs_embeds(pool):
     from_embeds = s.generate(ids, inputs_embeds=embeds, **kw)
     assert from_ids.sequences.tolist() == from_embeds.sequences.tolist()
     assert_teacher_forced(s, from_embeds, PROMPT, what="from inputs_embeds")
-    s.assert_kvarn(from_embeds.cache, since)
+    s.assert_kvarn(output_cache(from_embeds), since)
     random_embeds = s.generate(ids, inputs_embeds=torch.rand_like(embeds), **kw)
     assert all(not torch.allclose(a, b) for a, b in zip(from_embeds.scores, random_embeds.scores))
     without_ids = s.generate(inputs_embeds=embeds, **kw)
@@ -141,12 +142,13 @@ def test_generate_continue_from_past_key_values(pool):
     once = s.generate(ids, attention_mask=mask, **gen_kw())
     first = s.generate(ids, attention_mask=mask, **gen_kw(max_new_tokens=NEW - 1))
     longer = torch.ones_like(first.sequences)                  # the mask, padded with ones
-    then = s.generate(first.sequences, attention_mask=longer, cache=first.cache, **gen_kw(max_new_tokens=1))
-    assert then.cache is first.cache
-    assert then.cache.get_seq_length() == once.cache.get_seq_length() == PROMPT + NEW - 1
+    then = s.generate(first.sequences, attention_mask=longer, cache=output_cache(first),
+                      **gen_kw(max_new_tokens=1))
+    assert output_cache(then) is output_cache(first)
+    assert output_cache(then).get_seq_length() == output_cache(once).get_seq_length() == PROMPT + NEW - 1
     assert_teacher_forced(s, then, PROMPT + NEW - 1, what="continuation")
     assert then.sequences.tolist() == once.sequences.tolist()
-    s.assert_kvarn(then.cache, since)
+    s.assert_kvarn(output_cache(then), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_generate_with_static_cache @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -157,17 +159,17 @@ def test_generate_with_static_cache(pool):
     kw = gen_kw(output_scores=True)
     if s.mode == "backend":
         static = s.generate(ids, cache_implementation="static", **kw)
-        assert isinstance(static.cache, StaticCache)
+        assert isinstance(output_cache(static), StaticCache)
         want = s.generate(ids, cache=None, model=s.fp, cache_implementation="static", **kw)
-        assert [tuple(x.keys.shape) for x in static.cache.layers] == \
-            [tuple(x.keys.shape) for x in want.cache.layers]       # transformers 5.25: max_length - 1
+        assert [tuple(x.keys.shape) for x in output_cache(static).layers] == \
+            [tuple(x.keys.shape) for x in output_cache(want).layers]  # transformers 5.25: max_length - 1
     else:
         static = s.generate(ids, cache=s.cache(max_len=PROMPT + NEW), **kw)
-        assert static.cache.get_max_length() == PROMPT + NEW
+        assert output_cache(static).get_max_length() == PROMPT + NEW
     dynamic = s.generate(ids, **kw)
     assert static.sequences.tolist() == dynamic.sequences.tolist()
     assert_teacher_forced(s, static, PROMPT, what="static cache")
-    s.assert_kvarn(static.cache, since)
+    s.assert_kvarn(output_cache(static), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_generate_compile_model_forward @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -184,9 +186,9 @@ def test_static_cache_second_prompt_length(pool):
         kw = gen_kw(cache_implementation="static") if cache is None else gen_kw()
         out = s.generate(ids, cache=cache, **kw)
         assert out.sequences.shape == (1, n + NEW)
-        assert out.cache.get_seq_length() == n + NEW - 1
+        assert output_cache(out).get_seq_length() == n + NEW - 1
         assert_teacher_forced(s, out, n, what=f"prompt of {n}")
-        s.assert_kvarn(out.cache, since)
+        s.assert_kvarn(output_cache(out), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_assisted_decoding_matches_greedy_search @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -202,10 +204,10 @@ def test_assisted_decoding_matches_greedy_search_random(pool, monkeypatch):
     kw = gen_kw(max_new_tokens=12, output_scores=True, output_hidden_states=True)
     greedy = s.generate(ids, **kw)
     assisted = s.generate(ids, assistant_model=assistant, **kw)
-    assert any(n < 0 for c, n in crops if c == id(assisted.cache)), "no candidate was rejected"
+    assert any(n < 0 for c, n in crops if c == id(output_cache(assisted))), "no candidate was rejected"
     assert_teacher_forced(s, assisted, PROMPT, what="assisted")
     check_similar(greedy, assisted, PROMPT)
-    s.assert_kvarn(assisted.cache, since)
+    s.assert_kvarn(output_cache(assisted), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_assisted_decoding_matches_greedy_search @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -220,7 +222,7 @@ def test_assisted_decoding_matches_greedy_search_same(pool):
         assisted = s.generate(ids, assistant_model=s.model, **kw)
     check_similar(greedy, assisted, PROMPT)
     assert_teacher_forced(s, assisted, PROMPT, what="own assistant")
-    s.assert_kvarn(assisted.cache, since)
+    s.assert_kvarn(output_cache(assisted), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_assisted_decoding_sample @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -233,9 +235,9 @@ def test_assisted_decoding_sample(pool):
         out = s.generate(ids, assistant_model=s.model, **gen_kw(do_sample=True, output_scores=True,
                                                                  output_hidden_states=True))
     assert out.sequences.shape == (1, PROMPT + NEW) and len(out.scores) == NEW
-    assert out.cache.get_seq_length() == PROMPT + NEW - 1
+    assert output_cache(out).get_seq_length() == PROMPT + NEW - 1
     assert_teacher_forced(s, out, PROMPT, what="assisted sampling")
-    s.assert_kvarn(out.cache, since)
+    s.assert_kvarn(output_cache(out), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_prompt_lookup_decoding_matches_greedy_search @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -248,7 +250,7 @@ def test_prompt_lookup_decoding_matches_greedy_search(pool):
     lookup = s.generate(ids, prompt_lookup_num_tokens=2, **kw)
     check_similar(greedy, lookup, 58)
     assert_teacher_forced(s, lookup, 58, what="prompt lookup")
-    s.assert_kvarn(lookup.cache, since)
+    s.assert_kvarn(output_cache(lookup), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationIntegrationTests::test_generated_length_assisted_generation @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -278,12 +280,12 @@ def test_cache_batched(pool):
     for impl in (("dynamic", "static") if s.mode == "backend" else ("kvarn",)):
         kw = gen_kw(max_new_tokens=10) | ({"cache_implementation": "static"} if impl == "static" else {})
         outs[impl] = out = s.generate(ids, attention_mask=mask, **kw)
-        assert isinstance(out.cache, Cache)
+        assert isinstance(output_cache(out), Cache)
         assert_teacher_forced(s, out, PROMPT, mask=mask, what=impl)
         for row, (prompt, pad) in enumerate(((a, 0), (b, 9))):    # each prompt alone, uncompressed
             alone = s.generate(prompt, cache=None, model=s.fp, max_new_tokens=10)
             assert out.sequences[row, pad:].tolist() == alone[0].tolist(), (impl, row)
-        s.assert_kvarn(out.cache, since)
+        s.assert_kvarn(output_cache(out), since)
     assert len({str(o.sequences.tolist()) for o in outs.values()}) == 1
 
 
@@ -297,12 +299,12 @@ def test_cache_beam_search(pool):
     want = s.generate(ids, cache=None, model=s.fp, **kw)
     assert any(len(set(b.tolist())) > 1 for b in want.beam_indices), "vacuous: no beam reordering"
     out = s.generate(ids, **kw)
-    assert isinstance(out, GenerateBeamDecoderOnlyOutput) and isinstance(out.cache, Cache)
+    assert isinstance(out, GenerateBeamDecoderOnlyOutput) and isinstance(output_cache(out), Cache)
     check_beam_log_probs(s, out, PROMPT)
     assert out.sequences.tolist() == want.sequences.tolist()
     assert out.beam_indices.tolist() == want.beam_indices.tolist()
     assert rel_err(out.sequences_scores, want.sequences_scores) < RTOL
-    s.assert_kvarn(out.cache, since)
+    s.assert_kvarn(output_cache(out), since)
 
 
 # upstream: tests/utils/test_cache_utils.py::CacheTest::test_reorder_cache_retrocompatibility @ 00b1f96ad09c1137cfe75e453c4b2bc1dd2abe1e
@@ -351,11 +353,11 @@ def test_beam_search_generate_dict_outputs_use_cache(pool):
     assert out.sequences.shape == (1, PROMPT + NEW) and len(out.scores) == NEW
     assert all(x.shape == (2, s.config.vocab_size) for x in out.scores)
     assert len(out.hidden_states) == NEW and out.hidden_states[1][0].shape == (2, 1, s.config.hidden_size)
-    assert out.cache.get_seq_length() == PROMPT + NEW - 1
+    assert output_cache(out).get_seq_length() == PROMPT + NEW - 1
     check_beam_log_probs(s, out, PROMPT)
     want = s.generate(ids, cache=None, model=s.fp, **kw)
     assert out.sequences.tolist() == want.sequences.tolist()
-    s.assert_kvarn(out.cache, since)
+    s.assert_kvarn(output_cache(out), since)
 
 
 # upstream: tests/generation/test_utils.py::GenerationTesterMixin::test_sample_generate_dict_output @ cf63921b9648e760a9a72a3c84bf797f17d1e140
@@ -369,9 +371,9 @@ def test_num_return_sequences(pool):
     assert isinstance(out, GenerateDecoderOnlyOutput)
     assert out.sequences.shape == (2, PROMPT + NEW)
     assert all(x.shape == (2, s.config.vocab_size) for x in out.scores)
-    assert out.cache.get_seq_length() == PROMPT + NEW - 1
+    assert output_cache(out).get_seq_length() == PROMPT + NEW - 1
     assert_teacher_forced(s, out, PROMPT, what="num_return_sequences=2")
-    s.assert_kvarn(out.cache, since)
+    s.assert_kvarn(output_cache(out), since)
 
 
 # ------------------------------------------------------------------------------ two batch sizes
@@ -385,7 +387,7 @@ def test_second_batch_size_on_one_compiled_model(pool):
             ids = tiny_prompt(48, batch=batch, length=PROMPT)
             out = s.generate(ids, **gen_kw())
             assert_teacher_forced(s, out, PROMPT, what=f"batch {batch}")
-            s.assert_kvarn(out.cache, since)
+            s.assert_kvarn(output_cache(out), since)
             new = s.backend.report.sites[since:] if s.backend else []
             assert not new or any(x.rewritten for x in new), "\n".join(x.line() for x in new)
     finally:

@@ -181,6 +181,7 @@ def test_kvarn_backend_runs_both_templates_in_a_tiny_model(fresh_inductor, monke
 
     from kvarn_compile import kvarn_backend
     from kvarn_compile.hf import KVarNCache, static_cache_for, use_kvarn_attention
+    from kvarn_compile.testing import cache_arg
 
     monkeypatch.setenv("KVARN_TRITON_CPU", "1")
     torch.manual_seed(0)
@@ -196,13 +197,13 @@ def test_kvarn_backend_runs_both_templates_in_a_tiny_model(fresh_inductor, monke
     use_kvarn_attention(eager)
     with torch.no_grad():
         want = eager.generate(ids, max_new_tokens=3, do_sample=False,
-                              past_key_values=KVarNCache(eager.config, max_cache_len=96, **preset))
+                              **cache_arg(eager, KVarNCache(eager.config, max_cache_len=96, **preset)))
 
     backend = kvarn_backend(**preset, compiler="inductor")
     model.compile(backend=backend)
     with torch.no_grad(), lowering.use_path("split"):
         got, code = run_and_get_code(lambda: model.generate(
-            ids, max_new_tokens=3, do_sample=False, past_key_values=static_cache_for(model, 96)))
+            ids, max_new_tokens=3, do_sample=False, **cache_arg(model, static_cache_for(model, 96))))
     source = "\n".join(code)
     assert _calls_template(source, "prefill") and _calls_template(source, "decode")
     assert len(backend.report.rewritten) == len(backend.report.sites) > 0
