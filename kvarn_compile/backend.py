@@ -478,8 +478,13 @@ def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
     """What makes two of Dynamo's graphs the same compiled graph: their code and their inputs'
     shapes, strides, dtypes and devices, not the inputs' Python types (a cache tensor typed
     between calls, :mod:`kvarn_compile.cache_book`, makes Dynamo trace the graph again).
-    None for a graph holding attributes (constants the code does not show)."""
+    None for a graph holding attributes (constants the code does not show), and for a graph
+    with symbolic input shapes: the guards its compile added (the pass reads a static cache's
+    length as an int; Inductor specializes too) are not this graph's, which would then serve
+    shapes the compiled graph was not made for."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None
+    if any(_symbolic(n.meta.get("example_value")) for n in gm.graph.nodes if n.op == "placeholder"):
         return None
     inputs = tuple((str(tuple(t.shape)), str(t.stride()), t.dtype, t.device.type,
                     isinstance(t, torch.nn.Parameter), t.requires_grad)
@@ -487,6 +492,16 @@ def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
     # (the code's signature annotates each input with its type: left out)
     code = re.sub(r" : [\w.]+(?=[,)])", "", gm.code)
     return code, inputs, mode, tag
+
+
+def _symbolic(value: Any) -> bool:
+    """A SymInt, or a tensor with a symbolic size, stride or offset."""
+    if isinstance(value, torch.SymInt):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(x, torch.SymInt)
+                   for x in (*value.shape, *value.stride(), value.storage_offset()))
+    return False
 
 
 def _plain_size_ops(graph: fx.Graph) -> None:

@@ -497,6 +497,28 @@ def test_compiled_head_dims_and_kv_groups(d, layout):
     assert all(torch.equal(a, b) for a, b in zip(state.buffers, ref_state.buffers))
 
 
+def test_a_graph_with_symbolic_input_shapes_is_compiled_for_itself():
+    """The backend serves a graph Dynamo traced again (a cache tensor's type changed) with the
+    one it compiled before for the same code and input shapes, but not when the inputs have
+    symbolic shapes: the guards that compile added (the pass reads a static cache's length as
+    an int) are not the new graph's, which then served caches of other lengths with the old
+    site geometry (transformers 5.17: a static-cache generate after a dynamic one stopped with
+    "writes at position 64, but it holds 0 tokens")."""
+    from kvarn_compile.backend import _graph_key
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(_graph_key(gm, example_inputs, None, ""))
+        return gm.forward
+
+    for dynamic in (True, False):
+        torch._dynamo.reset()
+        torch.compile(lambda x: x * 2, backend=capture, dynamic=dynamic)(torch.randn(3, 4, 5))
+    torch._dynamo.reset()
+    assert seen[0] is None and seen[1] is not None, seen
+
+
 def test_describing_a_packed_buffer_reads_no_tokens():
     """Dynamo describes every graph input before a (re)compile, for its fake copy: is_conj(),
     _is_view(), is_mkldnn, ... (torch 2.11 asks outside ``is_compiling()``, so a model buffer
