@@ -315,24 +315,28 @@ def _install_unchecked_inputs() -> bool:
     is compiled with ``unchecked_inputs`` for (the backend's own state buffers, whose shapes
     it checks itself whenever it hands the graph other buffers). Every other graph (of this
     thread or another, or a subgraph of another arity) keeps all its assertions, as does a
-    torch whose wrapper code generation does not look like 2.13's (False)."""
+    torch whose wrapper code generation does not look like 2.11-2.13's (False): there the
+    assertions come from ``codegen_input_size_asserts`` over ``get_graph_inputs()``, which
+    this hides the unchecked inputs from while it runs."""
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
     from torch._inductor.virtualized import V
 
     original = getattr(PythonWrapperCodegen, "codegen_input_size_asserts", None)
-    if original is None:
+    if original is None or not hasattr(PythonWrapperCodegen, "get_graph_inputs"):
         return False
 
     def codegen_input_size_asserts(self: Any) -> None:
-        original(self)
         total, first, count = getattr(_UNCHECKED, "spec", (0, 0, 0))
-        pending = getattr(self, "_pending_input_asserts", None)
-        if not count or not isinstance(pending, dict):
-            return
         names = list(getattr(V.graph, "graph_input_names", ()))
-        if len(names) == total:
-            for name in names[first:first + count]:
-                pending.pop(name, None)
+        if not count or len(names) != total:
+            return original(self)
+        skip = set(names[first:first + count])
+        inputs = self.get_graph_inputs()
+        self.get_graph_inputs = lambda: {k: v for k, v in inputs.items() if k not in skip}
+        try:
+            original(self)
+        finally:
+            del self.get_graph_inputs
 
     PythonWrapperCodegen.codegen_input_size_asserts = codegen_input_size_asserts
     return True
