@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -32,6 +33,10 @@ def _fmt(a: object, names: dict[fx.Node, str]) -> str:
 
 def _target(n: fx.Node) -> str:
     if n.op == "call_method":
+        # Dynamo versions differ in tracing ``a == b`` as operator.eq or as ``.__eq__``
+        op = n.target[2:-2] if n.target.startswith("__") and n.target.endswith("__") else None
+        if op and callable(getattr(operator, op, None)):
+            return f"operator.{op}"
         return f".{n.target}"
     t = n.target
     name = getattr(t, "__name__", str(t))
