@@ -141,7 +141,10 @@ def test_the_real_command_exits_2_fast_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "kvarn_compile.cli", "run", "--new-tokens", "1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+    # where KVARN_ALLOW_UNTESTED_TORCH=1 lets an untested torch run, its warning comes first
+    lines = [x for x in proc.stderr.strip().splitlines()
+             if "outside the tested range" not in x and x.strip() != "check_torch_version()"]
+    assert lines == [
         "kvarn-compile run: error: argument --new-tokens: expected an integer >= 4 (two warm-up "
         "steps compile), but got 1 (see 'kvarn-compile run --help')"]
     assert time.perf_counter() - t0 < 60

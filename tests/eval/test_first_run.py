@@ -35,9 +35,10 @@ def test_a_build_is_never_loaded_into_another_torch_or_python(monkeypatch):
     import torch
 
     name = build.extension_name("quantize")
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
     other_torch = build.extension_name("quantize")
-    monkeypatch.setattr(sys, "version_info", (3, 12, 3, "final", 0))
+    monkeypatch.setattr(sys, "version_info", (sys.version_info[0], sys.version_info[1] + 1, 0,
+                                              "final", 0))
     other_python = build.extension_name("quantize")
     assert len({name, other_torch, other_python}) == 3
 

@@ -231,6 +231,10 @@ print("AOT", dict(counters["aot_autograd"]))
 """
 
 
+@pytest.mark.xfail(_torch_compat._torch_minor() < (2, 13), strict=True,
+                   reason="torch < 2.13 applies Inductor's config patches to every thread, so the "
+                   "graph compiled inside a compile keys by that compile's patches: a later "
+                   "process compiles it again (a cache miss, not another result)")
 def test_a_shared_graph_compiled_inside_a_compile_is_served_at_run_time(tmp_path):
     """The first process compiles the shared graph while a lowering benchmarks it, inside the
     model's compile (its config patches and fx's lazy graph modules in force); a later process
