@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
-from kvarn_compile import autotune, lowering
+from kvarn_compile import _torch_compat, autotune, lowering
 from kvarn_compile.lowering import decompose
 from kvarn_compile.ops import attention as attention_ref, regions
 from kvarn_compile.quant.rotation import rotation_matrix
