@@ -484,7 +484,7 @@ def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
     shapes the compiled graph was not made for."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
-    if any(_symbolic(n.meta.get("example_value")) for n in gm.graph.nodes if n.op == "placeholder"):
+    if any(_symbolic(v) for v in _fake_inputs(gm)):
         return None
     inputs = tuple((str(tuple(t.shape)), str(t.stride()), t.dtype, t.device.type,
                     isinstance(t, torch.nn.Parameter), t.requires_grad)
