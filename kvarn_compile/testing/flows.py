@@ -122,37 +122,40 @@ class HFSubject:
     # the uncompressed model's logits for ids[:, start:] given ids[:, :start], and those of
     # the same model over a whole-sequence KVarN cache of the backend's preset
     def reference(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvarn_compile.hf import KVarNCache, cache_kwarg
+        from kvarn_compile.hf import KVarNCache
+        from kvarn_compile.testing.models import cache_arg
 
         cache = KVarNCache(self.q.config, max_cache_len=self.max_len, preset=self.backend.config)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            kv_logits = self.q(ids, **{cache_kwarg(self.q): cache}).logits
+            kv_logits = self.q(ids, **cache_arg(self.q, cache)).logits
             return self.fp(ids).logits[:, start:], kv_logits[:, start:]
 
     def _cropped(self, ids: torch.Tensor, drop: int, more: torch.Tensor) -> torch.Tensor:
         """Logits of ``more`` after ``ids`` went into an eager KVarN cache cropped by ``drop``."""
-        from kvarn_compile.hf import KVarNCache, cache_kwarg
+        from kvarn_compile.hf import KVarNCache
+        from kvarn_compile.testing.models import cache_arg
 
         cache = KVarNCache(self.q.config, max_cache_len=self.max_len, preset=self.backend.config)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.q(ids, **{cache_kwarg(self.q): cache})
+            self.q(ids, **cache_arg(self.q, cache))
             cache.crop(-drop)
-            return self.q(more, **{cache_kwarg(self.q): cache}).logits
+            return self.q(more, **cache_arg(self.q, cache)).logits
 
     def _assisted(self, ids: torch.Tensor, new: int, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logits) of the same assisted ``generate`` on an eager KVarN cache: drafts
         rejected out of a tile they completed are revised there too (the tile's other tokens
         go back to the tail dequantized and are quantized again), which the preset's error
         over a whole-sequence cache does not include."""
-        from kvarn_compile.hf import KVarNCache, cache_kwarg
+        from kvarn_compile.hf import KVarNCache
+        from kvarn_compile.testing.models import cache_arg
 
         cache = KVarNCache(self.q.config, max_cache_len=self.max_len, preset=self.backend.config)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.q.generate(ids, max_new_tokens=new, do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True, **{cache_kwarg(self.q): cache}, **kw)
+                                  return_dict_in_generate=True, **cache_arg(self.q, cache), **kw)
         return out.sequences, torch.stack(out.logits, 1)
 
     def _ids(self, rng: random.Random, batch: int, n: int) -> torch.Tensor:
@@ -167,15 +170,15 @@ class HFSubject:
         return DynamicCache(config=self.model.config)
 
     def _forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> Any:
-        from kvarn_compile.hf import cache_kwarg
+        from kvarn_compile.testing.models import cache_arg
 
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return self.model(ids, use_cache=True, **{cache_kwarg(self.model): cache}, **kw)
+            return self.model(ids, use_cache=True, **cache_arg(self.model, cache), **kw)
 
     def step(self, rng: random.Random, log: list[str], rtol: float) -> None:
-        from kvarn_compile.hf import cache_kwarg, output_cache
-        from kvarn_compile.testing.models import static_cache_crops
+        from kvarn_compile.hf import output_cache
+        from kvarn_compile.testing.models import cache_arg, static_cache_crops
 
         kind = rng.choice(["generate", "generate", "chunks", "deepcopy", "crop", "continue",
                            "eager", "assisted"])
@@ -193,7 +196,7 @@ class HFSubject:
             if static == "implementation":
                 kw["cache_implementation"] = "static"
             elif static == "object":
-                kw[cache_kwarg(self.model)] = self._cache("static", batch)
+                kw.update(cache_arg(self.model, self._cache("static", batch)))
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out = self.model.generate(ids, **kw)

@@ -140,11 +140,9 @@ def tiny_generate(model, ids, *, cache=None, mask=None, sample_seed=None, new=TI
     ``sample_seed`` (top_k=0, temperature 1)."""
     import warnings
 
-    from kvarn_compile.hf import cache_kwarg
-
     kw = dict(max_new_tokens=new, output_logits=True, return_dict_in_generate=True)
     if cache is not None:
-        kw[cache_kwarg(model)] = cache
+        kw.update(cache_arg(model, cache))
     if mask is not None:
         kw["attention_mask"] = mask
     if sample_seed is None:
@@ -280,22 +278,22 @@ def fp_prefill_then_kvarn(model, ids, new: int):
 
     from transformers import DynamicCache
 
-    from kvarn_compile.hf import KVarNCache, cache_kwarg, use_kvarn_attention
+    from kvarn_compile.hf import KVarNCache, output_cache, use_kvarn_attention
 
     fp = copy.deepcopy(model)
     kv = copy.deepcopy(model)
     use_kvarn_attention(kv)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = fp(ids, use_cache=True, **{cache_kwarg(fp): DynamicCache(config=fp.config)})
+        out = fp(ids, use_cache=True, **cache_arg(fp, DynamicCache(config=fp.config)))
         cache = KVarNCache(kv.config, max_cache_len=TINY_MAX_LEN, **TINY_PRESET)
-        for layer, fp_layer in zip(cache.layers, out.past_key_values.layers):
+        for layer, fp_layer in zip(cache.layers, output_cache(out).layers):
             layer.update(fp_layer.keys, fp_layer.values)
         logits, tokens = [out.logits[:, -1]], ids
         for _ in range(new - 1):
             tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
             pos = tokens.shape[1] - 1
-            step = kv(tokens[:, -1:], cache_position=torch.tensor([pos]), **{cache_kwarg(kv): cache})
+            step = kv(tokens[:, -1:], cache_position=torch.tensor([pos]), **cache_arg(kv, cache))
             logits.append(step.logits[:, -1])
         tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], 1)
     return tokens, logits
