@@ -381,6 +381,10 @@ def output_cache(output):
     transformers 5.24 on, ``past_key_values`` before."""
     import dataclasses
 
+    if not dataclasses.is_dataclass(output):
+        raise TypeError(f"output_cache: expected a model output or a generate result (a "
+                        f"ModelOutput: return_dict=True, or return_dict_in_generate=True for "
+                        f"generate), but got {type(output).__name__}.")
     names = {f.name for f in dataclasses.fields(output)}
     return getattr(output, "cache" if "cache" in names else "past_key_values")
 

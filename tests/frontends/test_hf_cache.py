@@ -254,6 +254,8 @@ def test_cache_keyword_and_output_cache_on_this_transformers():
         out = model(prompt(5), use_cache=True, **cache_arg(model, cache))
     assert hf.output_cache(out) is cache and cache.get_seq_length() == 5
     assert hf.output_cache(generate(model, prompt(5), cache, 2)) is cache
+    with pytest.raises(TypeError, match=r"^output_cache: expected a model output .* got tuple\.$"):
+        hf.output_cache((out.logits, cache))
 
 
 # ------------------------------------------------------------------------------ cache API
