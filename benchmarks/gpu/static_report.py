@@ -378,7 +378,7 @@ def _attention_case(kb, vb, precision, *, d=128, g=128, hq=32, h=8, block_n=128,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=A.EXACT_BLOCK, PREFETCH=prefetch, CAUSAL=True, MULTI=tq > 1,
             HAS_WINDOW=False, HAS_MASK=mask, MASK_ROW=mask and tq == 1, MASK_FLAG=mask,
             ERR_MASK=32, HAS_K_PLAIN=True,
-            INPUT_PRECISION=precision, PHASED=phased, Q_SCRATCH=block_m <= 16, FUSED=fused,
+            INPUT_PRECISION=precision, PHASED=phased, Q_SCRATCH=True, FUSED=fused,
             SCRATCH_W=max(_block(d), _block(dv)), grid=(1,),
             num_warps=num_warps, num_stages=1)
 

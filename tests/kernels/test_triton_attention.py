@@ -21,8 +21,9 @@ H = 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _cache(lengths, g, d, dtype=torch.float32, dv=None, seed=0, **cfg):
-    """A k4v2 cache whose rows were written by one append each (lengths[row] tokens)."""
+def _cache(lengths, g, d, dtype=torch.float32, dv=None, seed=0, outlier=0.0, **cfg):
+    """A k4v2 cache whose rows were written by one append each (lengths[row] tokens);
+    ``outlier``: added to one key channel of head 0 (its tiles go plain: key frames)."""
     gen = torch.Generator().manual_seed(seed)
     st = allocate_layer(get_config("k4v2", group_size=g, **cfg), batch=len(lengths), kv_heads=H,
                         head_dim=d, max_len=max(lengths) + 2 * g, dtype=dtype,
@@ -31,7 +32,9 @@ def _cache(lengths, g, d, dtype=torch.float32, dv=None, seed=0, **cfg):
         if not n:
             continue
         sub = [t[row:row + 1] for t in st.buffers]
-        k = torch.randn(1, H, n, d, generator=gen).to(dtype)
+        k = torch.randn(1, H, n, d, generator=gen)
+        k[:, 0, :, 3] += outlier
+        k = k.to(dtype)
         v = torch.randn(1, H, n, dv or d, generator=gen).to(dtype)
         append_ref.append_(sub, k, v, torch.tensor([0]))
     return st.buffers
@@ -79,6 +82,10 @@ GEOMETRIES = {
     "fp64": (32, 32, None, torch.float64, {}, "ieee", 2e-5),
     "fp16_phased": (64, 64, None, torch.float16, {}, "fp16", 4e-3),
     "bf16_tf32": (64, 64, None, torch.bfloat16, {}, "tf32", 2e-2),
+    # head 0's tiles stored plain (key frames), head 1's rotated: the loops read the rotated
+    # or the plain queries per tile
+    "key_frames": (32, 32, None, torch.float32, dict(outlier=300.0), "ieee", 2e-5),
+    "key_frames_phased": (64, 64, None, torch.float16, dict(outlier=300.0), "fp16", 4e-3),
 }
 
 
@@ -99,6 +106,9 @@ def test_one_launch_attention_matches_the_reference(geometry, tq, causal, window
     f = unpack(buffers)
     if geometry == "rotated_keys":
         assert f.k_plain is None or not f.k_plain.any()
+    if "outlier" in cfg:
+        n = int(f.n_tiles[0])
+        assert n > 1 and bool(f.k_plain[0, 0, :n].all()) and not bool(f.k_plain[0, 1].any())
     b, hq = f.lengths.shape[0], 2 * H
     q = torch.randn(b, hq, tq, d).to(dtype)
     m = _mask(mask, b, hq, tq, int(f.lengths.max()) + 5)

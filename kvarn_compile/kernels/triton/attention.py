@@ -177,18 +177,24 @@ def _packed_dot(a, byte, zero_terms, R: tl.constexpr, NC: tl.constexpr, BITS: tl
 
 
 @triton.jit
-def _frame_q(q, qp_rows, s_qpd, m_valid, plain, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The queries a K tile is scored with: q (rotated, fp32 [BLOCK_M, BLOCK_D]) for a
-    rotated tile; for a key frame (``plain`` != 0) the un-rotated queries, loaded only then
-    from ``qp_rows`` (a pointer per row; column stride ``s_qpd``). Held beside q across the
-    loop they were a second fp32 block of registers (sm_90, a 16-row prefill block with a
-    mask: 292 B of spills against 32 B); key frames are the rare outlier tiles."""
+def _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """The queries a K tile is scored with, with key frames (HAS_K_PLAIN), read for each
+    tile: the rotated ones (fp32 rows ``qr_rows``, column stride ``s_qrd``) for a rotated
+    tile, the un-rotated ones (``qp_rows``, ``s_qpd``) for a key frame (``plain`` != 0);
+    fp32 [BLOCK_M, BLOCK_D]. One of the two, read where it is needed (an L1 hit after the
+    first tile), instead of the rotated block held across the loop and the other loaded
+    beside it: two fp32 blocks of registers (sm_90, the 16-row prompt block with a bool
+    mask spilled 32 B with triton 3.9 and 200 B with 3.6, with 11 and 41 local loads per
+    tile in the loop; docs/performance.md has what it does now)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = m_valid[:, None] & (offs_d < D)[None, :]
     if plain != 0:
-        offs_d = tl.arange(0, BLOCK_D)
-        q_t = tl.load(qp_rows[:, None] + offs_d[None, :] * s_qpd,
-                      mask=m_valid[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+        q_t = tl.load(qp_rows[:, None] + offs_d[None, :] * s_qpd, mask=ok, other=0.0)
+        q_t = q_t.to(tl.float32)
     else:
-        q_t = q
+        q_t = tl.load(qr_rows[:, None] + offs_d[None, :] * s_qrd, mask=ok, other=0.0)
+        q_t = q_t.to(tl.float32)
     return q_t
 
 
@@ -453,7 +459,8 @@ def _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, it, ok,
 
 
 @triton.jit
-def _decode_range_phased(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
+                         kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                          s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
                          start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
                          BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -516,7 +523,7 @@ def _decode_range_phased(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs
         k_t0, k_t1, k_rs, k_rz, k_cs, plain = k_cur
         q_t = q
         if HAS_K_PLAIN:
-            q_t = _frame_q(q, qp_rows, s_qpd, m_valid, plain, D, BLOCK_D)
+            q_t = _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D, BLOCK_D)
         a = (q_t * k_rs.to(tl.float32)[None, :]).to(tl.float16)
         # every code comes as 1024 + code * 2^s: the matmul starts from a @ (-1024), the
         # same products, so the fp32 accumulator cancels the 1024s exactly as it adds them
@@ -583,7 +590,8 @@ def _decode_range_phased(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs
 
 
 @triton.jit
-def _decode_range_bytes(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+def _decode_range_bytes(q, qr_rows, s_qrd, qp_rows, s_qpd,
+                        kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                         s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
                         start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
                         BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -610,7 +618,8 @@ def _decode_range_bytes(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs,
     Masks: query row m sees token t (= tile * G + offset) when kv_lo[m] <= t (HAS_LO) and
     t < kv_hi[m] (HAS_HI); HAS_BIAS adds bias_rows[m] + t * s_bias (natural-log units) to
     the score. HAS_K_PLAIN: a tile whose kp flag is 1 is scored with the un-rotated queries
-    (``_frame_q``: rows ``qp_rows``, column stride ``s_qpd``).
+    (rows ``qp_rows``, column stride ``s_qpd``), any other with the rotated ones read again
+    from theirs (``qr_rows``, ``s_qrd``: q's values in memory), per tile (``_frame_q``).
     """
     CH: tl.constexpr = G // BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
@@ -640,7 +649,7 @@ def _decode_range_bytes(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs,
                 DV, BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS, HAS_K_PLAIN)
         q_t = q
         if HAS_K_PLAIN:
-            q_t = _frame_q(q, qp_rows, s_qpd, m_valid, c_plain, D, BLOCK_D)
+            q_t = _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, c_plain, D, BLOCK_D)
         rs = c_k_rs.to(tl.float32)
         rz = c_k_rz.to(tl.float32)
         s = _packed_dot(q_t * rs[None, :], c_kbyte, q_t * rz[None, :], BLOCK_D, BLOCK_N,
@@ -657,7 +666,8 @@ def _decode_range_bytes(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs,
 
 
 @triton.jit
-def _decode_range(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+def _decode_range(q, qr_rows, s_qrd, qp_rows, s_qpd,
+                  kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                   s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
                   start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
                   BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -678,13 +688,15 @@ def _decode_range(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
         tl.static_assert(BLOCK_DV * V_BITS >= 128, "phased: V phases need 16 channels")
         tl.static_assert((DV * V_BITS) % 16 == 0, "phased: V rows of whole 16-bit words")
         m_i, l_i, acc = _decode_range_phased(
-            q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
+            q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc,
+            s_krs, s_krz, s_kcs,
             s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
             s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
             HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV)
     else:
         m_i, l_i, acc = _decode_range_bytes(
-            q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs,
+            q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc,
+            s_krs, s_krz, s_kcs,
             s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
             s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
             HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV)
@@ -692,8 +704,9 @@ def _decode_range(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
 
 
 @triton.jit
-def _head_tiles(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, head, start, end,
-                m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale, BLOCK_M: tl.constexpr,
+def _head_tiles(q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
+                head, start, end, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
+                BLOCK_M: tl.constexpr,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
                 K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_LO: tl.constexpr,
                 HAS_HI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
@@ -704,7 +717,8 @@ def _head_tiles(q, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, hea
     K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
     V_ROW_BYTES: tl.constexpr = DV * V_BITS // 8
     return _decode_range(
-        q, qp_rows, s_qpd, kc + head * (D * K_ROW_BYTES), krs + head * D, krz + head * D, kcs + head * G,
+        q, qr_rows, s_qrd, qp_rows, s_qpd, kc + head * (D * K_ROW_BYTES), krs + head * D,
+        krz + head * D, kcs + head * G,
         vc + head * (G * V_ROW_BYTES), vrs + head * G, vrz + head * G, vcs + head * DV, kp + head,
         D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1, start, end, m_valid, kv_lo, kv_hi,
         bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO,
@@ -817,8 +831,11 @@ def _kvarn_decode_attn_kernel(
         kv_hi = tq
     bias_rows = bias_ptr + b.to(tl.int64) * stride_bb + hq.to(tl.int64) * stride_bh \
         + tq.to(tl.int64) * stride_bt
+    # (HAS_K_PLAIN: the loop reads the rotated rows again per tile, _frame_q)
+    qr_rows = q_ptr + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh + tq * stride_qt
     m_i, l_i, acc = _head_tiles(
-        q, qp_rows, 1, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr, v_codes_ptr,
+        q, qr_rows, 1, qp_rows, 1, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
+        v_codes_ptr,
         v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr, k_plain_ptr, head, start, end,
         m_valid, kv_lo, kv_hi, bias_rows, 1, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS,
         V_BITS, HAS_KV_START, HAS_KV_END, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV,
@@ -1152,13 +1169,17 @@ def _kvarn_attn_kernel(
             r = tl.load(rot_ptr + offs_k[:, None] * D + offs_d[None, :],
                         mask=(offs_k < D)[:, None] & d_mask[None, :], other=0.0)
             q = tl.dot(q_k, r, q, input_precision=ROT_PRECISION)
+        # with key frames the loop reads the rotated rows again per tile (_frame_q): they
+        # go through scratch (the launcher sets Q_SCRATCH then)
+        tl.static_assert(Q_SCRATCH or not HAS_K_PLAIN, "key frames read q from scratch")
+        q_mem = q_rows
         if Q_SCRATCH:
             # through a scratch row block: the loop takes q in the layout of a load (straight
             # from the dot's accumulator layout, sm_90 decode spills: triton 3.6, 308 B)
             pid = (pid_bh * SPLIT + split) * M_BLOCKS + pid_m
             offs_r = tl.arange(0, BLOCK_M)
-            scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_M * SCRATCH_W) \
-                + offs_r[:, None] * SCRATCH_W + offs_d[None, :]
+            q_mem = scratch_ptr + pid.to(tl.int64) * (BLOCK_M * SCRATCH_W) + offs_r * SCRATCH_W
+            scratch = q_mem[:, None] + offs_d[None, :]
             tl.store(scratch, q)
             tl.debug_barrier()
             q = tl.load(scratch)
@@ -1189,7 +1210,7 @@ def _kvarn_attn_kernel(
         else:
             TILE_MASK = mask_rows + S * s_mk
         m_i, l_i, acc = _head_tiles(
-            q, q_rows, 1, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
+            q, q_mem, 1, q_rows, 1, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
             v_codes_ptr, v_row_scale_ptr, v_row_zero_ptr, v_col_scale_ptr, k_plain_ptr,
             (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, TILE_MASK, s_mk,
             qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
@@ -1796,9 +1817,10 @@ def kvarn_attention(
         exact = 1 if fused else exact_splits(s_len + w_len)
         slots = 0 if fused else split + exact
         # the rotated q of a block of up to 16 rows goes through scratch (fp32, the size of
-        # q times the splits); a larger block takes the dot's layout. FUSED also stages the
-        # exact region's output there
-        q_scratch = block_m <= 16
+        # q times the splits), and with key frames any block's (the loop reads it again per
+        # tile); else a larger block takes the dot's layout. FUSED also stages the exact
+        # region's output there
+        q_scratch = block_m <= 16 or k_plain is not None
         block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
         scratch_w = max(block_d, block_dv)
         o_part = torch.empty(bsz, hq, tq, slots, dv, dtype=torch.float32, device=dev)
