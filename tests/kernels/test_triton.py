@@ -331,7 +331,8 @@ def test_phased_fp16_loop_matches_the_exact_loop(g, d, dv, kb, vb, block_n, fram
     MMA register) against the exact fp32 byte loop on the same tiles, with every mask the
     loop takes: a window start and a causal end inside the quantized region, an additive
     bias, rows with no tile; with and without the next chunk's loads in flight. The
-    difference is the fp16 rounding of the operands (11 significant bits)."""
+    difference is the fp16 rounding of the operands (11 significant bits). A bool mask gives
+    what the additive 0 / -inf mask it stands for gives, bit for bit."""
     from kvarn_compile.kernels.triton.attention import phased_decode
     from kvarn_compile.quant.rotation import rotation_matrix
 
@@ -358,12 +359,23 @@ def test_phased_fp16_loop_matches_the_exact_loop(g, d, dv, kb, vb, block_n, fram
     fin = torch.isfinite(ref_lse)
     assert fin[0].all() and not fin[1].any()
     mag = ref_out.abs().max().item()
+    # a bool mask (True attends; the loop holds it as one bit per token) scores exactly as
+    # the additive 0 / -inf mask it stands for
+    keep = (torch.rand(b, 1, tq, n * g, generator=gen) > 0.3).to(DEV)
+    keep[..., g + 3:g + 5] = True
+    as_float = torch.where(keep, 0.0, float("-inf"))
     for prefetch in (False, True):
         out, lse = kvarn_decode_attention_tiles(q, k, v, n_tiles, input_precision="fp16",
                                                 prefetch=prefetch, **args)
         assert torch.equal(torch.isneginf(lse), ~fin) and (out[~fin] == 0).all()
         torch.testing.assert_close(out, ref_out, rtol=0, atol=3e-3 * mag)
         torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=1e-3, atol=3e-3)
+        got = kvarn_decode_attention_tiles(q, k, v, n_tiles, input_precision="fp16",
+                                           prefetch=prefetch, **{**args, "bias": keep})
+        want = kvarn_decode_attention_tiles(q, k, v, n_tiles, input_precision="fp16",
+                                            prefetch=prefetch, **{**args, "bias": as_float})
+        assert torch.isfinite(want[1][0]).any() and not torch.isfinite(want[1][1]).any()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_phased_decode_takes_phases_at_least_16_wide():

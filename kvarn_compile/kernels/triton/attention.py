@@ -382,6 +382,24 @@ def _phase_split(x, M: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
+def _token_bits(vals, M: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
+    """bool [M, NW * 16 // BITS] in token order -> int32 [M, NW]: bit i of word w is token
+    (16 // BITS) * w + i."""
+    WB: tl.constexpr = 16 // BITS
+    x = tl.reshape(vals.to(tl.int32), [M, NW, WB])
+    return tl.sum(x << tl.arange(0, WB)[None, None, :], axis=2)
+
+
+@triton.jit
+def _phase_bits(bits, k: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
+    """Phase k's columns (``_phase_columns``) of token bits (``_token_bits``): int32
+    [M, 2 * NW], 0 / 1."""
+    PER: tl.constexpr = 8 // BITS
+    x = tl.join((bits >> k) & 1, (bits >> (PER + k)) & 1)
+    return tl.reshape(tl.permute(x, (0, 2, 1)), [bits.shape[0], 2 * NW])
+
+
+@triton.jit
 def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, ok,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
                    BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr):
@@ -481,7 +499,8 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     way), split into VPER = 8 / V_BITS phases of channels, one accumulator each, put back
     in channel order at the end. Every code is 1024 + code * 2^s in fp16 (exact); the
     1024 * rowsum of the other operand and the 2^s are taken off in fp32. Scores, masks and
-    the online softmax are those of ``_decode_range_bytes``.
+    the online softmax are those of ``_decode_range_bytes``; a bool mask row is held as one
+    bit per token (``_token_bits``).
     """
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
@@ -532,9 +551,12 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
         if HAS_BIAS == 1:
             # a mask row per query row: the chunk's BLOCK_N values in token order, one
             # contiguous load per row, then split into the phases' columns
-            bias_ph = _phase_split(_mask_block(bias_rows, it * BLOCK_N + tl.arange(0, BLOCK_N),
-                                               s_bias, m_valid, kv_hi, HAS_HI),
-                                   BLOCK_M, K_BITS, NKW)
+            vals = _mask_block(bias_rows, it * BLOCK_N + tl.arange(0, BLOCK_N), s_bias,
+                               m_valid, kv_hi, HAS_HI)
+            if vals.dtype == tl.int1:
+                bits = _token_bits(vals, BLOCK_M, K_BITS, NKW)
+            else:
+                bias_ph = _phase_split(vals, BLOCK_M, K_BITS, NKW)
         ss = ()
         for k in tl.static_range(KPER):
             SH = 1.0 / (1 << (K_BITS * k))
@@ -544,7 +566,10 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
             tok = it * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
             if HAS_BIAS == 1:       # (loaded above; _mask_scores applies the bounds)
-                s = s + _additive_log2(bias_ph[k])
+                if vals.dtype == tl.int1:
+                    s = tl.where(_phase_bits(bits, k, K_BITS, NKW) != 0, s, float("-inf"))
+                else:
+                    s = s + _additive_log2(bias_ph[k])
             ss = ss + (_mask_scores(s, tok, m_valid, kv_lo, kv_hi, bias_rows, s_bias,
                                     0 if HAS_BIAS == 1 else HAS_BIAS, HAS_LO, HAS_HI),)
         m_new = tl.maximum(m_i, tl.max(_tuple_max(ss, KPER), axis=1))
