@@ -147,10 +147,10 @@ def prefill_configs(mode: str, *, group: int, rows: int, phased: bool) -> list[D
     elif mode == "autotune":
         # and the 16-row block at the loop's own step and warps (the byte loop's default is
         # larger: its unpacking is shared by a warp's rows, where the phased loop's is not),
-        # and at 4 warps: the phased loop's 2-warp block spills a little on sm_90 with key
-        # frames (triton 3.6: 56-284 B; 3.9: up to 44 B, 4-11 reloads per tile in the loop),
-        # 4 warps not at all, for ~35% more warp instructions per query row (static
-        # report); which is faster is the GPU's to measure
+        # and at 4 warps: the phased loop's 2-warp block keeps its loop out of local memory
+        # on sm_90 with triton 3.9 but not with 3.6 (2-55 local loads per tile with a mask
+        # and key frames), 4 warps with both, for ~40% more warp instructions per query row
+        # (static report); which is faster is the GPU's to measure
         candidates = [default] + [DecodeConfig(loop_block_n(16, group), 16, 1, w, 1)
                                   for w in (None, 4)] + [
             DecodeConfig(bn, bm, 1, w, 1) for bm, bn, w in
