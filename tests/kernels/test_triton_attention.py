@@ -86,6 +86,10 @@ GEOMETRIES = {
     # or the plain queries per tile
     "key_frames": (32, 32, None, torch.float32, dict(outlier=300.0), "ieee", 2e-5),
     "key_frames_phased": (64, 64, None, torch.float16, dict(outlier=300.0), "fp16", 4e-3),
+    # a head dim between two powers of two: the phased loop scores it in two parts (64 + 32),
+    # without key frames with the queries it read before the loop, with them per tile
+    "d96_phased": (64, 96, None, torch.float16, dict(key_frame="rotated"), "fp16", 4e-3),
+    "d96_key_frames_phased": (64, 96, None, torch.float16, dict(outlier=300.0), "fp16", 4e-3),
 }
 
 

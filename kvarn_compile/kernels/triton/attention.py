@@ -178,7 +178,7 @@ def _packed_dot(a, byte, zero_terms, R: tl.constexpr, NC: tl.constexpr, BITS: tl
 
 @triton.jit
 def _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D: tl.constexpr,
-             BLOCK_D: tl.constexpr):
+             BLOCK_D: tl.constexpr, D0: tl.constexpr = 0):
     """The queries a K tile is scored with, with key frames (HAS_K_PLAIN), read for each
     tile: the rotated ones (fp32 rows ``qr_rows``, column stride ``s_qrd``) for a rotated
     tile, the un-rotated ones (``qp_rows``, ``s_qpd``) for a key frame (``plain`` != 0);
@@ -186,8 +186,9 @@ def _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D: tl.constexpr,
     first tile), instead of the rotated block held across the loop and the other loaded
     beside it: two fp32 blocks of registers (sm_90, the 16-row prompt block with a bool
     mask spilled 32 B with triton 3.9 and 200 B with 3.6, with 11 and 41 local loads per
-    tile in the loop; docs/performance.md has what it does now)."""
-    offs_d = tl.arange(0, BLOCK_D)
+    tile in the loop; docs/performance.md has what it does now). D0: the block's first
+    channel (the phased loop takes a head dim between two powers of two in two parts)."""
+    offs_d = D0 + tl.arange(0, BLOCK_D)
     ok = m_valid[:, None] & (offs_d < D)[None, :]
     if plain != 0:
         q_t = tl.load(qp_rows[:, None] + offs_d[None, :] * s_qpd, mask=ok, other=0.0)
@@ -402,25 +403,37 @@ def _phase_bits(bits, k: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
 @triton.jit
 def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, ok,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr):
+                   BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
+                   NPARTS: tl.constexpr):
     """The K loads of chunk ``it`` for the phased loop (``ok`` = 0 reads zeros): the code
-    words of channel pairs (``_paired_words``), the channel scales and zeros, per K phase
-    its tokens' scales, the key-frame flag."""
+    words of channel pairs (``_paired_words``), the channel scales and zeros (a tuple of
+    NPARTS each: the channels in one block, or in the two parts ``_decode_range_phased``
+    takes), per K phase its tokens' scales, the key-frame flag."""
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
     NKW: tl.constexpr = BLOCK_N * K_BITS // 16    # words per K row in a chunk
     j = (it // CH).to(tl.int64)
     c0 = (it % CH) * BLOCK_N
-    offs_h = tl.arange(0, BLOCK_D // 2)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, 2 * NKW)
     offs_w = tl.arange(0, NKW)
-    k_t0, k_t1 = _paired_words((kc + j * s_kc).to(tl.pointer_type(tl.int16)), 2 * offs_h,
+    k_t0 = ()
+    k_t1 = ()
+    k_rs = ()
+    k_rz = ()
+    NP: tl.constexpr = NPARTS
+    DPA: tl.constexpr = BLOCK_D if NP == 1 else BLOCK_D // 2     # the parts' channels
+    DPB: tl.constexpr = D - BLOCK_D // 2
+    for p in tl.static_range(NP):
+        offs_h = (0 if p == 0 else DPA // 2) + tl.arange(0, DPA // 2 if p == 0 else DPB // 2)
+        offs_d = (0 if p == 0 else DPA) + tl.arange(0, DPA if p == 0 else DPB)
+        t0, t1 = _paired_words((kc + j * s_kc).to(tl.pointer_type(tl.int16)), 2 * offs_h,
                                2 * offs_h + 1, G * K_BITS // 16, c0 // (16 // K_BITS), offs_w,
                                2 * offs_h < D * ok, 2 * offs_h + 1 < D * ok, offs_w < NKW)
-    d_ok = offs_d < D * ok
-    k_rs = tl.load(krs + j * s_krs + offs_d, mask=d_ok, other=0.0)
-    k_rz = tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0)
+        d_ok = offs_d < D * ok
+        k_t0 = k_t0 + (t0,)
+        k_t1 = k_t1 + (t1,)
+        k_rs = k_rs + (tl.load(krs + j * s_krs + offs_d, mask=d_ok, other=0.0),)
+        k_rz = k_rz + (tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0),)
     n_ok = offs_n < 2 * NKW * ok
     k_cs = ()
     for k in tl.static_range(KPER):
@@ -498,7 +511,9 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     probabilities [BLOCK_M, NK] against the V rows of that phase's tokens (paired the same
     way), split into VPER = 8 / V_BITS phases of channels, one accumulator each, put back
     in channel order at the end. Every code is 1024 + code * 2^s in fp16 (exact); the
-    1024 * rowsum of the other operand and the 2^s are taken off in fp32. Scores, masks and
+    1024 * rowsum of the other operand and the 2^s are taken off in fp32. A head dim
+    between two powers of two (D = 192) is scored in two parts (128 + 64), the queries read
+    from their rows (``qr_rows``) in the same parts. Scores, masks and
     the online softmax are those of ``_decode_range_bytes``; a bool mask row is held as one
     bit per token (``_token_bits``).
     """
@@ -510,6 +525,22 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     NK: tl.constexpr = 2 * NKW
     NV: tl.constexpr = 2 * NVW
     offs_n = tl.arange(0, NK)
+    # keys of a head dim between two powers of two (D = 192 in a 256 block) in two parts,
+    # each a power of two (128 + 64): no padded channels in registers or matmuls. The
+    # queries then come in the same parts, from their rows (qr_rows)
+    DPB: tl.constexpr = D - BLOCK_D // 2
+    NP: tl.constexpr = 2 if BLOCK_D != D and (DPB == 16 or DPB == 32 or DPB == 64
+                                              or DPB == 128) else 1
+    DPA: tl.constexpr = BLOCK_D if NP == 1 else BLOCK_D // 2
+    if NP == 1:
+        qs = (q,)
+    else:
+        qs = ()
+        for p in tl.static_range(2):
+            offs_q = (0 if p == 0 else DPA) + tl.arange(0, DPA if p == 0 else DPB)
+            q_p = tl.load(qr_rows[:, None] + offs_q[None, :] * s_qrd,
+                          mask=m_valid[:, None] & (offs_q < D)[None, :], other=0.0)
+            qs = qs + (q_p.to(tl.float32),)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     accs = ()
@@ -520,7 +551,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     if PREFETCH:
         k_nxt = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it0,
                                (it0 < it1).to(tl.int32), D, BLOCK_D, G, BLOCK_N, K_BITS,
-                               HAS_K_PLAIN)
+                               HAS_K_PLAIN, NP)
         v_nxt = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, it0,
                                (it0 < it1).to(tl.int32), DV, BLOCK_DV, G, BLOCK_N, K_BITS,
                                V_BITS)
@@ -531,23 +562,32 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
             # the next chunk's loads first (the last chunk reloads itself: never out of range)
             k_nxt = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp,
                                    tl.minimum(it + 1, it1 - 1), (it < it1).to(tl.int32), D,
-                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN)
+                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP)
             v_nxt = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs,
                                    tl.minimum(it + 1, it1 - 1), (it < it1).to(tl.int32), DV,
                                    BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS)
         else:
             k_cur = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp,
                                    tl.minimum(it, it1 - 1), (it < it1).to(tl.int32), D,
-                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN)
+                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP)
         k_t0, k_t1, k_rs, k_rz, k_cs, plain = k_cur
-        q_t = q
-        if HAS_K_PLAIN:
-            q_t = _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D, BLOCK_D)
-        a = (q_t * k_rs.to(tl.float32)[None, :]).to(tl.float16)
         # every code comes as 1024 + code * 2^s: the matmul starts from a @ (-1024), the
         # same products, so the fp32 accumulator cancels the 1024s exactly as it adds them
-        bias_k = tl.dot(a, tl.full([BLOCK_D, NK], -1024.0, tl.float16), out_dtype=tl.float32)
-        z_k = tl.sum(q_t * k_rz.to(tl.float32)[None, :], axis=1)   # the zero points' term
+        aa = ()
+        for p in tl.static_range(NP):
+            q_t = qs[p]
+            if HAS_K_PLAIN:
+                q_t = _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D,
+                               DPA if p == 0 else DPB, 0 if p == 0 else DPA)
+            a = (q_t * k_rs[p].to(tl.float32)[None, :]).to(tl.float16)
+            minus = tl.full([DPA if p == 0 else DPB, NK], -1024.0, tl.float16)
+            if p == 0:
+                bias_k = tl.dot(a, minus, out_dtype=tl.float32)
+                z_k = tl.sum(q_t * k_rz[p].to(tl.float32)[None, :], axis=1)   # zero points' term
+            else:
+                bias_k = tl.dot(a, minus, bias_k, out_dtype=tl.float32)
+                z_k = z_k + tl.sum(q_t * k_rz[p].to(tl.float32)[None, :], axis=1)
+            aa = aa + (a,)
         if HAS_BIAS == 1:
             # a mask row per query row: the chunk's BLOCK_N values in token order, one
             # contiguous load per row, then split into the phases' columns
@@ -560,8 +600,11 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
         ss = ()
         for k in tl.static_range(KPER):
             SH = 1.0 / (1 << (K_BITS * k))
-            raw = tl.dot(a, _phase_f16(k_t0, k_t1, k, K_BITS, BLOCK_D // 2, NKW), bias_k,
-                         out_dtype=tl.float32)
+            raw = bias_k
+            for p in tl.static_range(NP):
+                raw = tl.dot(aa[p], _phase_f16(k_t0[p], k_t1[p], k, K_BITS,
+                                               DPA // 2 if p == 0 else DPB // 2, NKW), raw,
+                             out_dtype=tl.float32)
             s = (raw + (z_k * (1.0 / SH))[:, None]) \
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
             tok = it * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
@@ -1194,9 +1237,11 @@ def _kvarn_attn_kernel(
             r = tl.load(rot_ptr + offs_k[:, None] * D + offs_d[None, :],
                         mask=(offs_k < D)[:, None] & d_mask[None, :], other=0.0)
             q = tl.dot(q_k, r, q, input_precision=ROT_PRECISION)
-        # with key frames the loop reads the rotated rows again per tile (_frame_q): they
-        # go through scratch (the launcher sets Q_SCRATCH then)
-        tl.static_assert(Q_SCRATCH or not HAS_K_PLAIN, "key frames read q from scratch")
+        # with key frames (per tile, _frame_q) or a head dim the phased loop takes in two
+        # parts, the loop reads the rotated rows: they go through scratch (the launcher sets
+        # Q_SCRATCH then)
+        tl.static_assert(Q_SCRATCH or not (HAS_K_PLAIN or (PHASED and BLOCK_D != D)),
+                         "the loop reads the rotated q from scratch")
         q_mem = q_rows
         if Q_SCRATCH:
             # through a scratch row block: the loop takes q in the layout of a load (straight
@@ -1842,11 +1887,11 @@ def kvarn_attention(
         exact = 1 if fused else exact_splits(s_len + w_len)
         slots = 0 if fused else split + exact
         # the rotated q of a block of up to 16 rows goes through scratch (fp32, the size of
-        # q times the splits), and with key frames any block's (the loop reads it again per
-        # tile); else a larger block takes the dot's layout. FUSED also stages the exact
-        # region's output there
-        q_scratch = block_m <= 16 or k_plain is not None
+        # q times the splits), and with key frames or a head dim that is not a power of two
+        # any block's (the loop reads it there); else a larger block takes the dot's
+        # layout. FUSED also stages the exact region's output there
         block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+        q_scratch = block_m <= 16 or k_plain is not None or block_d != d
         scratch_w = max(block_d, block_dv)
         o_part = torch.empty(bsz, hq, tq, slots, dv, dtype=torch.float32, device=dev)
         lse_part = torch.empty(bsz, hq, tq, slots, dtype=torch.float32, device=dev)
