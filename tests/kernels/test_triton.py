@@ -20,9 +20,10 @@ from kvarn_compile.kernels import (
     quantize_tiles_into, quantize_tiles_triton,
 )
 from kvarn_compile import testing
-from kvarn_compile.kernels.triton.quantize import _rne
+from kvarn_compile.kernels.triton.quantize import _imbalance, _normalize_variance, _rne
 from kvarn_compile.quant.quantize import (
-    NonFiniteError, QuantizedTiles, dequantize_tiles, quantize_kv, unpack_codes,
+    NonFiniteError, QuantizedTiles, dequantize_tiles, imbalance, normalize_variance, quantize_kv,
+    unpack_codes,
 )
 
 METHOD_FLAGS = {"kvarn": (True, True), "hadamard": (True, False), "kivi": (False, False)}
@@ -115,6 +116,46 @@ def test_rne_rounds_half_to_even():
     y = torch.empty_like(x)
     _round_kernel[(1,)](x, y, BLOCK=16)
     torch.testing.assert_close(y, torch.round(x), rtol=0, atol=0)
+
+
+@triton.jit
+def _two_part_normalization_kernel(x_ptr, score_ptr, col_ptr, row_ptr, iters, RA: tl.constexpr,
+                                   RB: tl.constexpr, C: tl.constexpr):
+    offs_c = tl.arange(0, C)
+    ra = tl.arange(0, RA)
+    rb = RA + tl.arange(0, RB)
+    x = tl.load(x_ptr + ra[:, None] * C + offs_c[None, :])
+    x2 = tl.load(x_ptr + rb[:, None] * C + offs_c[None, :])
+    row_valid = ra < RA + RB
+    col_valid = offs_c < C
+    mask = row_valid[:, None] & col_valid[None, :]
+    tl.store(score_ptr, _imbalance(x, mask, row_valid, col_valid, RA + RB, C, False, x2, RB))
+    col, row, row2 = _normalize_variance(x, mask, row_valid, col_valid, iters, RA + RB, C, RA, C,
+                                         False, None, False, x2, RB)
+    tl.store(col_ptr + offs_c, col)
+    tl.store(row_ptr + ra, row)
+    tl.store(row_ptr + rb, row2)
+
+
+@pytest.mark.parametrize("ra,rb,loud", [(64, 32, "second"), (32, 16, "first"), (16, 16, "none")])
+def test_normalization_of_a_tile_in_two_parts(ra, rb, loud):
+    """A key tile held as two row parts (D = 96 = 64 + 32: ``PART_A``): the imbalance and the
+    normalization's scales are those of the whole tile (the reference's), with the largest
+    and the smallest row stds in either part."""
+    gen = torch.Generator().manual_seed(ra + rb)
+    c = 32
+    x = torch.randn(ra + rb, c, generator=gen) * (0.5 + 2 * torch.rand(c, generator=gen))
+    if loud == "second":
+        x[ra:] *= 20
+    elif loud == "first":
+        x[:ra] *= 20
+    score = torch.empty((), device=DEV)
+    col, row = torch.empty(c, device=DEV), torch.empty(ra + rb, device=DEV)
+    _two_part_normalization_kernel[(1,)](x.to(DEV), score, col, row, 6, RA=ra, RB=rb, C=c)
+    torch.testing.assert_close(score.cpu().double(), imbalance(x.double()), rtol=1e-5, atol=0)
+    want_col, want_row = normalize_variance(x, 6)
+    torch.testing.assert_close(col.cpu(), want_col, rtol=1e-4, atol=0)
+    torch.testing.assert_close(row.cpu(), want_row, rtol=1e-4, atol=0)
 
 
 def test_quantize_exact_ties_and_degenerate_tiles():

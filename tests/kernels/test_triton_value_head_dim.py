@@ -17,6 +17,8 @@ interpreter runs each program in numpy.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvarn_compile.config import get_config
 from kvarn_compile.kernels import kvarn_decode_attention, quantize_tiles_into
@@ -205,3 +207,37 @@ def test_quantizer_takes_the_values_rotation_for_value_tiles():
     with pytest.raises(ValueError, match=r"rotation of shape \[128, 128\]"):
         quantize_tiles_into(x, *f.v.core, kind="v", bits=2, rotate=True, normalize=True,
                             dst_tile=torch.tensor([0]), rotation=rotation_matrix(192))
+
+
+@triton.jit
+def _dominant_kernel(x_ptr, out_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
+                     DOMINANCE: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, G)
+    d_ok = offs_d < D
+    x = tl.load(x_ptr + offs_t[:, None] * D + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    hi = tl.max(x, axis=0)
+    lo = tl.min(x, axis=0)
+    peak = tl.max(tl.abs(x), axis=0)
+    tl.store(out_ptr, triton_append._dominant(hi, lo, peak, d_ok, D, BLOCK_D, DOMINANCE)
+             .to(tl.int32))
+
+
+@pytest.mark.parametrize("d", [192, 128, 96, 16])
+def test_device_key_frame_choice_takes_the_references_median(d):
+    """The append kernel's key-frame choice (``_dominant``) against the reference's dominance
+    (``quant.key_dominance``: max |k| / the sorted channel range at D // 2) with the
+    threshold just below and just above it: the median is that very range, ties (copied
+    channels) and the padding's channels included."""
+    from kvarn_compile.quant.quantize import key_dominance
+
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(G, d, generator=gen) * (0.5 + 2 * torch.rand(d, generator=gen))
+    x[:, 1::4] = x[:, 0::4]                    # equal ranges around the median
+    x[:, 3] += 40.0
+    dominance = float(key_dominance(x))
+    out = torch.empty((), dtype=torch.int32)
+    for factor, want in ((1 - 1e-4, 1), (1 + 1e-4, 0)):
+        _dominant_kernel[(1,)](x, out, D=d, BLOCK_D=triton.next_power_of_2(d), G=G,
+                               DOMINANCE=dominance * factor)
+        assert int(out) == want, (d, factor, dominance)

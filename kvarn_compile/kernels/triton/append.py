@@ -166,14 +166,10 @@ def _dominant(hi, lo, peak, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
               DOMINANCE: tl.constexpr):
     """``choose_key_frame`` of one K tile from its per-channel max ``hi``, min ``lo`` and
     max |k| ``peak`` [BLOCK_D] (channels d_ok): peak / median range >= DOMINANCE, the median
-    the (D // 2)-th smallest range (the reference's sorted range at D // 2), found by rank
-    (how many ranges are smaller, ties broken by channel index), not by a sort."""
-    rng = tl.where(d_ok, hi - lo, float("inf"))
-    offs = tl.arange(0, BLOCK_D)
-    below = (rng[None, :] < rng[:, None]) | ((rng[None, :] == rng[:, None])
-                                            & (offs[None, :] < offs[:, None]))
-    rank = tl.sum(below.to(tl.int32), axis=1)
-    median = tl.sum(tl.where(rank == D // 2, rng, 0.0), axis=0)
+    the (D // 2)-th smallest range (the reference's sorted range at D // 2; the padding's
+    +inf sorts last)."""
+    rng = tl.sort(tl.where(d_ok, hi - lo, float("inf")))
+    median = tl.sum(tl.where(tl.arange(0, BLOCK_D) == D // 2, rng, 0.0), axis=0)
     top = tl.max(tl.where(d_ok, peak, 0.0), axis=0)
     return tl.div_rn(top, tl.maximum(median, 1.1754943508222875e-38)) >= DOMINANCE
 
