@@ -22,7 +22,8 @@ Per kernel and config:
   registers, allocated per warp in units of 256), shared memory (228 KiB, 1 KiB reserved per
   CTA), 64 warps and 32 CTAs;
 * ``loop_instructions``: SASS instructions executed per thread for one packed tile: the body of
-  the outermost loop (a backward branch in the SASS) times the runs of that loop per tile
+  the outermost loop (a backward branch in the SASS before its last EXIT; the cold paths
+  after it, such as a diverged shuffle's fallback, branch back too) times the runs of that loop per tile
   (G // BLOCK_N for the decode loop, which walks BLOCK_N tokens a step), with a nested inner
   loop counted as often as it runs per tile (the prefill template); ``loop_global_loads``: the
   global loads in that body by width; ``widest_global_load`` (bytes, 16 = LDG.E.128);
@@ -190,10 +191,15 @@ def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
     ``outer_trips`` times the outermost loop's body, a nested loop counted ``inner_trips``
     times."""
     insns = _instructions(text)
+    # ptxas places cold paths after the kernel's last EXIT (the fallback of a warp shuffle
+    # that may run diverged, ``BRA.DIV``, jumps there and back into the body): a backward
+    # branch from there is not a loop
+    last_exit = max((a for a, body in insns if re.sub(r"^@!?U?P\w+\s+", "", body)
+                     .startswith("EXIT")), default=None)
     loops = []
     for addr, body in insns:
         op = re.sub(r"^@!?U?P\w+\s+", "", body)
-        if op.startswith("BRA"):
+        if op.startswith("BRA") and (last_exit is None or addr < last_exit):
             m = re.search(r"(0x[0-9a-f]+)", op)
             if m and int(m[1], 16) < addr:
                 loops.append((int(m[1], 16), addr))

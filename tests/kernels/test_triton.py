@@ -129,7 +129,7 @@ def _two_part_normalization_kernel(x_ptr, score_ptr, col_ptr, row_ptr, iters, RA
     row_valid = ra < RA + RB
     col_valid = offs_c < C
     mask = row_valid[:, None] & col_valid[None, :]
-    tl.store(score_ptr, _imbalance(x, mask, row_valid, col_valid, RA + RB, C, False, x2, RB))
+    tl.store(score_ptr, _imbalance(x, mask, row_valid, col_valid, RA + RB, C, False, x2, RB)[1])
     col, row, row2 = _normalize_variance(x, mask, row_valid, col_valid, iters, RA + RB, C, RA, C,
                                          False, None, False, x2, RB)
     tl.store(col_ptr + offs_c, col)

@@ -867,8 +867,9 @@ def _kvarn_decode_attn_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
 
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
-                + tq[:, None] * stride_qt + offs_d[None, :],
+    # the rotated queries' rows (HAS_K_PLAIN: the loop reads them again per tile, _frame_q)
+    qr_rows = q_ptr + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh + tq * stride_qt
+    q = tl.load(qr_rows[:, None] + offs_d[None, :],
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     # the un-rotated queries' rows (HAS_K_PLAIN: read by the loop for a key-frame tile)
     qp_rows = q_plain_ptr + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh \
@@ -899,8 +900,6 @@ def _kvarn_decode_attn_kernel(
         kv_hi = tq
     bias_rows = bias_ptr + b.to(tl.int64) * stride_bb + hq.to(tl.int64) * stride_bh \
         + tq.to(tl.int64) * stride_bt
-    # (HAS_K_PLAIN: the loop reads the rotated rows again per tile, _frame_q)
-    qr_rows = q_ptr + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh + tq * stride_qt
     m_i, l_i, acc = _head_tiles(
         q, qr_rows, 1, qp_rows, 1, k_codes_ptr, k_row_scale_ptr, k_row_zero_ptr, k_col_scale_ptr,
         v_codes_ptr,

@@ -127,7 +127,8 @@ def _col_std(y, y2, mask, n, MASKED: tl.constexpr, R2: tl.constexpr):
 @triton.jit
 def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr,
                MASKED: tl.constexpr = True, y2=None, R2: tl.constexpr = 0):
-    """max/min of the column stds plus max/min of the row stds of one tile (a scalar).
+    """The column stds [BLOCK_C] of one tile and its imbalance (a scalar): max/min of the
+    column stds plus max/min of the row stds.
 
     imbalance(Y) = max(colstd)/max(min(colstd), eps) + max(rowstd)/max(min(rowstd), eps).
     Stds are >= 0, so 0 is a neutral pad for max and +inf for min. R2 > 0: the tile's rows
@@ -143,8 +144,8 @@ def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr,
         row2 = _masked_std(y2, mask, C, 1, False)
         row_max = tl.maximum(row_max, tl.max(row2, axis=0))
         row_min = tl.minimum(row_min, tl.min(row2, axis=0))
-    return (col_max / tl.maximum(col_min, _IMBALANCE_EPS)
-            + row_max / tl.maximum(row_min, _IMBALANCE_EPS))
+    return col, (col_max / tl.maximum(col_min, _IMBALANCE_EPS)
+                 + row_max / tl.maximum(row_min, _IMBALANCE_EPS))
 
 
 @triton.jit
@@ -166,7 +167,10 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
     The original X is scaled at every step (no drift), in the reference's order (first
     the columns, then the rows), each division a multiplication by the scale's reciprocal
     (one rounding more than a division; it keeps ptxas from holding a second copy of the
-    tile). Returns (c* [BLOCK_C], r* [BLOCK_R], r2*).
+    tile). The column stds an iteration's imbalance takes are those of the matrix the next
+    iteration starts from: they are computed once (as the reference does), and the next
+    column update is made at the end of the iteration. Returns (c* [BLOCK_C], r* [BLOCK_R],
+    r2*).
 
     ``x2`` (R2 > 0): the tile's last R2 rows, below ``x`` (then R - R2 rows, unpadded):
     a key tile whose head dim lies between two powers of two (192 = 128 + 64) in two
@@ -180,25 +184,20 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
     one more (it spilled 588 B at 8 warps on sm_90). The vector is written only when an
     iteration wins, read once at the end; barriers order those writes and the read.
     """
-    a = tl.zeros([BLOCK_C], dtype=tl.float32)
     b = tl.zeros([BLOCK_R], dtype=tl.float32)
-    best = _imbalance(x, mask, row_valid, col_valid, R, C, MASKED, x2, R2)
+    col0, best = _imbalance(x, mask, row_valid, col_valid, R, C, MASKED, x2, R2)
     if SCRATCH:
-        tl.store(best_a_ptr, a)     # "no scaling": c* = e^0 = 1
+        tl.store(best_a_ptr, tl.zeros([BLOCK_C], dtype=tl.float32))  # "no scaling": c* = 1
     else:
         best_c = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
     best_r = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
     if R2 > 0:
         b2 = tl.zeros([R2], dtype=tl.float32)
         best_r2 = tl.full([R2], 1.0, dtype=tl.float32)
+    # the first column update (from a = 0); each iteration ends with the next one
+    a = tl.minimum(tl.maximum(tl.log(tl.minimum(tl.maximum(col0, _STD_LO), _STD_HI)), _LOG_LO),
+                   _LOG_HI)
     for _ in range(iters):
-        y = x * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b))[:, None]
-        if R2 > 0:
-            y2 = x2 * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b2))[:, None]
-        else:
-            y2 = None
-        col = tl.minimum(tl.maximum(_col_std(y, y2, mask, R, MASKED, R2), _STD_LO), _STD_HI)
-        a = tl.minimum(tl.maximum(a + tl.log(col), _LOG_LO), _LOG_HI)
         y = x * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b))[:, None]
         row = tl.minimum(tl.maximum(_masked_std(y, mask, C, 1, MASKED), _STD_LO), _STD_HI)
         b = tl.minimum(tl.maximum(b + tl.log(row), _LOG_LO), _LOG_HI)
@@ -208,7 +207,9 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
             row2 = tl.minimum(tl.maximum(_masked_std(y2, mask, C, 1, False), _STD_LO), _STD_HI)
             b2 = tl.minimum(tl.maximum(b2 + tl.log(row2), _LOG_LO), _LOG_HI)
             y2 = x2 * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b2))[:, None]
-        score = _imbalance(y, mask, row_valid, col_valid, R, C, MASKED, y2, R2)
+        else:
+            y2 = None
+        col, score = _imbalance(y, mask, row_valid, col_valid, R, C, MASKED, y2, R2)
         better = score <= best  # "<=": later iterations win ties, as in the reference
         best = tl.where(better, score, best)
         if SCRATCH:
@@ -220,6 +221,10 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
         best_r = tl.where(better, tl.exp(b), best_r)
         if R2 > 0:
             best_r2 = tl.where(better, tl.exp(b2), best_r2)
+        # the next iteration's column update, from the column stds of this Y (a name of the
+        # loop's own: a value defined before the loop would be carried through it)
+        a = tl.minimum(tl.maximum(a + tl.log(tl.minimum(tl.maximum(col, _STD_LO), _STD_HI)),
+                                  _LOG_LO), _LOG_HI)
     if SCRATCH:
         tl.debug_barrier()          # the last write is visible to every thread
         best_c = tl.exp(tl.load(best_a_ptr))
@@ -510,9 +515,9 @@ def _part_a(kind: str, d: int) -> int:
 
 def _num_warps(d: int, group: int, part_a: int = 0) -> int:
     """4 warps up to 64 x 64 tiles, 8 up to 128 x 128 (at 4 warps a 128 x 64 tile spilled
-    ~0.4 KB on sm_90) and for a key tile in two parts (192 x 128: 8 warps ran ~15% fewer
-    instructions per tile than 16 and spilled less, ~0.9 KB against ~2.3 KB, outside the
-    normalization loop but for a few values), 16 where one part is padded over 128
+    ~0.4 KB on sm_90) and for a key tile in two parts (192 x 128: at 16 warps it ran more
+    instructions per tile and spilled more, ~2.3 KB against ~0.9 KB), 16 where one part is
+    padded over 128
     (BLOCK_D = 256: the tile alone is 128 fp32 registers per thread at 8 warps)."""
     if _block_d(d) > 128 and not part_a:
         return 16
