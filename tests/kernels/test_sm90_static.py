@@ -52,16 +52,17 @@ QUANTIZER_LOOP_INSTRUCTIONS_MAX = {"quantize_k4_d128_g128": 3400, "quantize_v2_d
 
 #: A prompt's default block (16 rows; a bool mask per row and key frames, as transformers and
 #: the default config give them): the prefill template and the op in one launch (FUSED: one
-#: program per block). Held to no local memory in the loop, and the template to no spills at
-#: all (the op spills 4 B outside its loop, around the exact region). The loop reads the
-#: queries per tile (``_frame_q``) and holds a bool mask as bits; before, the two spilled 32
-#: and 36 B with 11 and 9 local loads per tile, and the 64-row blocks they replaced 880 B
-#: (template) and 740-1,560 B (kernel), with 516-1,154 local loads and stores per tile.
+#: program per block). Held to no spills. The loop reads the queries per tile
+#: (``_frame_q``); the template holds a bool mask as bits, the op as its values split per
+#: phase (``MASK_BITS``: each is the one that keeps its loop in registers). Before, the two
+#: spilled 32 and 36 B with 11 and 9 local loads per tile, and the 64-row blocks they
+#: replaced 880 B (template) and 740-1,560 B (kernel), with 516-1,154 local loads and stores
+#: per tile.
 PREFILL = ("kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16",
            "attention_k4v2_d128g128_n128_fp16_tq64_mask")
 PREFILL_LOOP_SPILLS_MAX = 0
 PREFILL_SPILL_BYTES_MAX = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": 0,
-                           "attention_k4v2_d128g128_n128_fp16_tq64_mask": 8}
+                           "attention_k4v2_d128g128_n128_fp16_tq64_mask": 0}
 #: The issue-bound estimate (static_report's model) the production decode loop must reach:
 #: at least 70% of H200 bandwidth (the byte loop was at 43-47%: its per-code byte shuffles),
 #: and near what it reaches (0.99, 0.87, 1.0), so that a change giving most of that back
@@ -72,16 +73,17 @@ DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.90,
 
 #: Triton before 3.9 (3.6 is torch 2.11's, the GPU image's) allocates the same loops less
 #: well (docs/performance.md). There the limits are what it reaches, measured, so that it
-#: slips no further: the decode estimates 0.83 / 0.76 / 0.87; the prompt blocks 28 and 220 B, with 0 and 20 local stores and 2 and 55 local
-#: loads and stores per tile (200 and 284 B before the loop read the queries per tile).
+#: slips no further: the decode estimates 0.83 / 0.76 / 0.87; the prompt blocks 28 and 84 B,
+#: with 0 and 4 local stores and 2 and 15 local loads and stores per tile (200 and 284 B
+#: before the loop read the queries per tile; the op 220 B holding a bool mask as bits).
 OLD_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
 if OLD_TRITON:
     DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.80,
                            "kvarn_decode_k4v2_n128_m16_fp16": 0.73,
                            "attention_k4v2_d128g128_n128_fp16": 0.84}
-    PREFILL_LOOP_SPILLS_MAX, PREFILL_LOOP_STORES_MAX = 64, 24
+    PREFILL_LOOP_SPILLS_MAX, PREFILL_LOOP_STORES_MAX = 24, 8
     PREFILL_SPILL_BYTES_MAX = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": 48,
-                               "attention_k4v2_d128g128_n128_fp16_tq64_mask": 256}
+                               "attention_k4v2_d128g128_n128_fp16_tq64_mask": 128}
 else:
     PREFILL_LOOP_STORES_MAX = 0
 

@@ -498,7 +498,8 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
                          G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
                          V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
-                         PREFETCH: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         PREFETCH: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         MASK_BITS: tl.constexpr = True):
     """``_decode_range`` with fp16 code operands, codes unpacked two per instruction.
 
     The packed layouts stay as stored; the loop reads them as 16-bit words and regroups the
@@ -514,8 +515,11 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     1024 * rowsum of the other operand and the 2^s are taken off in fp32. A head dim
     between two powers of two (D = 192) is scored in two parts (128 + 64), the queries read
     from their rows (``qr_rows``) in the same parts. Scores, masks and
-    the online softmax are those of ``_decode_range_bytes``; a bool mask row is held as one
-    bit per token (``_token_bits``).
+    the online softmax are those of ``_decode_range_bytes``. A bool mask row is held as one
+    bit per token (``_token_bits``) with MASK_BITS, else as its values split per phase like
+    a float one: each is what keeps its caller's loop in registers on sm_90 (bits: the
+    template's prompt block, 0 B of spills against 8 with triton 3.9, 28 against 96 with
+    3.6; values: the one-launch op's, 0 against 4 and 84 against 220).
     """
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
@@ -593,7 +597,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
             # contiguous load per row, then split into the phases' columns
             vals = _mask_block(bias_rows, it * BLOCK_N + tl.arange(0, BLOCK_N), s_bias,
                                m_valid, kv_hi, HAS_HI)
-            if vals.dtype == tl.int1:
+            if vals.dtype == tl.int1 and MASK_BITS:
                 bits = _token_bits(vals, BLOCK_M, K_BITS, NKW)
             else:
                 bias_ph = _phase_split(vals, BLOCK_M, K_BITS, NKW)
@@ -609,7 +613,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
             tok = it * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
             if HAS_BIAS == 1:       # (loaded above; _mask_scores applies the bounds)
-                if vals.dtype == tl.int1:
+                if vals.dtype == tl.int1 and MASK_BITS:
                     s = tl.where(_phase_bits(bits, k, K_BITS, NKW) != 0, s, float("-inf"))
                 else:
                     s = s + _additive_log2(bias_ph[k])
@@ -743,13 +747,14 @@ def _decode_range(q, qr_rows, s_qrd, qp_rows, s_qpd,
                   V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, PHASED: tl.constexpr):
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, PHASED: tl.constexpr,
+                  MASK_BITS: tl.constexpr = True):
     """Online-softmax attention of the query block q [BLOCK_M, BLOCK_D] (rotated, fp32) over
     packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units,
     acc [BLOCK_M, BLOCK_DV]. The loop shared by the standalone kernel and the decode
     template. PHASED (:func:`phased_decode`, decided by the launcher): fp16 operands through
-    ``_decode_range_phased`` (codes unpacked two per instruction); else
-    ``_decode_range_bytes``."""
+    ``_decode_range_phased`` (codes unpacked two per instruction; MASK_BITS: how it holds a
+    bool mask); else ``_decode_range_bytes``."""
     if PHASED:
         tl.static_assert(INPUT_PRECISION == "fp16", "the phased loop takes fp16 operands")
         tl.static_assert(BLOCK_N * K_BITS >= 128, "phased: K phases need 16 tokens")
@@ -760,7 +765,7 @@ def _decode_range(q, qr_rows, s_qrd, qp_rows, s_qpd,
             s_krs, s_krz, s_kcs,
             s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
             s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
-            HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV)
+            HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV, MASK_BITS)
     else:
         m_i, l_i, acc = _decode_range_bytes(
             q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc,
@@ -779,7 +784,7 @@ def _head_tiles(q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, v
                 K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_LO: tl.constexpr,
                 HAS_HI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, DV: tl.constexpr,
-                BLOCK_DV: tl.constexpr, PHASED: tl.constexpr):
+                BLOCK_DV: tl.constexpr, PHASED: tl.constexpr, MASK_BITS: tl.constexpr = True):
     """``_decode_range`` over tiles [start, end) of one (batch row, kv head) of contiguous
     state tensors [B, H, N, ...]: ``head`` = (b * H + h) * N, the flat index of its tile 0."""
     K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
@@ -790,7 +795,8 @@ def _head_tiles(q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, v
         vc + head * (G * V_ROW_BYTES), vrs + head * G, vrz + head * G, vcs + head * DV, kp + head,
         D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1, start, end, m_valid, kv_lo, kv_hi,
         bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO,
-        HAS_HI, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED)
+        HAS_HI, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED,
+        MASK_BITS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1284,7 +1290,7 @@ def _kvarn_attn_kernel(
             (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, TILE_MASK, s_mk,
             qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
             2 if MASK_ROW else HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV,
-            PHASED)
+            PHASED, False)    # a bool mask as its values (see _decode_range_phased)
         if FUSED:
             # then the whole exact region with the plain queries (its output staged in this
             # block's scratch rows, q's no longer needed), and the block's output
