@@ -479,13 +479,14 @@ def _quantize_case(kind, bits, *, d=128, g=128, iters_on=True):
             x, *x.stride()[:3], rot, codes, rs, rs, cs, dst, 8, 1, 2, 1,
             D=d, G=g, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_K=kind == "k", BITS=bits,
             ROTATE=True, NORMALIZE=iters_on, ROT_CHUNK=Q._rot_chunk(d),
-            SCRATCH=scratch(codes), PART_A=Q._part_a(kind, d), grid=(1,), num_warps=warps)
+            SCRATCH=scratch(codes), PART_A=part_a, grid=(1,), num_warps=warps)
 
     def scratch(codes):
         rows, cols = (d, g) if kind == "k" else (g, d)
         return Q._scratch_fits(codes, rows, cols, bits, g if kind == "k" else Q._block_d(d))
 
-    warps = Q._num_warps(d, g, Q._part_a(kind, d))   # the launcher's (quantize_tiles_into)
+    part_a = Q._part_a(kind, d)
+    warps = Q._num_warps(d, g, part_a)   # the launcher's choices (quantize_tiles_into)
     cfg = dict(kernel="_kvarn_quantize_tiles_kernel", kind=kind, bits=bits, D=d, G=g,
                normalize=iters_on, num_warps=warps,
                scratch=iters_on and scratch(torch.zeros(1, 1, 2, d if kind == "k" else g,
@@ -493,8 +494,8 @@ def _quantize_case(kind, bits, *, d=128, g=128, iters_on=True):
                                                         dtype=torch.uint8)))
     if Q._rot_chunk(d):
         cfg["rot_chunk"] = Q._rot_chunk(d)
-    if Q._part_a(kind, d):
-        cfg["part_a"] = Q._part_a(kind, d)
+    if part_a:
+        cfg["part_a"] = part_a
     return Case(f"quantize_{kind}{bits}_d{d}_g{g}", "append", cfg, build, warps)
 
 

@@ -516,9 +516,8 @@ def _part_a(kind: str, d: int) -> int:
 def _num_warps(d: int, group: int, part_a: int = 0) -> int:
     """4 warps up to 64 x 64 tiles, 8 up to 128 x 128 (at 4 warps a 128 x 64 tile spilled
     ~0.4 KB on sm_90) and for a key tile in two parts (192 x 128: at 16 warps it ran more
-    instructions per tile and spilled more, ~2.3 KB against ~0.9 KB), 16 where one part is
-    padded over 128
-    (BLOCK_D = 256: the tile alone is 128 fp32 registers per thread at 8 warps)."""
+    instructions per tile and spilled more, ~2.3 KB against ~0.9 KB), 16 for one part padded
+    to BLOCK_D = 256 (the tile alone is 128 fp32 registers per thread at 8 warps)."""
     if _block_d(d) > 128 and not part_a:
         return 16
     return 8 if group * _block_d(d) > 64 * 64 else 4
