@@ -271,21 +271,33 @@ def _pack_rows(codes, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.con
 @triton.jit
 def _key_rows(x_base, stride_xt, rot_ptr, R0: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
               G: tl.constexpr, CHUNK: tl.constexpr, ROTATE: tl.constexpr):
-    """Rows R0 .. R0 + RP (channels, all < D) of a key tile X = H^T X_tok^T, fp32 [RP, G]:
-    the rotation summed over chunks of CHUNK input channels, each chunk of the tokens and of
-    H read from memory (unrotated: the rows as they are)."""
+    """Rows R0 .. R0 + RP (channels) of a key tile X = H^T X_tok^T, fp32 [RP, G]: the
+    rotation summed over chunks of CHUNK input channels, each chunk of the tokens and of H
+    read from memory (unrotated: the rows as they are). Rows at or past D (a padded tile)
+    are 0."""
     offs_r = R0 + tl.arange(0, RP)
     offs_c = tl.arange(0, G)
+    if R0 + RP > D:
+        r_ok = offs_r < D
+    else:
+        r_ok = offs_r >= 0   # (every row is a channel: no mask to hold)
     if ROTATE:
         x = tl.zeros([RP, G], dtype=tl.float32)
         for e0 in tl.static_range(0, D, CHUNK):
             offs_e = e0 + tl.arange(0, CHUNK)
             e_valid = offs_e < D
-            rot = tl.load(rot_ptr + offs_e[None, :] * D + offs_r[:, None],
-                          mask=e_valid[None, :], other=0.0)
+            if R0 + RP > D:
+                rot_ok = r_ok[:, None] & e_valid[None, :]
+            else:
+                rot_ok = e_valid[None, :]
+            rot = tl.load(rot_ptr + offs_e[None, :] * D + offs_r[:, None], mask=rot_ok,
+                          other=0.0)
             part = tl.load(x_base + offs_c[None, :] * stride_xt + offs_e[:, None],
                            mask=e_valid[:, None], other=0.0)
             x += tl.dot(rot, part.to(tl.float32), input_precision="tf32x3")
+    elif R0 + RP > D:
+        x = tl.load(x_base + offs_c[None, :] * stride_xt + offs_r[:, None],
+                    mask=r_ok[:, None], other=0.0).to(tl.float32)
     else:
         x = tl.load(x_base + offs_c[None, :] * stride_xt + offs_r[:, None]).to(tl.float32)
     return x
@@ -406,23 +418,18 @@ def _kvarn_quantize_tiles_kernel(
         CHUNK: tl.constexpr = ROT_CHUNK if ROT_CHUNK > 0 else BLOCK_D
         x = _key_rows(x_base, stride_xt, rot_ptr, 0, PART_A, D, G, CHUNK, ROTATE)
         x2 = _key_rows(x_base, stride_xt, rot_ptr, PART_A, R2, D, G, CHUNK, ROTATE)
-    elif ROTATE and ROT_CHUNK > 0:
+    elif ROTATE and ROT_CHUNK > 0 and IS_K:   # Ht[r, e] @ X_tok^T[e, c], padded rows 0
+        x = _key_rows(x_base, stride_xt, rot_ptr, 0, BLOCK_D, D, G, ROT_CHUNK, ROTATE)
+    elif ROTATE and ROT_CHUNK > 0:              # V: X_tok[r, e] @ H[e, c]
         x = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         for e0 in tl.static_range(0, BLOCK_D, ROT_CHUNK):
             offs_e = e0 + tl.arange(0, ROT_CHUNK)
             e_valid = offs_e < D
-            if IS_K:  # Ht[r, e] @ X_tok^T[e, c]
-                rot = tl.load(rot_ptr + offs_e[None, :] * D + offs_r[:, None],
-                              mask=row_valid[:, None] & e_valid[None, :], other=0.0)
-                part = tl.load(x_base + offs_c[None, :] * stride_xt + offs_e[:, None],
-                               mask=e_valid[:, None] & col_valid[None, :], other=0.0)
-                x += tl.dot(rot, part.to(tl.float32), input_precision="tf32x3")
-            else:     # X_tok[r, e] @ H[e, c]
-                part = tl.load(x_base + offs_r[:, None] * stride_xt + offs_e[None, :],
-                               mask=row_valid[:, None] & e_valid[None, :], other=0.0)
-                rot = tl.load(rot_ptr + offs_e[:, None] * D + offs_c[None, :],
-                              mask=e_valid[:, None] & col_valid[None, :], other=0.0)
-                x += tl.dot(part.to(tl.float32), rot, input_precision="tf32x3")
+            part = tl.load(x_base + offs_r[:, None] * stride_xt + offs_e[None, :],
+                           mask=row_valid[:, None] & e_valid[None, :], other=0.0)
+            rot = tl.load(rot_ptr + offs_e[:, None] * D + offs_c[None, :],
+                          mask=e_valid[:, None] & col_valid[None, :], other=0.0)
+            x += tl.dot(part.to(tl.float32), rot, input_precision="tf32x3")
     else:
         x = tl.load(x_base + x_offs, mask=mask, other=0.0).to(tl.float32)
     if not TWO:
