@@ -651,14 +651,15 @@ _RENDER_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvarn_static_"))
 
 
 def cases(quick: bool) -> list[Case]:
-    """Quick (CI): the decode kernel and the decode template in their production configs,
-    the append (tile quantizer) kernel for keys and values at D = G = 128 and keys at 64 and the decode step's append, the
-    decode kernel, the decode step's append and the key quantizer for keys and values of
-    different head dims (D = 192, Dv = 128), the latent attention kernel (D = 512,
-    Dv = 64), and a prompt's default block (the prefill template and the op in one launch,
-    with a bool mask and key frames). Full: also the other code widths and precisions,
-    the autotune configs, the combine kernel, the prefill template, more D = 192 configs and
-    the latent attention's template (``kvarn_latent``)."""
+    """Quick (CI): the decode kernel and the decode template in their production configs;
+    the append kernels: the tile quantizer for keys and values at D = G = 128 and keys at
+    64, and the decode step's append; for keys and values of different head dims (D = 192,
+    Dv = 128) the decode kernel, the decode step's append and the key quantizer; the value
+    quantizer past 128 channels (D = 192); the latent attention kernel (D = 512, Dv = 64);
+    and a prompt's default block (the prefill template and the op in one launch, with a
+    bool mask and key frames). Full: also the other code widths and precisions, the
+    autotune configs, the combine kernel, the prefill template, more D = 192 configs, the
+    quantizer at head dim 256 and the latent attention's template (``kvarn_latent``)."""
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
         _decode_kernel_case(4, 2, "fp16", block_n=128),
@@ -674,6 +675,9 @@ def cases(quick: bool) -> list[Case]:
         _decode_kernel_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16, block_n=128),
         _append_decode_case(h=16, d=192, dv=128),
         _quantize_case("k", 4, d=192),   # (V tiles of Dv = 128: quantize_v2_d128_g128 above)
+        # a V tile past 128 channels (16 warps, rotated in chunks): with triton 3.6 ptxas
+        # failed to allocate its registers while the chunks were unrolled
+        _quantize_case("v", 2, d=192),
         # absorbed multi-head latent attention (DeepSeek: latent 512 at 4 bits, RoPE key 64 at
         # 8 bits, 16 query heads per kv head)
         _latent_case(),
@@ -710,6 +714,8 @@ def cases(quick: bool) -> list[Case]:
         _quantize_case("k", 2),
         _quantize_case("v", 4),
         _quantize_case("k", 2, g=64),    # a 128 x 64 tile (8 warps; it spilled at 4)
+        _quantize_case("k", 4, d=256),   # head dim 256 (Gemma): 16 warps, rotated in chunks
+        _quantize_case("v", 2, d=256),
         _combine_case(),
         _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),

@@ -39,16 +39,22 @@ MLA = ("decode_kernel_k4v2_d192v128g128_n128_fp16", "append_decode_h16_d192v128_
        "quantize_k4_d192_g128")
 MLA_NO_SPILLS = ("decode_kernel_k4v2_d192v128g128_n128_fp16", "append_decode_h16_d192v128_g128")
 #: The key quantizer at D = 192 holds its tile in two parts too (128 + 64 rows, 8 warps) and
-#: still spills, a few values per normalization step: 884 B and 42 local loads and stores per
-#: step with 3.9, 632 B and 37 with 3.6. Padded to 256 rows (16 warps) it spilled 2.8-2.9 KB,
-#: 452-508 per step, and ran 3.7x the instructions per tile. Held to what it reaches.
+#: takes two stds of it per normalization step, each formed from the tile as it goes (no
+#: scaled copy beside it): no spills with 3.9 (884 B, 42 local loads and stores per step when
+#: it held one; 2.8 KB, 452 per step padded to 256 rows at 16 warps).
 MLA_QUANTIZER = "quantize_k4_d192_g128"
-MLA_QUANTIZER_SPILL_BYTES_MAX, MLA_QUANTIZER_LOOP_SPILLS_MAX = 1024, 64
-#: The normalization loop of the production tile quantizer (k4, D = G = 128: one run per
-#: iteration and tile), instructions per warp: 3,174 with 3.9 and 3,108 with 3.6 since the
-#: column stds of an iteration's imbalance serve the next iteration's update (4,772 and
-#: 4,539 when they were computed twice).
-QUANTIZER_LOOP_INSTRUCTIONS_MAX = {"quantize_k4_d128_g128": 3400, "quantize_v2_d128_g128": 3400}
+MLA_QUANTIZER_SPILL_BYTES_MAX, MLA_QUANTIZER_LOOP_SPILLS_MAX = 0, 0
+#: A value tile past 128 channels (D = 192: 256 columns, 16 warps, rotated in chunks) is held
+#: to compiling and fitting an SM. It spills (1.8 KB with 3.9, 2.9 KB with 3.6); with its
+#: chunks unrolled it spilled 14.5 KB with 3.9, and ptxas 3.6 failed to allocate it at all.
+WIDE_V_QUANTIZER = "quantize_v2_d192_g128"
+#: The normalization loop of the tile quantizer (one run per iteration and tile), instructions
+#: per warp: k4 and v2 at D = G = 128 2,618 with 3.9 and 2,526 with 3.6, k4 at D = 192 2,499
+#: and 2,646, since an iteration takes two stds of the tile (the row stds once for the row
+#: update and the imbalance); 3,174 / 3,108 / 3,256 / 3,281 with three, 4,772 and 4,539 at
+#: D = 128 with four.
+QUANTIZER_LOOP_INSTRUCTIONS_MAX = {"quantize_k4_d128_g128": 2800, "quantize_v2_d128_g128": 2800,
+                                   MLA_QUANTIZER: 2800}
 
 #: A prompt's default block (16 rows; a bool mask per row and key frames, as transformers and
 #: the default config give them): the prefill template and the op in one launch (FUSED: one
@@ -75,7 +81,9 @@ DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.90,
 #: well (docs/performance.md). There the limits are what it reaches, measured, so that it
 #: slips no further: the decode estimates 0.83 / 0.76 / 0.87; the prompt blocks 28 and 84 B,
 #: with 0 and 4 local stores and 2 and 15 local loads and stores per tile (200 and 284 B
-#: before the loop read the queries per tile; the op 220 B holding a bool mask as bits).
+#: before the loop read the queries per tile; the op 220 B holding a bool mask as bits); the
+#: key quantizer at D = 192 580 B, 104 local loads and stores per normalization step (632 B
+#: and 37 with three stds per step, for 3,281 instructions against 2,646).
 OLD_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
 if OLD_TRITON:
     DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.80,
@@ -84,6 +92,7 @@ if OLD_TRITON:
     PREFILL_LOOP_SPILLS_MAX, PREFILL_LOOP_STORES_MAX = 24, 8
     PREFILL_SPILL_BYTES_MAX = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": 48,
                                "attention_k4v2_d128g128_n128_fp16_tq64_mask": 128}
+    MLA_QUANTIZER_SPILL_BYTES_MAX, MLA_QUANTIZER_LOOP_SPILLS_MAX = 640, 120
 else:
     PREFILL_LOOP_STORES_MAX = 0
 
@@ -101,7 +110,7 @@ def rows():
 
 
 def test_every_quick_kernel_compiles_for_sm90(rows):
-    names = set(DECODE + APPEND + MLA + PREFILL)
+    names = set(DECODE + APPEND + MLA + PREFILL + (WIDE_V_QUANTIZER,))
     assert names <= set(rows), f"missing cases: {names - set(rows)}"
     errors = {name: row["error"] for name, row in rows.items() if "error" in row}
     assert not errors, f"compile errors for sm_90: {errors}"
@@ -140,11 +149,12 @@ def test_production_decode_loop_is_near_the_memory_wall(rows, name):
         f"{row['est_bandwidth_fraction']} of H200 bandwidth")
 
 
-@pytest.mark.parametrize("name", MLA)
+@pytest.mark.parametrize("name", MLA + (WIDE_V_QUANTIZER,))
 def test_kernels_for_different_key_and_value_head_dims_fit_an_sm(name, rows):
-    """At least one CTA per SM: the key quantizer at D = 192 (BLOCK_D = 256) rotates in
-    chunks (ROT_CHUNK) instead of staging a 256 x 256 fp32 rotation in shared memory (256 KiB,
-    more than an sm_90 SM has: the launch would fail)."""
+    """At least one CTA per SM: the quantizers at D = 192 (BLOCK_D = 256: the keys, and the
+    values past 128 channels) rotate in chunks (ROT_CHUNK) instead of staging a 256 x 256
+    fp32 rotation in shared memory (256 KiB, more than an sm_90 SM has: the launch would
+    fail)."""
     row = rows[name]
     assert "error" not in row, row["error"]
     assert row["ctas_per_sm"] >= 1, (f"{name} does not fit an sm_90 SM: {row['shared_bytes']} B "
@@ -154,21 +164,22 @@ def test_kernels_for_different_key_and_value_head_dims_fit_an_sm(name, rows):
             row["loop_global_loads"]
 
 
-def test_key_quantizer_in_two_parts_keeps_its_loop_in_registers(rows):
-    """The normalization loop of the D = 192 key quantizer (one run per iteration and tile)
-    reads and writes local memory for a few values only (MLA_QUANTIZER_*)."""
+def test_key_quantizer_in_two_parts_keeps_its_registers(rows):
+    """The D = 192 key quantizer (the tile in two row parts) does not spill (MLA_QUANTIZER_*:
+    with triton 3.9; before it, what it reaches)."""
     row = rows[MLA_QUANTIZER]
     assert "error" not in row, row["error"]
     assert row["config"]["part_a"] == 128 and row["num_warps"] == 8, row["config"]
     assert row["loop_spill_instructions"] <= MLA_QUANTIZER_LOOP_SPILLS_MAX, (
         f"{MLA_QUANTIZER}: {row['loop_spill_instructions']} local loads/stores per step of its "
         f"normalization loop ({row['spill_stores']} B of spills, {row['registers']} registers)")
-    assert row["spill_stores"] <= MLA_QUANTIZER_SPILL_BYTES_MAX, (
-        f"{MLA_QUANTIZER} spills {row['spill_stores']} B on sm_90")
+    assert max(row["spill_stores"], row["spill_loads"]) <= MLA_QUANTIZER_SPILL_BYTES_MAX, (
+        f"{MLA_QUANTIZER} spills on sm_90: {row['spill_stores']} B stored, "
+        f"{row['spill_loads']} B loaded")
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZER_LOOP_INSTRUCTIONS_MAX))
-def test_tile_quantizer_computes_each_std_once_per_iteration(rows, name):
+def test_tile_quantizer_takes_two_stds_per_iteration(rows, name):
     row = rows[name]
     assert "error" not in row, row["error"]
     assert row["loop_instructions"] <= QUANTIZER_LOOP_INSTRUCTIONS_MAX[name], (

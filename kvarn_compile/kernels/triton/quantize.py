@@ -94,58 +94,78 @@ def _rne(x):
 
 
 @triton.jit
-def _masked_std(y, mask, n, AXIS: tl.constexpr, MASKED: tl.constexpr = True):
-    """Unbiased (n - 1) std of ``y`` along AXIS over the entries where ``mask`` holds.
+def _scaled(x, s, AXIS: tl.constexpr):
+    """X * s, ``s`` a scale per entry along AXIS (broadcast over the other axis); X itself
+    where ``s`` is None."""
+    if s is None:
+        return x
+    else:
+        return x * tl.expand_dims(s, 1 - AXIS)
 
-    Two passes (mean, then squared deviations), like torch's std up to summation order.
-    Padded entries (mask False) count for nothing; ``n`` is the number of valid entries
-    along AXIS (>= 2). ``MASKED`` False (no padding: every entry valid) skips the selects,
-    so no [R, C] mask is held in registers (same values).
+
+@triton.jit
+def _scaled_std(x, s, mask, n, AXIS: tl.constexpr, MASKED: tl.constexpr = True):
+    """Unbiased (n - 1) std along AXIS of Z = X * s (:func:`_scaled`) over the entries where
+    ``mask`` holds.
+
+    Two passes (mean, then squared deviations), like torch's std up to summation order,
+    each forming Z from X as it goes: the caller holds X and the scale, never a scaled
+    copy of the tile beside X (the normalization loop's registers: at D = 192 a second
+    tile spilled on sm_90). ``n``: the valid entries along AXIS (>= 2); ``MASKED`` False
+    (no padding: every entry valid) skips the selects, so no [R, C] mask is held.
     """
     if MASKED:
-        mean = tl.sum(tl.where(mask, y, 0.0), axis=AXIS) / n
-        dev = tl.where(mask, y - tl.expand_dims(mean, AXIS), 0.0)
+        mean = tl.sum(tl.where(mask, _scaled(x, s, AXIS), 0.0), axis=AXIS) / n
+        dev = tl.where(mask, _scaled(x, s, AXIS) - tl.expand_dims(mean, AXIS), 0.0)
     else:
-        mean = tl.sum(y, axis=AXIS) / n
-        dev = y - tl.expand_dims(mean, AXIS)
+        mean = tl.sum(_scaled(x, s, AXIS), axis=AXIS) / n
+        dev = _scaled(x, s, AXIS) - tl.expand_dims(mean, AXIS)
     return tl.sqrt(tl.sum(dev * dev, axis=AXIS) / (n - 1))
 
 
 @triton.jit
-def _col_std(y, y2, mask, n, MASKED: tl.constexpr, R2: tl.constexpr):
-    """Std of each column of a tile whose rows come in one part (``y``; R2 == 0) or two
-    (``y`` above ``y2``, R2 rows, neither padded): the two passes summed over both parts."""
+def _col_std(x, s, x2, s2, mask, n, MASKED: tl.constexpr, R2: tl.constexpr):
+    """Std of each column of Z = X * s[:, None] (``s``: a scale per row, or None), the
+    tile's rows in one part (``x``; R2 == 0) or two (``x`` above ``x2``, R2 rows scaled by
+    ``s2``, neither padded): the two passes summed over both parts."""
     if R2 == 0:
-        return _masked_std(y, mask, n, 0, MASKED)
+        return _scaled_std(x, s, mask, n, 0, MASKED)
     else:
-        mean = (tl.sum(y, axis=0) + tl.sum(y2, axis=0)) / n
-        dev = y - mean[None, :]
-        dev2 = y2 - mean[None, :]
+        mean = (tl.sum(_scaled(x, s, 0), axis=0) + tl.sum(_scaled(x2, s2, 0), axis=0)) / n
+        dev = _scaled(x, s, 0) - mean[None, :]
+        dev2 = _scaled(x2, s2, 0) - mean[None, :]
         return tl.sqrt((tl.sum(dev * dev, axis=0) + tl.sum(dev2 * dev2, axis=0)) / (n - 1))
 
 
 @triton.jit
-def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr,
-               MASKED: tl.constexpr = True, y2=None, R2: tl.constexpr = 0):
-    """The column stds [BLOCK_C] of one tile and its imbalance (a scalar): max/min of the
-    column stds plus max/min of the row stds.
-
-    imbalance(Y) = max(colstd)/max(min(colstd), eps) + max(rowstd)/max(min(rowstd), eps).
-    Stds are >= 0, so 0 is a neutral pad for max and +inf for min. R2 > 0: the tile's rows
-    in two parts, ``y`` (R - R2 rows) above ``y2`` (R2 rows).
-    """
-    col = _col_std(y, y2, mask, R, MASKED, R2)  # [BLOCK_C]: std of each column over R rows
-    row = _masked_std(y, mask, C, 1, MASKED)    # [BLOCK_R]: std of each row over C columns
+def _score(col, row, row2, row_valid, col_valid, R2: tl.constexpr = 0):
+    """The imbalance (a scalar) of a tile from its column stds [BLOCK_C] and row stds
+    [BLOCK_R] (and ``row2`` [R2], those of a second row part):
+    max(col)/max(min(col), eps) + max(row)/max(min(row), eps). Stds are >= 0, so 0 is a
+    neutral pad for max and +inf for min."""
     col_max = tl.max(tl.where(col_valid, col, 0.0), axis=0)
     col_min = tl.min(tl.where(col_valid, col, float("inf")), axis=0)
     row_max = tl.max(tl.where(row_valid, row, 0.0), axis=0)
     row_min = tl.min(tl.where(row_valid, row, float("inf")), axis=0)
     if R2 > 0:
-        row2 = _masked_std(y2, mask, C, 1, False)
         row_max = tl.maximum(row_max, tl.max(row2, axis=0))
         row_min = tl.minimum(row_min, tl.min(row2, axis=0))
-    return col, (col_max / tl.maximum(col_min, _IMBALANCE_EPS)
-                 + row_max / tl.maximum(row_min, _IMBALANCE_EPS))
+    return (col_max / tl.maximum(col_min, _IMBALANCE_EPS)
+            + row_max / tl.maximum(row_min, _IMBALANCE_EPS))
+
+
+@triton.jit
+def _imbalance(y, mask, row_valid, col_valid, R: tl.constexpr, C: tl.constexpr,
+               MASKED: tl.constexpr = True, y2=None, R2: tl.constexpr = 0):
+    """The column stds [BLOCK_C] of one tile Y and its imbalance (:func:`_score`). R2 > 0:
+    the tile's rows in two parts, ``y`` (R - R2 rows) above ``y2`` (R2 rows)."""
+    col = _col_std(y, None, y2, None, mask, R, MASKED, R2)  # std of each column over R rows
+    row = _scaled_std(y, None, mask, C, 1, MASKED)          # std of each row over C columns
+    if R2 > 0:
+        row2 = _scaled_std(y2, None, mask, C, 1, False)
+    else:
+        row2 = None
+    return col, _score(col, row, row2, row_valid, col_valid, R2)
 
 
 @triton.jit
@@ -165,12 +185,17 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
             if imbalance(X / e^a / e^b) <= best: best, c*, r* = that, e^a, e^b
 
     The original X is scaled at every step (no drift), in the reference's order (first
-    the columns, then the rows), each division a multiplication by the scale's reciprocal
-    (one rounding more than a division; it keeps ptxas from holding a second copy of the
-    tile). The column stds an iteration's imbalance takes are those of the matrix the next
-    iteration starts from: they are computed once (as the reference does), and the next
-    column update is made at the end of the iteration. Returns (c* [BLOCK_C], r* [BLOCK_R],
-    r2*).
+    the columns, then the rows), each division a multiplication by e^-a or e^-b. A scale
+    common to a whole row comes out of that row's std, and one common to a column out of
+    the column's: an iteration takes the row stds s of X e^-a once, for the row update
+    (s e^-b) and for the imbalance (s e^-b', b' the updated b), and the column stds of Y
+    as those of X e^-b' times e^-a (the same numbers in exact arithmetic; rounding apart
+    from the reference's by a few ulps). So no pass holds a scaled copy of the tile beside
+    X (at D = 192 that second tile spilled on sm_90), and an iteration takes two stds of
+    the tile where it took three. The column stds an iteration's imbalance takes are those
+    of the matrix the next iteration starts from: they are computed once (as the reference
+    does), and the next column update is made at the end of the iteration. Returns
+    (c* [BLOCK_C], r* [BLOCK_R], r2*).
 
     ``x2`` (R2 > 0): the tile's last R2 rows, below ``x`` (then R - R2 rows, unpadded):
     a key tile whose head dim lies between two powers of two (192 = 128 + 64) in two
@@ -198,18 +223,24 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
     a = tl.minimum(tl.maximum(tl.log(tl.minimum(tl.maximum(col0, _STD_LO), _STD_HI)), _LOG_LO),
                    _LOG_HI)
     for _ in range(iters):
-        y = x * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b))[:, None]
-        row = tl.minimum(tl.maximum(_masked_std(y, mask, C, 1, MASKED), _STD_LO), _STD_HI)
+        # the row stds of X / e^a; Y = X / e^a / e^b has them divided by e^b
+        ia = tl.exp(-a)
+        s = _scaled_std(x, ia, mask, C, 1, MASKED)
+        row = tl.minimum(tl.maximum(s * tl.exp(-b), _STD_LO), _STD_HI)
         b = tl.minimum(tl.maximum(b + tl.log(row), _LOG_LO), _LOG_HI)
-        y = x * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b))[:, None]
+        ib = tl.exp(-b)
         if R2 > 0:
-            y2 = x2 * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b2))[:, None]
-            row2 = tl.minimum(tl.maximum(_masked_std(y2, mask, C, 1, False), _STD_LO), _STD_HI)
+            s2 = _scaled_std(x2, ia, mask, C, 1, False)
+            row2 = tl.minimum(tl.maximum(s2 * tl.exp(-b2), _STD_LO), _STD_HI)
             b2 = tl.minimum(tl.maximum(b2 + tl.log(row2), _LOG_LO), _LOG_HI)
-            y2 = x2 * (1.0 / tl.exp(a))[None, :] * (1.0 / tl.exp(b2))[:, None]
+            ib2 = tl.exp(-b2)
+            row2 = s2 * ib2
         else:
-            y2 = None
-        col, score = _imbalance(y, mask, row_valid, col_valid, R, C, MASKED, y2, R2)
+            ib2 = None
+            row2 = None
+        # the column stds of Y: those of X / e^b divided by e^a
+        col = ia * _col_std(x, ib, x2, ib2, mask, R, MASKED, R2)
+        score = _score(col, s * ib, row2, row_valid, col_valid, R2)
         better = score <= best  # "<=": later iterations win ties, as in the reference
         best = tl.where(better, score, best)
         if SCRATCH:
@@ -283,7 +314,7 @@ def _key_rows(x_base, stride_xt, rot_ptr, R0: tl.constexpr, RP: tl.constexpr, D:
         r_ok = offs_r >= 0   # (every row is a channel: no mask to hold)
     if ROTATE:
         x = tl.zeros([RP, G], dtype=tl.float32)
-        for e0 in tl.static_range(0, D, CHUNK):
+        for e0 in tl.range(0, D, CHUNK, num_stages=2):   # a loop, not unrolled (see the kernel)
             offs_e = e0 + tl.arange(0, CHUNK)
             e_valid = offs_e < D
             if R0 + RP > D:
@@ -413,7 +444,11 @@ def _kvarn_quantize_tiles_kernel(
     # ROT_CHUNK > 0 (BLOCK_D > 128, e.g. MLA keys, D = 192 -> 256): the whole-tile dot would
     # stage a 256 x 256 fp32 rotation in shared memory (256 KiB, more than an sm_90 SM has),
     # so the product is summed over chunks of ROT_CHUNK input channels, each chunk of the
-    # tile and of H read from memory (the same sum, in another order).
+    # tile and of H read from memory (the same sum, in another order). The chunks are a
+    # loop, not unrolled: Triton pipelines its loads through shared memory, where unrolled
+    # ptxas hoisted the next chunks' loads into registers beside the accumulators (sm_90: a
+    # D = 192 value tile spilled 14.5 KB with triton 3.9; 3.6 failed to allocate it). Two
+    # stages: three staged a value tile's chunks in 288 KiB of shared memory (an SM has 228).
     if TWO:
         CHUNK: tl.constexpr = ROT_CHUNK if ROT_CHUNK > 0 else BLOCK_D
         x = _key_rows(x_base, stride_xt, rot_ptr, 0, PART_A, D, G, CHUNK, ROTATE)
@@ -422,7 +457,7 @@ def _kvarn_quantize_tiles_kernel(
         x = _key_rows(x_base, stride_xt, rot_ptr, 0, BLOCK_D, D, G, ROT_CHUNK, ROTATE)
     elif ROTATE and ROT_CHUNK > 0:              # V: X_tok[r, e] @ H[e, c]
         x = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-        for e0 in tl.static_range(0, BLOCK_D, ROT_CHUNK):
+        for e0 in tl.range(0, BLOCK_D, ROT_CHUNK, num_stages=2):   # a loop, as _key_rows
             offs_e = e0 + tl.arange(0, ROT_CHUNK)
             e_valid = offs_e < D
             part = tl.load(x_base + offs_r[:, None] * stride_xt + offs_e[None, :],
@@ -522,9 +557,9 @@ def _part_a(kind: str, d: int) -> int:
 
 def _num_warps(d: int, group: int, part_a: int = 0) -> int:
     """4 warps up to 64 x 64 tiles, 8 up to 128 x 128 (at 4 warps a 128 x 64 tile spilled
-    ~0.4 KB on sm_90) and for a key tile in two parts (192 x 128: at 16 warps it ran more
-    instructions per tile and spilled more, ~2.3 KB against ~0.9 KB), 16 for one part padded
-    to BLOCK_D = 256 (the tile alone is 128 fp32 registers per thread at 8 warps)."""
+    ~0.4 KB on sm_90) and for a key tile in two parts (192 x 128: at 16 warps it spills
+    ~0.8 KB and runs a quarter more instructions per tile, at 8 none), 16 for one part
+    padded to BLOCK_D = 256 (the tile alone is 128 fp32 registers per thread at 8 warps)."""
     if _block_d(d) > 128 and not part_a:
         return 16
     return 8 if group * _block_d(d) > 64 * 64 else 4
