@@ -58,6 +58,7 @@ near 1 with 3x (4-bit keys / 2-bit values) to 5.3x (2/2) the bytes per token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -761,7 +762,10 @@ def cases(quick: bool) -> list[Case]:
 def report(case: Case, sass_dir: pathlib.Path | None = None) -> dict:
     row = {"name": case.name, "family": case.family, "config": case.config}
     try:
-        kernel = case.compile()
+        # a failing ptxas makes triton print the kernel's whole PTX: to stderr, so that
+        # stdout stays one JSON object per line
+        with contextlib.redirect_stdout(sys.stderr):
+            kernel = case.compile()
     except Exception as err:  # noqa: BLE001 - a compile error is a result, reported as such
         row["error"] = f"{type(err).__name__}: {str(err)[-1500:]}"
         return row

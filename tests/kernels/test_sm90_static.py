@@ -103,7 +103,7 @@ def rows():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=300, check=False)
-    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('{"')]
     by_name = {row["name"]: row for row in lines if "name" in row}
     assert by_name, f"static_report.py printed no kernel rows (rc={r.returncode}):\n{r.stderr[-3000:]}"
     return by_name
