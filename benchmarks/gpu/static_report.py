@@ -660,7 +660,8 @@ def cases(quick: bool) -> list[Case]:
     and a prompt's default block (the prefill template and the op in one launch, with a
     bool mask and key frames). Full: also the other code widths and precisions, the
     autotune configs, the combine kernel, the prefill template, more D = 192 configs, the
-    quantizer at head dim 256 and the latent attention's template (``kvarn_latent``)."""
+    quantizer at head dim 256 and for a latent state's keys (512), and the latent
+    attention's template (``kvarn_latent``)."""
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
         _decode_kernel_case(4, 2, "fp16", block_n=128),
@@ -715,8 +716,9 @@ def cases(quick: bool) -> list[Case]:
         _quantize_case("k", 2),
         _quantize_case("v", 4),
         _quantize_case("k", 2, g=64),    # a 128 x 64 tile (8 warps; it spilled at 4)
-        _quantize_case("k", 4, d=256),   # head dim 256 (Gemma): 16 warps, rotated in chunks
-        _quantize_case("v", 2, d=256),
+        _quantize_case("k", 4, d=256),   # head dim 256 (Gemma): 16 warps, rotated in chunks,
+        _quantize_case("v", 2, d=256),   # keys in two parts of 128 rows
+        _quantize_case("k", 4, d=512),   # a latent state's keys (MLA absorbed: latent 512)
         _combine_case(),
         _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),

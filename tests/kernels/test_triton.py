@@ -95,11 +95,12 @@ def test_quantize_matches_reference(kind, bits, method, d):
 
 @pytest.mark.parametrize("d,kind,bits", [(80, "k", 4), (80, "v", 2), (112, "v", 4),
                                          (64, "k", 8), (64, "v", 8), (192, "k", 4), (192, "v", 2),
-                                         (176, "k", 4)])
+                                         (176, "k", 4), (256, "k", 4), (320, "k", 2)])
 def test_quantize_more_dims_and_8_bits(d, kind, bits):
     """Non-power-of-two head dims (Paley/Kronecker rotations, masked padding) and 8-bit codes;
     D = 192 rotates in chunks of 64 channels (``ROT_CHUNK``), its keys in two parts (128 +
-    64), its values padded to 256; D = 176 keys padded to 256 rows (not two powers of two)."""
+    64), its values padded to 256; D = 176 keys padded to 256 rows (not two powers of two);
+    D = 256 keys in two parts of 128, D = 320 in 256 + 64 (16 warps)."""
     x = kv_like(2, 1, tokens=32, d=d)
     got = quantize_tiles_triton(x, kind, bits, rotate=True, normalize=True, group=32)
     ref = quantize_kv(x, kind, method="kvarn", bits=bits, group=32)
