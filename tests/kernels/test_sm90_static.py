@@ -49,8 +49,8 @@ MLA_QUANTIZER_SPILL_BYTES_MAX, MLA_QUANTIZER_LOOP_SPILLS_MAX = 0, 0
 #: chunks unrolled it spilled 14.5 KB with 3.9, and ptxas 3.6 failed to allocate it at all.
 WIDE_V_QUANTIZER = "quantize_v2_d192_g128"
 #: The normalization loop of the tile quantizer (one run per iteration and tile), instructions
-#: per warp: k4 and v2 at D = G = 128 2,618 with 3.9 and 2,526 with 3.6, k4 at D = 192 2,499
-#: and 2,646, since an iteration takes two stds of the tile (the row stds once for the row
+#: per warp: k4 and v2 at D = G = 128 2,618 with 3.9 and 2,526 with 3.6, k4 at D = 192 2,494
+#: and 2,588, since an iteration takes two stds of the tile (the row stds once for the row
 #: update and the imbalance); 3,174 / 3,108 / 3,256 / 3,281 with three, 4,772 and 4,539 at
 #: D = 128 with four.
 QUANTIZER_LOOP_INSTRUCTIONS_MAX = {"quantize_k4_d128_g128": 2800, "quantize_v2_d128_g128": 2800,
@@ -82,8 +82,8 @@ DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.90,
 #: slips no further: the decode estimates 0.83 / 0.76 / 0.87; the prompt blocks 28 and 84 B,
 #: with 0 and 4 local stores and 2 and 15 local loads and stores per tile (200 and 284 B
 #: before the loop read the queries per tile; the op 220 B holding a bool mask as bits); the
-#: key quantizer at D = 192 580 B, 104 local loads and stores per normalization step (632 B
-#: and 37 with three stds per step, for 3,281 instructions against 2,646).
+#: key quantizer at D = 192 452 B, 46 local loads and stores per normalization step (632 B
+#: and 37 with three stds per step, for 3,281 instructions against 2,588).
 OLD_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
 if OLD_TRITON:
     DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.80,
@@ -92,7 +92,7 @@ if OLD_TRITON:
     PREFILL_LOOP_SPILLS_MAX, PREFILL_LOOP_STORES_MAX = 24, 8
     PREFILL_SPILL_BYTES_MAX = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": 48,
                                "attention_k4v2_d128g128_n128_fp16_tq64_mask": 128}
-    MLA_QUANTIZER_SPILL_BYTES_MAX, MLA_QUANTIZER_LOOP_SPILLS_MAX = 640, 120
+    MLA_QUANTIZER_SPILL_BYTES_MAX, MLA_QUANTIZER_LOOP_SPILLS_MAX = 512, 56
 else:
     PREFILL_LOOP_STORES_MAX = 0
 
