@@ -237,13 +237,13 @@ def _normalize_variance(x, mask, row_valid, col_valid, iters,
             row2 = tl.minimum(tl.maximum(s2 * tl.exp(-b2), _STD_LO), _STD_HI)
             b2 = tl.minimum(tl.maximum(b2 + tl.log(row2), _LOG_LO), _LOG_HI)
             ib2 = tl.exp(-b2)
-            row2 = s2 * ib2
+            y_row2 = s2 * ib2       # the second part's row stds of Y
         else:
             ib2 = None
-            row2 = None
+            y_row2 = None
         # the column stds of Y: those of X / e^b divided by e^a
         col = ia * _col_std(x, ib, x2, ib2, mask, R, MASKED, R2)
-        score = _score(col, s * ib, row2, row_valid, col_valid, R2)
+        score = _score(col, s * ib, y_row2, row_valid, col_valid, R2)
         better = score <= best  # "<=": later iterations win ties, as in the reference
         best = tl.where(better, score, best)
         if SCRATCH:
