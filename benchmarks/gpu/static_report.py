@@ -15,9 +15,11 @@ script drops it from its own environment before importing triton.
 
 Per kernel and config:
 
-* ``registers``, ``spill_stores``/``spill_loads`` (bytes, ``ptxas -v`` on the kernel's PTX with
-  the ptxas Triton compiled it with), ``local_bytes`` (cuobjdump), ``shared_bytes`` (the
-  dynamic shared memory Triton asks for at launch);
+* ``registers``, ``stack_bytes`` and ``local_bytes`` (``cuobjdump -res-usage`` on the cubin
+  Triton built), ``spill_stores``/``spill_loads`` (bytes its SASS stores to and loads from local
+  memory, as ``ptxas -v`` counts spills: read from that cubin, since ptxas run again on the PTX
+  without Triton's own options allocates otherwise), ``shared_bytes`` (the dynamic shared
+  memory Triton asks for at launch);
 * ``ctas_per_sm``: resident CTAs on one sm_90 SM, the least of the register file (64 Ki
   registers, allocated per warp in units of 256), shared memory (228 KiB, 1 KiB reserved per
   CTA), 64 warps and 32 CTAs;
@@ -123,39 +125,29 @@ class _StandInDriver:
         raise AttributeError(f"the stand-in compile driver has no {name!r}: it compiles, never launches")
 
 
-def _ptxas() -> str:
-    """The ptxas Triton itself uses for sm_90 (its nvidia backend's choice, by version)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        try:
-            return get_ptxas(90).path
-        except TypeError:          # older triton: get_ptxas() without the arch
-            return get_ptxas().path
-    except Exception:  # noqa: BLE001 - fall back to the binary next to the backend
-        return str(_BIN / "ptxas")
-
-
-def resources(kernel) -> dict:
-    """Registers, spill stores/loads (bytes) and local memory of a compiled kernel."""
+def resources(kernel, sass_text: str) -> dict:
+    """Registers, stack and local memory of the compiled kernel (``cuobjdump -res-usage`` on
+    the cubin Triton built), and its spill traffic: the bytes its local stores and loads move
+    (``STL``/``LDL`` in its SASS, each as wide as it is), as ``ptxas -v`` counts spill bytes.
+    Read from that cubin, not from ptxas run again on its PTX: Triton passes ptxas options of
+    its own (3.9: ``--regAllocOptLevel=2``), and another allocation spills otherwise."""
     out = {}
     with tempfile.TemporaryDirectory() as d:
-        ptx = pathlib.Path(d) / "k.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        r = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", str(ptx), "-o", str(pathlib.Path(d) / "k.o")],
-                           capture_output=True, text=True, check=False)
-        text = r.stdout + r.stderr
-        if r.returncode:
-            raise RuntimeError(f"ptxas failed on {kernel.metadata.name}:\n{text[-2000:]}")
         cubin = pathlib.Path(d) / "c.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage = subprocess.run([str(_BIN / "cuobjdump"), "-res-usage", str(cubin)],
                                capture_output=True, text=True, check=True).stdout
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    out["spill_stores"], out["spill_loads"] = (int(m[1]), int(m[2])) if m else (None, None)
-    m = re.search(r"REG:(\d+)", usage)
-    out["registers"] = int(m[1]) if m else None
-    m = re.search(r"LOCAL:(\d+)", usage)
-    out["local_bytes"] = int(m[1]) if m else None
+    for key, field in (("registers", "REG"), ("stack_bytes", "STACK"), ("local_bytes", "LOCAL")):
+        m = re.search(rf"\b{field}:(\d+)", usage)
+        out[key] = int(m[1]) if m else None
+    moved = {"STL": 0, "LDL": 0}
+    for _, body in _instructions(sass_text):
+        op = re.sub(r"^@!?U?P\w+\s+", "", body).split()[0]
+        kind = op.split(".")[0]
+        if kind in moved:
+            width = next((int(p) for p in op.split(".")[1:] if p in ("64", "128")), 32)
+            moved[kind] += width // 8
+    out["spill_stores"], out["spill_loads"] = moved["STL"], moved["LDL"]
     return out
 
 
@@ -771,11 +763,11 @@ def report(case: Case, sass_dir: pathlib.Path | None = None) -> dict:
     except Exception as err:  # noqa: BLE001 - a compile error is a result, reported as such
         row["error"] = f"{type(err).__name__}: {str(err)[-1500:]}"
         return row
-    row.update(resources(kernel))
+    text = sass(kernel)
+    row.update(resources(kernel, text))
     row["shared_bytes"] = int(kernel.metadata.shared)
     row["num_warps"] = int(kernel.metadata.num_warps)
     row["ctas_per_sm"] = ctas_per_sm(row["registers"] or 255, row["num_warps"], row["shared_bytes"])
-    text = sass(kernel)
     if sass_dir is not None:
         (sass_dir / f"{case.name}.sass").write_text(text)
     row.update(loop_stats(text, case.inner_trips, case.outer_trips))
