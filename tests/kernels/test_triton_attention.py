@@ -186,6 +186,23 @@ def test_one_launch_attention_prefill_block_is_causal_inside_the_tiles(mask):
     _close(_run(q, buffers, m, num_splits=1), want, 2e-5)     # FUSED
 
 
+
+@pytest.mark.parametrize("window,mask,splits", [(80, None, 1), (80, "bool", 2), (0, "float", 1),
+                                                (100, None, 3)])
+def test_phased_prompt_runs_whole_tiles_apart_from_edge_tiles(window, mask, splits):
+    """The phased fp16 loop runs the tiles every row of a block sees whole without bounds,
+    after the block's edge tiles with them (``_decode_range_phased``: a range with a gap).
+    A window of 2.5-3 tiles puts an edge tile before the whole ones, the causal bound one
+    after; with splits, ranges start and end anywhere around them."""
+    g, d = 32, 64
+    buffers = _cache([6 * g + 37, 4 * g + 5], g, d, torch.float16, seed=5)
+    tq = 80
+    q = torch.randn(2, 2 * H, tq, d).to(torch.float16)
+    m = _mask(mask, 2, 2 * H, tq, 6 * g + 42)
+    want = attention_ref.attention(q, buffers, m, d ** -0.5, True, window)
+    _close(_run(q, buffers, m, window=window, num_splits=splits, input_precision="fp16"),
+           want, 4e-3)
+
 def test_fused_prompt_blocks_need_no_partials(monkeypatch):
     """A prompt's launch in one split runs FUSED: one program per block writes its rows'
     output (empty rows 0 and lse -inf, the same bits twice), and no partial buffer is
