@@ -698,7 +698,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     it1 = end * CH
     if HAS_LO or HAS_HI:
         # every valid row of the block sees tiles [lo, hi) whole: their steps run without the
-        # bounds (sm_90: 8-17% fewer instructions a tile), after the edge tiles [start, lo)
+        # bounds (sm_90: 4-22% fewer instructions a tile), after the edge tiles [start, lo)
         # and [hi, end) with them (first: their values are dead in the long loop)
         lo = start
         hi = end
