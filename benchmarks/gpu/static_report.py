@@ -220,16 +220,15 @@ def loop_stats(text: str, inner_trips: int = 1, outer_trips: int = 1) -> dict:
 
     top = [ab for ab in loops
            if not any(o != ab and o[0] <= ab[0] and ab[1] <= o[1] for o in loops)]
-    longest = max(count(*ab) for ab in top)
     ops = [(a, re.sub(r"^@!?U?P\w+\s+", "", body)) for a, body in insns]
 
     def mmas(lo, hi):
         return sum(1 for a, op in ops if lo <= a <= hi and op.startswith(("HMMA", "HGMMA")))
 
-    first = max(top, key=lambda ab: count(*ab))
+    longest = max(top, key=lambda ab: count(*ab))
     # the same matmuls, a few bounds more or fewer: the same tiles' loop, run apart
-    tile_loops = sorted((ab for ab in top if ab == first or (
-        count(*ab) >= EDGE_LOOP_SHARE * longest and mmas(*ab) == mmas(*first) > 0)),
+    tile_loops = sorted((ab for ab in top if ab == longest or (
+        count(*ab) >= EDGE_LOOP_SHARE * count(*longest) and mmas(*ab) == mmas(*longest) > 0)),
         key=lambda ab: count(*ab))
 
     def stats(outer):

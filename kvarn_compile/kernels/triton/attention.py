@@ -667,11 +667,8 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     their own without them, after the edge tiles (``_steps_phased``).
     """
     CH: tl.constexpr = G // BLOCK_N
-    KPER: tl.constexpr = 8 // K_BITS
     VPER: tl.constexpr = 8 // V_BITS
-    NKW: tl.constexpr = BLOCK_N * K_BITS // 16
     NVW: tl.constexpr = BLOCK_DV * V_BITS // 16
-    NK: tl.constexpr = 2 * NKW
     NV: tl.constexpr = 2 * NVW
     # keys of a head dim between two powers of two (D = 192 in a 256 block) in two parts,
     # each a power of two (128 + 64): no padded channels in registers or matmuls. The
