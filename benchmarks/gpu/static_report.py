@@ -319,8 +319,8 @@ def _decode_loop(precision, block_n, block_m, kb, dv, vb, phased, num_warps, pre
     phased = auto if phased is None else (phased and auto)
     suffix = "" if phased == auto else "_bytes"
     if num_warps is None:
-        num_warps = A.loop_warps(phased, block_m)
-    elif num_warps != A.loop_warps(phased, block_m):
+        num_warps = A.loop_warps(phased, block_m, dv)
+    elif num_warps != A.loop_warps(phased, block_m, dv):
         suffix += f"_w{num_warps}"
     if prefetch is None:
         prefetch = A.DECODE_PREFETCH[phased]
@@ -618,7 +618,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
     if dv != d:
         cfg["DV"] = dv
     name = ("kvarn_prefill" if family == "prefill" else template.split('.')[0]) \
-        + f"_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else "") \
+        + f"_k{kb}v{vb}" + (f"_d{d}v{dv}" if dv != d else f"_d{d}" if d != 128 else "") \
         + f"_n{block_n}_m{block_m}" + ("_bias" if bias else "") + ("row" if bias == 2 else "") \
         + ("_bool" if bool_mask and bias == 1 else "") \
         + ("_plain" if plain else "") + (f"_{precision}" if precision != "tf32" else "") + suffix
@@ -682,11 +682,11 @@ def cases(quick: bool) -> list[Case]:
     64, and the decode step's append; for keys and values of different head dims (D = 192,
     Dv = 128) the decode kernel, the decode step's append and the key quantizer; the value
     quantizer past 128 channels (D = 192); the latent attention kernel (D = 512, Dv = 64);
-    and a prompt's default block (the prefill template and the op in one launch, with a
-    bool mask and key frames). Full: also the other code widths and precisions, the
-    autotune configs, the combine kernel, the prefill template, more D = 192 configs, the
-    quantizer at head dim 256 and for a latent state's keys (512), and the latent
-    attention's template (``kvarn_latent``)."""
+    a prompt's default block (the prefill template and the op in one launch, with a
+    bool mask and key frames); the decode kernel and template at head dim 256. Full: also
+    the other code widths and precisions, the autotune configs, the combine kernel, the
+    prefill template, more D = 192 and D = 256 configs, the quantizer at head dim 256 and
+    for a latent state's keys (512), and the latent attention's template (``kvarn_latent``)."""
     out = [
         # the production configs: fp16 code matmuls (kernels.CUDA_PRECISION), BLOCK_N = G
         _decode_kernel_case(4, 2, "fp16", block_n=128),
@@ -713,6 +713,11 @@ def cases(quick: bool) -> list[Case]:
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
                        precision="fp16", bias=True, bool_mask=True, plain=True),
         _attention_case(4, 2, "fp16", tq=64, mask=True),
+        # head dim 256 (Gemma 2 and 3; 2 query heads per kv head): the decode kernel and
+        # template at 4 warps (loop_warps), the keys in two parts of 128
+        _decode_kernel_case(4, 2, "fp16", d=256, hq=16, h=8, block_n=128),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
+                       precision="fp16", d=256, hq=16, h=8),
     ]
     if quick:
         return out
@@ -775,6 +780,13 @@ def cases(quick: bool) -> list[Case]:
                        hq=16, h=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
                        d=192, dv=128, hq=16, h=16, precision="fp16"),
+        # D = 256: the op in one launch, for a decode step and a prompt's block; the prompt
+        # template's block
+        _attention_case(4, 2, "fp16", d=256, hq=16, h=8),
+        _attention_case(4, 2, "fp16", d=256, hq=16, h=8, tq=64, mask=True),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
+                       precision="fp16", d=256, hq=16, h=8, bias=True, bool_mask=True,
+                       plain=True),
         _latent_case(frames=True),
         _latent_case(g=64),
         _latent_case(kb=2),

@@ -36,13 +36,14 @@ class DecodeConfig:
     prefetch: bool | None = None   # the next step's loads issued before this step's math;
     #                                None: the loop's own (DECODE_PREFETCH)
 
-    def resolved(self, phased: bool) -> "DecodeConfig":
-        """This config with the loop's defaults filled in (phased: the fp16 phased loop),
-        the eager launcher's (``kvarn_decode_attention``) for the same block."""
+    def resolved(self, phased: bool, dv: int = 128) -> "DecodeConfig":
+        """This config with the loop's defaults filled in (phased: the fp16 phased loop; dv:
+        the value head dim), the eager launcher's (``kvarn_decode_attention``) for the same
+        block."""
         from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, loop_warps
 
         return dataclasses.replace(
-            self, num_warps=loop_warps(phased, self.block_m) if self.num_warps is None
+            self, num_warps=loop_warps(phased, self.block_m, dv) if self.num_warps is None
             else self.num_warps,
             prefetch=DECODE_PREFETCH[phased] if self.prefetch is None else self.prefetch)
 

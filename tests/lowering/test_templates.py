@@ -440,3 +440,16 @@ def test_prompt_configs_take_the_loops_own_block(phased, block_m, block_n, warps
     assert tuned[0] == default and {c.block_m for c in tuned} >= {16, 32, 64, 128}
     # the 16-row block also at 4 warps: no spills on sm_90 with triton 3.6 or 3.9
     assert {c.resolved(phased).num_warps for c in tuned if c.block_m == 16} >= {warps, 4}
+
+
+def test_value_rows_past_128_channels_run_the_loop_at_4_warps():
+    """The decode loop's default warps (``loop_warps``): the phased loop's 2 for a block of up
+    to 16 rows whose value rows fit 128 channels, 4 past them (head dim 256: at 2 warps the
+    loop spilled on sm_90), as the eager launchers and the template's configs resolve it."""
+    from kvarn_compile.kernels.triton.attention import loop_warps
+    from kvarn_compile.lowering.heuristics import DecodeConfig
+
+    assert [loop_warps(True, 16, dv) for dv in (64, 128, 192, 256)] == [2, 2, 4, 4]
+    assert loop_warps(True, 64, 128) == loop_warps(False, 16, 128) == 4
+    cfg = DecodeConfig(block_n=128, block_m=16, split=1, num_warps=None, num_stages=1)
+    assert cfg.resolved(True, 128).num_warps == 2 and cfg.resolved(True, 256).num_warps == 4

@@ -404,11 +404,12 @@ def _phase_bits(bits, k: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
 def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, ok,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
                    BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
-                   NPARTS: tl.constexpr):
+                   NPARTS: tl.constexpr, WORD_PARTS: tl.constexpr = 0):
     """The K loads of chunk ``it`` for the phased loop (``ok`` = 0 reads zeros): the code
     words of channel pairs (``_paired_words``), the channel scales and zeros (a tuple of
     NPARTS each: the channels in one block, or in the two parts ``_decode_range_phased``
-    takes), per K phase its tokens' scales, the key-frame flag."""
+    takes), per K phase its tokens' scales, the key-frame flag. WORD_PARTS > 0: the words
+    of the first WORD_PARTS parts only (the caller loads the others where it uses them)."""
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
     NKW: tl.constexpr = BLOCK_N * K_BITS // 16    # words per K row in a chunk
@@ -426,12 +427,14 @@ def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, o
     for p in tl.static_range(NP):
         offs_h = (0 if p == 0 else DPA // 2) + tl.arange(0, DPA // 2 if p == 0 else DPB // 2)
         offs_d = (0 if p == 0 else DPA) + tl.arange(0, DPA if p == 0 else DPB)
-        t0, t1 = _paired_words((kc + j * s_kc).to(tl.pointer_type(tl.int16)), 2 * offs_h,
-                               2 * offs_h + 1, G * K_BITS // 16, c0 // (16 // K_BITS), offs_w,
-                               2 * offs_h < D * ok, 2 * offs_h + 1 < D * ok, offs_w < NKW)
+        if WORD_PARTS == 0 or p < WORD_PARTS:
+            t0, t1 = _paired_words((kc + j * s_kc).to(tl.pointer_type(tl.int16)), 2 * offs_h,
+                                   2 * offs_h + 1, G * K_BITS // 16, c0 // (16 // K_BITS),
+                                   offs_w, 2 * offs_h < D * ok, 2 * offs_h + 1 < D * ok,
+                                   offs_w < NKW)
+            k_t0 = k_t0 + (t0,)
+            k_t1 = k_t1 + (t1,)
         d_ok = offs_d < D * ok
-        k_t0 = k_t0 + (t0,)
-        k_t1 = k_t1 + (t1,)
         k_rs = k_rs + (tl.load(krs + j * s_krs + offs_d, mask=d_ok, other=0.0),)
         k_rz = k_rz + (tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0),)
     n_ok = offs_n < 2 * NKW * ok
@@ -512,7 +515,10 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
     """Steps [it0, it1) of ``_decode_range_phased`` (a step: the BLOCK_N tokens of a tile's
     chunk, chunk c = tile * G // BLOCK_N + its index in the tile) from the online-softmax
     state (m_i, l_i, accs), the queries in their parts (qs); returns that state. GAP: step
-    i >= gap_at reads chunk i + gap (the edge tiles around a range run apart)."""
+    i >= gap_at reads chunk i + gap (the edge tiles around a range run apart). LATE (keys
+    in two parts, no prefetch): a step loads the second part's code words after the first
+    part's matmuls, so it holds one part's at a time (sm_90, D = 256 at 2 warps: 88 -> 40 B
+    of spills in the kernel with triton 3.9, 656 -> 128 B with 3.6)."""
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
     VPER: tl.constexpr = 8 // V_BITS
@@ -521,6 +527,7 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
     NK: tl.constexpr = 2 * NKW
     NV: tl.constexpr = 2 * NVW
     offs_n = tl.arange(0, NK)
+    LATE: tl.constexpr = NP > 1 and not PREFETCH
     if PREFETCH:
         first = _chunk_at(it0, gap_at, gap, GAP)
         k_nxt = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, first,
@@ -546,9 +553,11 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                                    nxt, (it < it1).to(tl.int32), DV,
                                    BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS)
         else:
+            # the second part's words are loaded where its matmuls use them (LATE)
             k_cur = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp,
                                    cur, (it < it1).to(tl.int32), D,
-                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP)
+                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP,
+                                   1 if LATE else 0)
         k_t0, k_t1, k_rs, k_rz, k_cs, plain = k_cur
         # every code comes as 1024 + code * 2^s: the matmul starts from a @ (-1024), the
         # same products, so the fp32 accumulator cancels the 1024s exactly as it adds them
@@ -576,14 +585,39 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                 bits = _token_bits(vals, BLOCK_M, K_BITS, NKW)
             else:
                 bias_ph = _phase_split(vals, BLOCK_M, K_BITS, NKW)
+        if LATE:    # part by part, each part's words loaded where its matmuls use them
+            raws = ()
+            for k in tl.static_range(KPER):
+                raws = raws + (bias_k,)
+            for p in tl.static_range(NP):
+                if p == 0:
+                    t0 = k_t0[0]
+                    t1 = k_t1[0]
+                else:       # the second part's words, as _load_k_phased loads the first's
+                    ok = (it < it1).to(tl.int32)
+                    h2 = DPA // 2 + tl.arange(0, DPB // 2)
+                    t0, t1 = _paired_words(
+                        (kc + (cur // CH).to(tl.int64) * s_kc).to(tl.pointer_type(tl.int16)),
+                        2 * h2, 2 * h2 + 1, G * K_BITS // 16, (cur % CH) * NKW,
+                        tl.arange(0, NKW), 2 * h2 < D * ok, 2 * h2 + 1 < D * ok,
+                        tl.arange(0, NKW) < NKW)
+                new_raws = ()
+                for k in tl.static_range(KPER):
+                    new_raws = new_raws + (tl.dot(aa[p], _phase_f16(t0, t1, k, K_BITS, DPB // 2
+                                                                    if p else DPA // 2, NKW),
+                                                  raws[k], out_dtype=tl.float32),)
+                raws = new_raws
         ss = ()
         for k in tl.static_range(KPER):
             SH = 1.0 / (1 << (K_BITS * k))
-            raw = bias_k
-            for p in tl.static_range(NP):
-                raw = tl.dot(aa[p], _phase_f16(k_t0[p], k_t1[p], k, K_BITS,
-                                               DPA // 2 if p == 0 else DPB // 2, NKW), raw,
-                             out_dtype=tl.float32)
+            if LATE:
+                raw = raws[k]
+            else:       # phase by phase (one part, or both parts' words loaded)
+                raw = bias_k
+                for p in tl.static_range(NP):
+                    raw = tl.dot(aa[p], _phase_f16(k_t0[p], k_t1[p], k, K_BITS,
+                                                   DPA // 2 if p == 0 else DPB // 2, NKW), raw,
+                                 out_dtype=tl.float32)
             s = (raw + (z_k * (1.0 / SH))[:, None]) \
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
             tok = c * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
@@ -657,8 +691,9 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     way), split into VPER = 8 / V_BITS phases of channels, one accumulator each, put back
     in channel order at the end. Every code is 1024 + code * 2^s in fp16 (exact); the
     1024 * rowsum of the other operand and the 2^s are taken off in fp32. A head dim
-    between two powers of two (D = 192) is scored in two parts (128 + 64), the queries read
-    from their rows (``qr_rows``) in the same parts. Scores, masks and
+    between two powers of two (D = 192) is scored in two parts (128 + 64), and one past 128
+    (256) in two of 128 whose second part's words are loaded after the first part's
+    matmuls, the queries read from their rows (``qr_rows``) in the same parts. Scores, masks and
     the online softmax are those of ``_decode_range_bytes``. A bool mask row is held as one
     bit per token (``_token_bits``) with MASK_BITS, else as its values split per phase like
     a float one: each is what keeps its caller's loop in registers on sm_90 (bits: the
@@ -671,11 +706,13 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     NVW: tl.constexpr = BLOCK_DV * V_BITS // 16
     NV: tl.constexpr = 2 * NVW
     # keys of a head dim between two powers of two (D = 192 in a 256 block) in two parts,
-    # each a power of two (128 + 64): no padded channels in registers or matmuls. The
-    # queries then come in the same parts, from their rows (qr_rows)
+    # each a power of two (128 + 64): no padded channels in registers or matmuls; and of a
+    # head dim past 128 (256 = 128 + 128), so that a step holds one part's code words at a
+    # time (``_steps_phased``: LATE). The queries then come in the same parts, from their
+    # rows (qr_rows)
     DPB: tl.constexpr = D - BLOCK_D // 2
-    NP: tl.constexpr = 2 if BLOCK_D != D and (DPB == 16 or DPB == 32 or DPB == 64
-                                              or DPB == 128) else 1
+    NP: tl.constexpr = 2 if (BLOCK_D != D or BLOCK_D > 128) and (
+        DPB == 16 or DPB == 32 or DPB == 64 or DPB == 128) else 1
     DPA: tl.constexpr = BLOCK_D if NP == 1 else BLOCK_D // 2
     if NP == 1:
         qs = (q,)
@@ -1310,7 +1347,8 @@ def _kvarn_attn_kernel(
         # with key frames (per tile, _frame_q) or a head dim the phased loop takes in two
         # parts, the loop reads the rotated rows: they go through scratch (the launcher sets
         # Q_SCRATCH then)
-        tl.static_assert(Q_SCRATCH or not (HAS_K_PLAIN or (PHASED and BLOCK_D != D)),
+        tl.static_assert(Q_SCRATCH or not (HAS_K_PLAIN or (PHASED and (BLOCK_D != D
+                                                                       or BLOCK_D > 128))),
                          "the loop reads the rotated q from scratch")
         q_mem = q_rows
         if Q_SCRATCH:
@@ -1474,7 +1512,7 @@ def phased_decode(input_precision: str, block_n: int, k_bits: int, dv: int, v_bi
 #: Warps and register double buffering of the decode loop by path, for a block of up to
 #: 16 query rows: the phased loop is fastest with 2 warps (its V matmuls are 16-32 channels
 #: wide) and its next chunk's words in flight spill (sm_90: 0.6 KB), so it issues each
-#: chunk's loads where they are used.
+#: chunk's loads where they are used. (Past 128 value channels: ``loop_warps``.)
 DECODE_WARPS = {True: 2, False: 4}
 DECODE_PREFETCH = {True: False, False: True}
 
@@ -1485,11 +1523,17 @@ def loop_block_n(block_m: int, group: int) -> int:
     return min(group, 128 if block_m <= 16 else 64)
 
 
-def loop_warps(phased: bool, block_m: int) -> int:
+def loop_warps(phased: bool, block_m: int, dv: int = 128) -> int:
     """The loop's default warps: ``DECODE_WARPS`` for a block of up to 16 rows; 4 for larger
     blocks, each warp 16 rows (sm_90, phased, 64 rows: 2,676 B of spills at 2 warps and
-    128-token steps, none at 4 warps and 64; 32 rows: 344 B against none)."""
-    return DECODE_WARPS[phased] if block_m <= 16 else 4
+    128-token steps, none at 4 warps and 64; 32 rows: 344 B against none), and for value
+    rows past 128 channels (``dv``, padded to a power of two: the accumulators grow with it;
+    phased, D = Dv = 256: at 2 warps the kernel spills 40 B with triton 3.9 and 128 B with
+    3.6, the 16-row prompt block 440 B and 360 B; at 4 warps none, the decode template 8 B
+    with 3.6)."""
+    if block_m > 16 or dv > 128:
+        return 4
+    return DECODE_WARPS[phased]
 
 
 #: Exact-region slots per loop step of ``_exact_range``, and per program at most
@@ -1670,7 +1714,7 @@ def _tile_plan(q, k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_row_
         raise ValueError(f"Expected num_splits a positive int, but got {split!r}.")
     phased = phased_decode(input_precision, block_n, kb, dv, vb)
     prefetch = DECODE_PREFETCH[phased] if prefetch is None else bool(prefetch)
-    num_warps = loop_warps(phased, block_m) if num_warps is None else num_warps
+    num_warps = loop_warps(phased, block_m, dv) if num_warps is None else num_warps
     if num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"Expected num_warps 1, 2, 4, 8 or 16, but got {num_warps!r}.")
     if k_plain is not None and (tuple(k_plain.shape) != (bsz, heads, cap)
@@ -1961,7 +2005,7 @@ def kvarn_attention(
         # any block's (the loop reads it there); else a larger block takes the dot's
         # layout. FUSED also stages the exact region's output there
         block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
-        q_scratch = block_m <= 16 or k_plain is not None or block_d != d
+        q_scratch = block_m <= 16 or k_plain is not None or block_d != d or block_d > 128
         scratch_w = max(block_d, block_dv)
         o_part = torch.empty(bsz, hq, tq, slots, dv, dtype=torch.float32, device=dev)
         lse_part = torch.empty(bsz, hq, tq, slots, dtype=torch.float32, device=dev)
