@@ -749,6 +749,8 @@ def cases(quick: bool) -> list[Case]:
         _quantize_case("k", 4, d=256),   # head dim 256 (Gemma): 16 warps, rotated in chunks,
         _quantize_case("v", 2, d=256),   # keys in two parts of 128 rows
         _quantize_case("k", 4, d=512),   # a latent state's keys (MLA absorbed: latent 512)
+        # the largest value tile of 256-token tiles that quantize.tile_fits lets the kernel take
+        _quantize_case("v", 2, d=128, g=256),
         _combine_case(),
         _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 
 import torch
@@ -44,6 +45,8 @@ from kvarn_compile.ops import context_parallel
 from kvarn_compile.ops import append as append_ref, attention as attention_ref, library, regions
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
+
+log = logging.getLogger("kvarn_compile.ops")
 
 __all__ = ["kernel_applies", "attention", "attention_cpu", "latent_attention_cpu", "latent_attention_cuda",
            "merge_latent_partials", "freeze_tiles_triton", "freeze_tiles_cpu",
@@ -402,6 +405,26 @@ def _cuda_step_attention(q, f, mask, scale, causal, window, checked: bool):
 
 
 # ------------------------------------------------------------------------------ append
+_UNFIT_LOGGED: set[tuple[int, int, int]] = set()
+
+
+def tiles_fit(geo: Geometry) -> bool:
+    """Whether the Triton tile quantizer fits both tiles of a layer of this geometry
+    (``kernels.triton.quantize.tile_fits``). Where it does not, the reference quantizes them
+    (the same codes, slower): said once per shape on the ``kvarn_compile.ops`` log."""
+    from kvarn_compile.kernels.triton.quantize import tile_fits
+
+    if tile_fits("k", geo.head_dim, geo.group) and tile_fits("v", geo.value_head_dim, geo.group):
+        return True
+    shape = (geo.head_dim, geo.value_head_dim, geo.group)
+    if shape not in _UNFIT_LOGGED:
+        _UNFIT_LOGGED.add(shape)
+        log.warning("kvarn: the Triton tile quantizer does not fit tiles of head dims %d / %d "
+                    "(keys / values) x %d tokens on a GPU; the reference quantizes them (same "
+                    "codes, slower)", *shape)
+    return False
+
+
 def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.Tensor,
                         tokens_v: torch.Tensor, first_tile: int, method: str, iters: int) -> bool:
     """Quantize [H, f*G, D] K/V of one row into tile slots with the Triton kernel
@@ -410,17 +433,21 @@ def freeze_tiles_triton(buffers: list[torch.Tensor], row: int, tokens_k: torch.T
     Per-tile key frames (``key_frame="auto"``) as in the reference: the frame of each K tile
     is chosen in torch (``choose_key_frame``), then one launch quantizes the rotated tiles
     and one the plain ones (per-channel RTN), each skipping the other's slots. Returns False
-    (nothing written) where the kernel does not apply: no usable triton, fp8 scales,
-    non-finite input (the reference handles those).
+    (nothing written) where the kernel does not apply: no usable triton, fp8 scales, tiles
+    it does not fit on a GPU (``tile_fits``: logged once per shape), non-finite input (the
+    reference handles those).
     """
     from kvarn_compile.kernels import quantize_tiles_into, triton_available
     from kvarn_compile.quant.quantize import choose_key_frame
 
     f = unpack(buffers)
-    if not triton_available() or f.layout.fp8_factors \
-            or not bool(torch.isfinite(tokens_k).all() & torch.isfinite(tokens_v).all()):
+    if not triton_available() or f.layout.fp8_factors:
         return False
     geo = Geometry.of(f)
+    if not tiles_fit(geo):
+        return False
+    if not bool(torch.isfinite(tokens_k).all() & torch.isfinite(tokens_v).all()):
+        return False
     n = tokens_k.shape[1] // geo.group
     dst = torch.arange(first_tile, first_tile + n, device=tokens_k.device)[None, :]
     rotate, normalize = method != "kivi", method == "kvarn"

@@ -3,8 +3,9 @@ clear error, or is reported and left unchanged; none may give silently wrong res
 
 Every case of the robustness issue, where it is tested, and the outcome (the README's
 "Limits" section states the same behaviour for users). ``module::test`` names a test of
-another file: test_append and test_attention in tests/ops/, test_quantize in tests/quant/,
-test_fuzz in tests/passes/, test_hf_cache and test_backend_models next to this file:
+another file: test_append, test_attention and test_dispatch in tests/ops/, test_quantize in
+tests/quant/, test_fuzz in tests/passes/, test_hf_cache and test_backend_models next to this
+file:
 
     case                                        outcome                          test
     ------------------------------------------  -------------------------------  ------------------------------------------
@@ -27,6 +28,8 @@ test_fuzz in tests/passes/, test_hf_cache and test_backend_models next to this f
     heavy-tailed channels (1000x)               works, error bounded             test_heavy_tailed_channels
     head dims 64..256 x MHA/GQA/MQA             works (eager ops and compiled)   test_head_dims_and_kv_groups,
                                                                                  test_compiled_head_dims_and_kv_groups
+      CUDA, tiles the GPU quantizer does not    the reference quantizes them,    test_dispatch::test_tiles_the_quantizer_does_
+      fit (256-token K tiles, Dv > 256)         logged once; launcher: error     not_fit_go_to_the_reference
     batch 1 and 32                              works                            test_compiled_lengths_and_batch
     lengths 1, G-1, G, G+1, capacity            works                            test_compiled_lengths_and_batch
     appends crossing several tiles              works (== one-by-one appends)    test_chunked_appends_cross_several_tiles,

@@ -135,6 +135,44 @@ def test_freeze_kernel_writes_the_reference_tiles():
         assert (a != b).float().mean() < 0.005, name        # rounding ties only
 
 
+@pytest.mark.parametrize("d,dv,g,fits", [(128, 128, 128, True), (512, 64, 128, True),
+                                         (256, 256, 128, True), (128, 128, 256, False),
+                                         (128, 512, 128, False), (1024, 128, 128, False)])
+def test_tiles_the_quantizer_does_not_fit_go_to_the_reference(d, dv, g, fits, caplog):
+    """The Triton tile quantizer holds a whole fp32 tile in registers: tiles past what an
+    sm_90 SM holds (``tile_fits``; static report: ptxas fails or the launch asks for more
+    shared memory than an SM has) are never launched. Its launcher refuses them with a
+    one-line error; the op's tile kernel declines them, said once a shape, and the reference
+    quantizes them (nothing written by the kernel)."""
+    from kvarn_compile.kernels import quantize_tiles_into
+    from kvarn_compile.kernels.triton import append as triton_append
+    from kvarn_compile.kernels.triton.quantize import tile_fits
+    from kvarn_compile.state import Geometry
+
+    assert (tile_fits("k", d, g) and tile_fits("v", dv, g)) == fits
+    st = allocate_layer(get_config("k4v2", group_size=g), batch=1, kv_heads=1, head_dim=d,
+                        value_head_dim=dv, max_len=2 * g, dtype=torch.float32)
+    f = unpack(st.buffers)
+    assert triton_impl.tiles_fit(Geometry.of(f)) == fits
+    k1 = torch.zeros(1, 1, 1, d)
+    assert triton_append.applies(f, k1, "kvarn", 0, False, v=torch.zeros(1, 1, 1, dv)) == fits
+    if fits:
+        return
+    before = [t.clone() for t in st.buffers]
+    tk, tv = torch.randn(1, g, d), torch.randn(1, g, dv)
+    with caplog.at_level("WARNING", logger="kvarn_compile.ops"):
+        assert not triton_impl.freeze_tiles_triton(st.buffers, 0, tk, tv, 0, "kvarn", 8)
+        assert not triton_impl.freeze_tiles_triton(st.buffers, 0, tk, tv, 0, "kvarn", 8)
+    assert all(torch.equal(a, b) for a, b in zip(before, st.buffers))
+    said = [r.getMessage() for r in caplog.records if "does not fit" in r.getMessage()]
+    assert len(said) <= 1 and (said or (d, dv, g) in triton_impl._UNFIT_LOGGED)
+    kind, dim = ("k", d) if not tile_fits("k", d, g) else ("v", dv)
+    x = torch.randn(1, 1, g, dim)
+    with pytest.raises(NotImplementedError, match=r"Expected a tile the Triton quantizer fits"):
+        quantize_tiles_into(x, *getattr(f, kind).core, kind=kind, bits=4 if kind == "k" else 2,
+                            rotate=True, normalize=True)
+
+
 # ------------------------------------------------------------------------------ C++ CPU kernel
 TILE_NAMES = ("codes", "row_scale", "row_zero", "col_scale")
 

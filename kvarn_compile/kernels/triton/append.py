@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarn_compile.kernels.triton.quantize import quantize_tiles_into
+from kvarn_compile.kernels.triton.quantize import quantize_tiles_into, tile_fits
 from kvarn_compile.quant.quantize import DOMINANCE_THRESHOLD
 from kvarn_compile.quant.rotation import rotation_matrix
 from kvarn_compile.state import Geometry, StateFields, unpack
@@ -88,7 +88,9 @@ def applies(f: StateFields[torch.Tensor], k: torch.Tensor, method: str, hold: in
             and k.shape[-1] == f.sink_k.shape[-1] and k.device == f.sink_k.device
             and (v is None or (v.dim() == 4 and v.shape[:3] == k.shape[:3]
                                and v.shape[-1] == f.sink_v.shape[-1] and v.device == k.device))
-            and all(t.is_contiguous() for t in (f.sink_k, f.sink_v, f.tail_k, f.tail_v)))
+            and all(t.is_contiguous() for t in (f.sink_k, f.sink_v, f.tail_k, f.tail_v))
+            and tile_fits("k", k.shape[-1], f.k.col_scale.shape[-1])
+            and tile_fits("v", f.sink_v.shape[-1], f.k.col_scale.shape[-1]))
 
 
 def append_decode(buffers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,

@@ -573,6 +573,22 @@ def _num_warps(d: int, group: int, part_a: int = 0) -> int:
     return 8 if group * _block_d(d) > 64 * 64 else 4
 
 
+def tile_fits(kind: str, d: int, group: int) -> bool:
+    """Whether the tile quantizer runs a tile of this shape (``kind`` "k" or "v", head dim d,
+    G = group tokens) on the GPU it is built for (sm_90: 64K registers and 227 KiB of shared
+    memory an SM). It holds the whole fp32 tile in registers and stages its rotation's
+    operands in shared memory. Measured with the static report (triton 3.9): key tiles of
+    up to 512 rows (D padded) by 128 tokens compile and fit (1,024 x 128 asks for 336 KiB of
+    shared memory, 128 x 256 for 256 KiB); value tiles of up to 256 columns and 32K codes
+    (128 x 256 and 256 x 128: ptxas cannot allocate 128 x 512 or 256 x 256, and 64 x 512
+    asks for 392 KiB). Other tiles are quantized by the reference (``ops/dispatch``,
+    ``kernels/triton/append``: the same codes, slower)."""
+    block_d = _block_d(d)
+    if kind == "k":
+        return group <= 128 and block_d <= 512
+    return block_d <= 256 and block_d * group <= 256 * 128
+
+
 def _scratch_fits(dst_codes: torch.Tensor, rows: int, cols: int, bits: int, block_c: int
                   ) -> bool:
     """Whether a destination tile's code bytes can hold the normalization's best column
@@ -663,6 +679,11 @@ def quantize_tiles_into(
     if group < 16 or group & (group - 1):
         raise NotImplementedError(
             f"Expected a power-of-two tile length G >= 16 for the Triton kernel, but got {group}.")
+    if not tile_fits(kind, d, group):
+        raise NotImplementedError(
+            f"Expected a tile the Triton quantizer fits on a GPU (keys up to 512 channels x 128 "
+            f"tokens, values up to 256 channels and 32K codes), but got a {kind!r} tile of "
+            f"D={d} x G={group}; quantize it with kvarn_compile.quant.quantize_kv.")
     if cols % (8 // bits):
         raise ValueError(f"Expected a row length divisible by {8 // bits} to pack {bits}-bit "
                          f"codes, but got {cols}.")
