@@ -602,7 +602,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                   SPLIT=split if family == "decode" else 1, SPLIT_MAX=split_max, BLOCK_M=block_m,
                   PREFETCH=int(prefetch),
                   HAS_BIAS=bias, HAS_K_PLAIN=plain, INPUT_PRECISION=precision, SM_SCALE=0.088,
-                  KVARN_SRC=0, PHASED=phased)
+                  KVARN_SRC=0, PHASED=phased, KEY_HALVES=family == "prefill")
         kernel = render_standalone(template, tensors, ce, _RENDER_DIR)
         args = [*tensors.values(), out]
         for t in (*tensors.values(), out):

@@ -263,7 +263,9 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                            phased=phased_decode(precision, loop_block_n(16, group), kb, dv, vb)))
             for cfg in configs:
                 phased = phased_decode(precision, cfg.block_n, kb, dv, vb)
-                opts = dict(cfg.resolved(phased, dv).template_kwargs(), PHASED=phased)
+                # a prompt's blocks score the keys in halves (attention._decode_range_phased)
+                opts = dict(cfg.resolved(phased, dv).template_kwargs(), PHASED=phased,
+                            KEY_HALVES=not few)
                 offer({"choice": "decode" if few else "prefill", "config": opts},
                       lambda opts=opts: templates.decode_template().maybe_append_choice(
                           choices, input_nodes=inputs, layout=layout,

@@ -67,21 +67,22 @@ HEAD_DIM_256_SPILL_BYTES_MAX = {name: 0 for name in HEAD_DIM_256}
 #: A prompt's default block (16 rows; a bool mask per row and key frames, as transformers and
 #: the default config give them): the prefill template and the op in one launch (FUSED: one
 #: program per block). The phased loop runs the tiles every row of a block sees whole apart
-#: from the block's edge tiles (causal and window bounds per row): that loop runs 12% and 17%
-#: fewer instructions per tile than the one loop with the bounds did (3.9: 1,912 and 1,835
-#: against 2,173 and 2,200) and keeps its values in registers but one reload per tile in the
-#: template; the edge loop reloads two there. The loop reads the queries per tile
+#: from the block's edge tiles (causal and window bounds per row): that loop runs 8% and 14%
+#: fewer instructions per tile than the one loop with the bounds did (3.9: 2,005 and 1,897
+#: against 2,173 and 2,200). It scores the keys in two halves of 64 channels, the second
+#: half's words loaded after the first half's matmuls (``KEY_HALVES``): its values stay in
+#: registers, where with the whole tile's words at once the template reloaded one value per
+#: tile (1,912 instructions, 16 B) and the edge loop two. The loop reads the queries per tile
 #: (``_frame_q``); the template holds a bool mask as bits, the op as its values split per
-#: phase (``MASK_BITS``). Spills, all outside the loops: the template 16 B, the op 64 B (48 B
-#: in one loop, which ptxas run again without Triton's ``--regAllocOptLevel=2`` had reported
-#: as none). The 64-row blocks they replaced spilled 880 B (template) and 740-1,560 B
-#: (kernel), with 516-1,154 local loads and stores per tile.
+#: phase (``MASK_BITS``). Spills: the template none, the op 48 B outside the loops. The 64-row
+#: blocks they replaced spilled 880 B (template) and 740-1,560 B (kernel), with 516-1,154
+#: local loads and stores per tile.
 PREFILL = ("kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16",
            "attention_k4v2_d128g128_n128_fp16_tq64_mask")
 #: per case: (local loads/stores per tile in the tile loop, in the edge loop, spill bytes,
 #: instructions per tile in the tile loop)
-PREFILL_LIMITS = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": (1, 2, 16, 2000),
-                  "attention_k4v2_d128g128_n128_fp16_tq64_mask": (0, 0, 64, 1900)}
+PREFILL_LIMITS = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": (0, 0, 0, 2100),
+                  "attention_k4v2_d128g128_n128_fp16_tq64_mask": (0, 0, 48, 1950)}
 #: The issue-bound estimate (static_report's model) the production decode loop must reach:
 #: at least 70% of H200 bandwidth (the byte loop was at 43-47%: its per-code byte shuffles),
 #: and near what it reaches (0.99, 0.87, 1.0), so that a change giving most of that back
@@ -95,10 +96,10 @@ DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.90,
 
 #: Triton before 3.9 (3.6 is torch 2.11's, the GPU image's) allocates the same loops less
 #: well (docs/performance.md). There the limits are what it reaches, measured, so that it
-#: slips no further: the decode estimates 0.83 / 0.82 / 0.87; the prompt blocks 0 and 76 B,
-#: their tile loops 2,110 and 2,069 instructions with 0 and 5 local loads and stores per
-#: tile, 2 of them stores (one loop with the bounds: 2,336 and 2,669, 2 and 15; 200 and
-#: 284 B before the loop read the queries per tile), their edge loops 0 and 12; the key
+#: slips no further: the decode estimates 0.83 / 0.82 / 0.87; the prompt blocks 0 and 12 B,
+#: their tile loops 2,166 and 2,036 instructions with no local load or store (keys in one
+#: part: 2,110 and 2,069, 0 and 5 a tile, 76 B; one loop with the bounds: 2,336 and 2,669,
+#: 2 and 15; 200 and 284 B before the loop read the queries per tile); the key
 #: quantizer at D = 192 452 B, 46 local loads and stores per normalization step (632 B and
 #: 37 with three stds per step, for 3,281 instructions against 2,588); at D = 256 the decode
 #: kernel 0 B and 0.72, the template 8 B (none in its loops) and 0.71.
@@ -110,9 +111,9 @@ if OLD_TRITON:
                            "decode_kernel_k4v2_d256g128_n128_fp16": 0.70,
                            "kvarn_decode_k4v2_d256_n128_m16_fp16": 0.70}
     HEAD_DIM_256_SPILL_BYTES_MAX["kvarn_decode_k4v2_d256_n128_m16_fp16"] = 8
-    PREFILL_LIMITS = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": (0, 0, 0, 2200),
-                      "attention_k4v2_d128g128_n128_fp16_tq64_mask": (5, 12, 76, 2150)}
-    PREFILL_LOOP_STORES_MAX = 2
+    PREFILL_LIMITS = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": (0, 0, 0, 2250),
+                      "attention_k4v2_d128g128_n128_fp16_tq64_mask": (0, 0, 12, 2100)}
+    PREFILL_LOOP_STORES_MAX = 0
     MLA_QUANTIZER_SPILL_BYTES_MAX, MLA_QUANTIZER_LOOP_SPILLS_MAX = 512, 56
 else:
     PREFILL_LOOP_STORES_MAX = 0

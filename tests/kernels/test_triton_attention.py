@@ -203,20 +203,22 @@ def test_phased_prompt_runs_whole_tiles_apart_from_edge_tiles(window, mask, spli
     _close(_run(q, buffers, m, window=window, num_splits=splits, input_precision="fp16"),
            want, 4e-3)
 
-@pytest.mark.parametrize("d,block_n,tq", [(96, 32, 1), (96, 32, 20), (256, 64, 1),
-                                           (256, 128, 3)])
-def test_phased_keys_in_two_parts_load_the_second_part_late(d, block_n, tq):
+@pytest.mark.parametrize("d,block_n,tq,splits", [(96, 32, 1, 2), (96, 32, 20, 2),
+                                                  (256, 64, 1, 2), (256, 128, 3, 2),
+                                                  (64, 32, 20, 1), (128, 64, 20, 1)])
+def test_phased_keys_in_two_parts_load_the_second_part_late(d, block_n, tq, splits):
     """Keys of a head dim between two powers of two (96 = 64 + 32) or past 128 (256 = 128 +
-    128) are scored in two parts, the second part's code words loaded after the first part's
-    matmuls (``_steps_phased``: LATE), from the step's own chunk: steps of a tile and of part
-    of one (block_n < G: chunk c of tile c // CH), one query and several."""
+    128), and a prompt's (one split, several row blocks: FUSED, ``KEY_HALVES``; 64 = 32 + 32,
+    128 = 64 + 64) are scored in two parts, the second part's code words loaded after the
+    first part's matmuls (``_steps_phased``: LATE), from the step's own chunk: steps of a
+    tile and of part of one (block_n < G: chunk c of tile c // CH), one query and several."""
     g = 128 if d == 256 else 64
     buffers = _cache([3 * g + 37, g + 9], g, d, torch.float16, seed=7, key_frame="rotated")
     q = torch.randn(2, 2 * H, tq, d).to(torch.float16)
     m = _mask("bool", 2, 2 * H, tq, 3 * g + 42)
     want = attention_ref.attention(q, buffers, m, d ** -0.5, True, 0)
-    _close(_run(q, buffers, m, num_splits=2, input_precision="fp16", block_n=block_n), want,
-           4e-3)
+    _close(_run(q, buffers, m, num_splits=splits, input_precision="fp16", block_n=block_n),
+           want, 4e-3)
 
 
 def test_fused_prompt_blocks_need_no_partials(monkeypatch):

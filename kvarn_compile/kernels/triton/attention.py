@@ -677,7 +677,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
                          V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                          PREFETCH: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         MASK_BITS: tl.constexpr = True):
+                         MASK_BITS: tl.constexpr = True, KEY_HALVES: tl.constexpr = False):
     """``_decode_range`` with fp16 code operands, codes unpacked two per instruction.
 
     The packed layouts stay as stored; the loop reads them as 16-bit words and regroups the
@@ -699,7 +699,11 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     a float one: each is what keeps its caller's loop in registers on sm_90 (bits: the
     template's prompt block; values: the one-launch op's; docs/performance.md). With
     per-row bounds (HAS_LO / HAS_HI), the tiles every valid row sees whole run in a loop of
-    their own without them, after the edge tiles (``_steps_phased``).
+    their own without them, after the edge tiles (``_steps_phased``). KEY_HALVES: a head dim
+    that is a power of two in two halves as well (a prompt's blocks, whose masks and bounds
+    leave the loop fewer registers: sm_90, D = 128, triton 3.9, the template's 16-row block
+    spills 0 B with a bool mask where it spilled 16 B with one reload a tile, 12 B with an
+    fp32 one where 84 B, 8 a tile; 3.6: 16 B where 352 B, 46 a tile).
     """
     CH: tl.constexpr = G // BLOCK_N
     VPER: tl.constexpr = 8 // V_BITS
@@ -711,7 +715,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     # time (``_steps_phased``: LATE). The queries then come in the same parts, from their
     # rows (qr_rows)
     DPB: tl.constexpr = D - BLOCK_D // 2
-    NP: tl.constexpr = 2 if (BLOCK_D != D or BLOCK_D > 128) and (
+    NP: tl.constexpr = 2 if (BLOCK_D != D or BLOCK_D > 128 or KEY_HALVES) and (
         DPB == 16 or DPB == 32 or DPB == 64 or DPB == 128) else 1
     DPA: tl.constexpr = BLOCK_D if NP == 1 else BLOCK_D // 2
     if NP == 1:
@@ -850,13 +854,14 @@ def _decode_range(q, qr_rows, s_qrd, qp_rows, s_qpd,
                   HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, PHASED: tl.constexpr,
-                  MASK_BITS: tl.constexpr = True):
+                  MASK_BITS: tl.constexpr = True, KEY_HALVES: tl.constexpr = False):
     """Online-softmax attention of the query block q [BLOCK_M, BLOCK_D] (rotated, fp32) over
     packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units,
     acc [BLOCK_M, BLOCK_DV]. The loop shared by the standalone kernel and the decode
     template. PHASED (:func:`phased_decode`, decided by the launcher): fp16 operands through
     ``_decode_range_phased`` (codes unpacked two per instruction; MASK_BITS: how it holds a
-    bool mask); else ``_decode_range_bytes``."""
+    bool mask; KEY_HALVES: a prompt's blocks score the keys in two halves); else
+    ``_decode_range_bytes``."""
     if PHASED:
         tl.static_assert(INPUT_PRECISION == "fp16", "the phased loop takes fp16 operands")
         tl.static_assert(BLOCK_N * K_BITS >= 128, "phased: K phases need 16 tokens")
@@ -867,7 +872,7 @@ def _decode_range(q, qr_rows, s_qrd, qp_rows, s_qpd,
             s_krs, s_krz, s_kcs,
             s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
             s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
-            HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV, MASK_BITS)
+            HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV, MASK_BITS, KEY_HALVES)
     else:
         m_i, l_i, acc = _decode_range_bytes(
             q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc,
@@ -886,7 +891,8 @@ def _head_tiles(q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, v
                 K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_LO: tl.constexpr,
                 HAS_HI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, DV: tl.constexpr,
-                BLOCK_DV: tl.constexpr, PHASED: tl.constexpr, MASK_BITS: tl.constexpr = True):
+                BLOCK_DV: tl.constexpr, PHASED: tl.constexpr, MASK_BITS: tl.constexpr = True,
+                KEY_HALVES: tl.constexpr = False):
     """``_decode_range`` over tiles [start, end) of one (batch row, kv head) of contiguous
     state tensors [B, H, N, ...]: ``head`` = (b * H + h) * N, the flat index of its tile 0."""
     K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
@@ -898,7 +904,7 @@ def _head_tiles(q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, v
         D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1, start, end, m_valid, kv_lo, kv_hi,
         bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO,
         HAS_HI, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED,
-        MASK_BITS)
+        MASK_BITS, KEY_HALVES)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1347,8 +1353,8 @@ def _kvarn_attn_kernel(
         # with key frames (per tile, _frame_q) or a head dim the phased loop takes in two
         # parts, the loop reads the rotated rows: they go through scratch (the launcher sets
         # Q_SCRATCH then)
-        tl.static_assert(Q_SCRATCH or not (HAS_K_PLAIN or (PHASED and (BLOCK_D != D
-                                                                       or BLOCK_D > 128))),
+        tl.static_assert(Q_SCRATCH or not (HAS_K_PLAIN or (PHASED and (
+            BLOCK_D != D or BLOCK_D > 128 or FUSED))),
                          "the loop reads the rotated q from scratch")
         q_mem = q_rows
         if Q_SCRATCH:
@@ -1393,7 +1399,7 @@ def _kvarn_attn_kernel(
             (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, TILE_MASK, s_mk,
             qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
             2 if MASK_ROW else HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV,
-            PHASED, False)    # a bool mask as its values (see _decode_range_phased)
+            PHASED, False, FUSED)   # a bool mask as its values; a prompt's keys in halves
         if FUSED:
             # then the whole exact region with the plain queries (its output staged in this
             # block's scratch rows, q's no longer needed), and the block's output
@@ -2005,7 +2011,8 @@ def kvarn_attention(
         # any block's (the loop reads it there); else a larger block takes the dot's
         # layout. FUSED also stages the exact region's output there
         block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
-        q_scratch = block_m <= 16 or k_plain is not None or block_d != d or block_d > 128
+        q_scratch = block_m <= 16 or k_plain is not None or block_d != d or block_d > 128 \
+            or fused
         scratch_w = max(block_d, block_dv)
         o_part = torch.empty(bsz, hq, tq, slots, dv, dtype=torch.float32, device=dev)
         lse_part = torch.empty(bsz, hq, tq, slots, dtype=torch.float32, device=dev)
