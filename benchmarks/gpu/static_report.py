@@ -782,6 +782,9 @@ def cases(quick: bool) -> list[Case]:
                        hq=16, h=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
                        d=192, dv=128, hq=16, h=16, precision="fp16"),
+        _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16, tq=256,
+                       d=192, dv=128, hq=16, h=16, precision="fp16", bias=True, bool_mask=True,
+                       plain=True),
         # D = 256: the op in one launch, for a decode step and a prompt's block; the prompt
         # template's block
         _attention_case(4, 2, "fp16", d=256, hq=16, h=8),

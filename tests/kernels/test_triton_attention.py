@@ -205,14 +205,17 @@ def test_phased_prompt_runs_whole_tiles_apart_from_edge_tiles(window, mask, spli
 
 @pytest.mark.parametrize("d,block_n,tq,splits", [(96, 32, 1, 2), (96, 32, 20, 2),
                                                   (256, 64, 1, 2), (256, 128, 3, 2),
-                                                  (64, 32, 20, 1), (128, 64, 20, 1)])
-def test_phased_keys_in_two_parts_load_the_second_part_late(d, block_n, tq, splits):
+                                                  (64, 32, 20, 1), (128, 64, 20, 1),
+                                                  (96, 32, 20, 1), (192, 64, 20, 1),
+                                                  (256, 128, 20, 1)])
+def test_phased_keys_in_parts_load_the_later_parts_late(d, block_n, tq, splits):
     """Keys of a head dim between two powers of two (96 = 64 + 32) or past 128 (256 = 128 +
-    128), and a prompt's (one split, several row blocks: FUSED, ``KEY_HALVES``; 64 = 32 + 32,
-    128 = 64 + 64) are scored in two parts, the second part's code words loaded after the
-    first part's matmuls (``_steps_phased``: LATE), from the step's own chunk: steps of a
-    tile and of part of one (block_n < G: chunk c of tile c // CH), one query and several."""
-    g = 128 if d == 256 else 64
+    128) are scored in two parts, and a prompt's (one split, several row blocks: FUSED,
+    ``KEY_HALVES``) in parts of at most 64 channels (64 = 32 + 32, 96 = 64 + 32, 128 = 64 +
+    64, 192 and 256 in three and four of 64), its queries read per step; each later part's
+    code words loaded after the parts before it were scored (``_steps_phased``: LATE), from the step's own chunk: steps of a tile and of
+    part of one (block_n < G: chunk c of tile c // CH), one query and several."""
+    g = 128 if d >= 192 else 64
     buffers = _cache([3 * g + 37, g + 9], g, d, torch.float16, seed=7, key_frame="rotated")
     q = torch.randn(2, 2 * H, tq, d).to(torch.float16)
     m = _mask("bool", 2, 2 * H, tq, 3 * g + 42)

@@ -187,7 +187,7 @@ def _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D: tl.constexpr,
     beside it: two fp32 blocks of registers (sm_90, the 16-row prompt block with a bool
     mask spilled 32 B with triton 3.9 and 200 B with 3.6, with 11 and 41 local loads per
     tile in the loop; docs/performance.md has what it does now). D0: the block's first
-    channel (the phased loop takes a head dim between two powers of two in two parts)."""
+    channel (the phased loop takes the keys in parts)."""
     offs_d = D0 + tl.arange(0, BLOCK_D)
     ok = m_valid[:, None] & (offs_d < D)[None, :]
     if plain != 0:
@@ -404,12 +404,14 @@ def _phase_bits(bits, k: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
 def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, ok,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
                    BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
-                   NPARTS: tl.constexpr, WORD_PARTS: tl.constexpr = 0):
+                   NPARTS: tl.constexpr, PW: tl.constexpr, PL: tl.constexpr,
+                   WORD_PARTS: tl.constexpr = 0):
     """The K loads of chunk ``it`` for the phased loop (``ok`` = 0 reads zeros): the code
     words of channel pairs (``_paired_words``), the channel scales and zeros (a tuple of
-    NPARTS each: the channels in one block, or in the two parts ``_decode_range_phased``
-    takes), per K phase its tokens' scales, the key-frame flag. WORD_PARTS > 0: the words
-    of the first WORD_PARTS parts only (the caller loads the others where it uses them)."""
+    NPARTS each: the channels in one block, or in the parts ``_decode_range_phased``
+    takes: PW channels each, the last PL), per K phase its tokens' scales, the key-frame
+    flag. WORD_PARTS > 0: the words of the first WORD_PARTS parts only (the caller loads the
+    others where it uses them)."""
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
     NKW: tl.constexpr = BLOCK_N * K_BITS // 16    # words per K row in a chunk
@@ -422,11 +424,9 @@ def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, o
     k_rs = ()
     k_rz = ()
     NP: tl.constexpr = NPARTS
-    DPA: tl.constexpr = BLOCK_D if NP == 1 else BLOCK_D // 2     # the parts' channels
-    DPB: tl.constexpr = D - BLOCK_D // 2
     for p in tl.static_range(NP):
-        offs_h = (0 if p == 0 else DPA // 2) + tl.arange(0, DPA // 2 if p == 0 else DPB // 2)
-        offs_d = (0 if p == 0 else DPA) + tl.arange(0, DPA if p == 0 else DPB)
+        offs_h = p * (PW // 2) + tl.arange(0, (PW if p < NP - 1 else PL) // 2)
+        offs_d = p * PW + tl.arange(0, PW if p < NP - 1 else PL)
         if WORD_PARTS == 0 or p < WORD_PARTS:
             t0, t1 = _paired_words((kc + j * s_kc).to(tl.pointer_type(tl.int16)), 2 * offs_h,
                                    2 * offs_h + 1, G * K_BITS // 16, c0 // (16 // K_BITS),
@@ -510,15 +510,17 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                   V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                   GAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                   PREFETCH: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  MASK_BITS: tl.constexpr, NP: tl.constexpr, DPA: tl.constexpr,
-                  DPB: tl.constexpr):
+                  MASK_BITS: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
+                  PL: tl.constexpr, Q_ROWS: tl.constexpr):
     """Steps [it0, it1) of ``_decode_range_phased`` (a step: the BLOCK_N tokens of a tile's
     chunk, chunk c = tile * G // BLOCK_N + its index in the tile) from the online-softmax
-    state (m_i, l_i, accs), the queries in their parts (qs); returns that state. GAP: step
-    i >= gap_at reads chunk i + gap (the edge tiles around a range run apart). LATE (keys
-    in two parts, no prefetch): a step loads the second part's code words after the first
-    part's matmuls, so it holds one part's at a time (sm_90, D = 256 at 2 warps: 88 -> 40 B
-    of spills in the kernel with triton 3.9, 656 -> 128 B with 3.6)."""
+    state (m_i, l_i, accs), the queries in their parts (qs; Q_ROWS or key frames: read per
+    step from their rows); returns that state. The keys come in NP parts of PW channels,
+    the last of PL. GAP: step i >= gap_at reads chunk i + gap (the edge tiles around a
+    range run apart). LATE (keys in parts, no prefetch): a step loads each later part's
+    code words after the matmuls of the parts before it, so it holds one part's at a time
+    (sm_90, D = 256 at 2 warps: 88 -> 40 B of spills in the kernel with triton 3.9, 656 ->
+    128 B with 3.6)."""
     CH: tl.constexpr = G // BLOCK_N
     KPER: tl.constexpr = 8 // K_BITS
     VPER: tl.constexpr = 8 // V_BITS
@@ -532,7 +534,7 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
         first = _chunk_at(it0, gap_at, gap, GAP)
         k_nxt = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, first,
                                (it0 < it1).to(tl.int32), D, BLOCK_D, G, BLOCK_N, K_BITS,
-                               HAS_K_PLAIN, NP)
+                               HAS_K_PLAIN, NP, PW, PL)
         v_nxt = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, first,
                                (it0 < it1).to(tl.int32), DV, BLOCK_DV, G, BLOCK_N, K_BITS,
                                V_BITS)
@@ -548,27 +550,28 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
             nxt = _chunk_at(tl.minimum(it + 1, it1 - 1), gap_at, gap, GAP)
             k_nxt = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp,
                                    nxt, (it < it1).to(tl.int32), D,
-                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP)
+                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP, PW, PL)
             v_nxt = _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs,
                                    nxt, (it < it1).to(tl.int32), DV,
                                    BLOCK_DV, G, BLOCK_N, K_BITS, V_BITS)
         else:
-            # the second part's words are loaded where its matmuls use them (LATE)
+            # the later parts' words are loaded where their matmuls use them (LATE)
             k_cur = _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp,
                                    cur, (it < it1).to(tl.int32), D,
-                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP,
+                                   BLOCK_D, G, BLOCK_N, K_BITS, HAS_K_PLAIN, NP, PW, PL,
                                    1 if LATE else 0)
         k_t0, k_t1, k_rs, k_rz, k_cs, plain = k_cur
         # every code comes as 1024 + code * 2^s: the matmul starts from a @ (-1024), the
         # same products, so the fp32 accumulator cancels the 1024s exactly as it adds them
         aa = ()
         for p in tl.static_range(NP):
-            q_t = qs[p]
-            if HAS_K_PLAIN:
+            if HAS_K_PLAIN or Q_ROWS:
                 q_t = _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D,
-                               DPA if p == 0 else DPB, 0 if p == 0 else DPA)
+                               PW if p < NP - 1 else PL, p * PW)
+            else:
+                q_t = qs[p]
             a = (q_t * k_rs[p].to(tl.float32)[None, :]).to(tl.float16)
-            minus = tl.full([DPA if p == 0 else DPB, NK], -1024.0, tl.float16)
+            minus = tl.full([PW if p < NP - 1 else PL, NK], -1024.0, tl.float16)
             if p == 0:
                 bias_k = tl.dot(a, minus, out_dtype=tl.float32)
                 z_k = tl.sum(q_t * k_rz[p].to(tl.float32)[None, :], axis=1)   # zero points' term
@@ -593,9 +596,9 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                 if p == 0:
                     t0 = k_t0[0]
                     t1 = k_t1[0]
-                else:       # the second part's words, as _load_k_phased loads the first's
+                else:       # a later part's words, as _load_k_phased loads the first's
                     ok = (it < it1).to(tl.int32)
-                    h2 = DPA // 2 + tl.arange(0, DPB // 2)
+                    h2 = p * (PW // 2) + tl.arange(0, (PW if p < NP - 1 else PL) // 2)
                     t0, t1 = _paired_words(
                         (kc + (cur // CH).to(tl.int64) * s_kc).to(tl.pointer_type(tl.int16)),
                         2 * h2, 2 * h2 + 1, G * K_BITS // 16, (cur % CH) * NKW,
@@ -603,9 +606,9 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                         tl.arange(0, NKW) < NKW)
                 new_raws = ()
                 for k in tl.static_range(KPER):
-                    new_raws = new_raws + (tl.dot(aa[p], _phase_f16(t0, t1, k, K_BITS, DPB // 2
-                                                                    if p else DPA // 2, NKW),
-                                                  raws[k], out_dtype=tl.float32),)
+                    new_raws = new_raws + (tl.dot(aa[p], _phase_f16(
+                        t0, t1, k, K_BITS, (PW if p < NP - 1 else PL) // 2, NKW),
+                        raws[k], out_dtype=tl.float32),)
                 raws = new_raws
         ss = ()
         for k in tl.static_range(KPER):
@@ -616,7 +619,7 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                 raw = bias_k
                 for p in tl.static_range(NP):
                     raw = tl.dot(aa[p], _phase_f16(k_t0[p], k_t1[p], k, K_BITS,
-                                                   DPA // 2 if p == 0 else DPB // 2, NKW), raw,
+                                                   (PW if p < NP - 1 else PL) // 2, NKW), raw,
                                  out_dtype=tl.float32)
             s = (raw + (z_k * (1.0 / SH))[:, None]) \
                 * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
@@ -692,18 +695,21 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     in channel order at the end. Every code is 1024 + code * 2^s in fp16 (exact); the
     1024 * rowsum of the other operand and the 2^s are taken off in fp32. A head dim
     between two powers of two (D = 192) is scored in two parts (128 + 64), and one past 128
-    (256) in two of 128 whose second part's words are loaded after the first part's
-    matmuls, the queries read from their rows (``qr_rows``) in the same parts. Scores, masks and
+    (256) in two of 128, each later part's words loaded after the matmuls of the parts
+    before it, the queries read from their rows (``qr_rows``) in the same parts. Scores, masks and
     the online softmax are those of ``_decode_range_bytes``. A bool mask row is held as one
     bit per token (``_token_bits``) with MASK_BITS, else as its values split per phase like
     a float one: each is what keeps its caller's loop in registers on sm_90 (bits: the
     template's prompt block; values: the one-launch op's; docs/performance.md). With
     per-row bounds (HAS_LO / HAS_HI), the tiles every valid row sees whole run in a loop of
-    their own without them, after the edge tiles (``_steps_phased``). KEY_HALVES: a head dim
-    that is a power of two in two halves as well (a prompt's blocks, whose masks and bounds
-    leave the loop fewer registers: sm_90, D = 128, triton 3.9, the template's 16-row block
-    spills 0 B with a bool mask where it spilled 16 B with one reload a tile, 12 B with an
-    fp32 one where 84 B, 8 a tile; 3.6: 16 B where 352 B, 46 a tile).
+    their own without them, after the edge tiles (``_steps_phased``). KEY_HALVES (a prompt's
+    blocks, whose masks and bounds leave the loop fewer registers): a head dim that is a
+    power of two in two halves as well, and parts of at most 64 channels (192 = 64 + 64 +
+    64, 256 in four), the queries read per step from their rows (sm_90, triton 3.9,
+    the template's 16-row block: D = 128 spills 0 B with a bool mask where it spilled 16 B
+    with one reload a tile, 12 B with an fp32 one where 84 B, 8 a tile; 3.6: 16 B where
+    352 B, 46 a tile; D = 192 0 B where 104 B, 8 a tile; 3.6: 40 B, none in the loops,
+    where 104 B, 6 a tile).
     """
     CH: tl.constexpr = G // BLOCK_N
     VPER: tl.constexpr = 8 // V_BITS
@@ -715,15 +721,24 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     # time (``_steps_phased``: LATE). The queries then come in the same parts, from their
     # rows (qr_rows)
     DPB: tl.constexpr = D - BLOCK_D // 2
-    NP: tl.constexpr = 2 if (BLOCK_D != D or BLOCK_D > 128 or KEY_HALVES) and (
-        DPB == 16 or DPB == 32 or DPB == 64 or DPB == 128) else 1
-    DPA: tl.constexpr = BLOCK_D if NP == 1 else BLOCK_D // 2
-    if NP == 1:
+    PARTS: tl.constexpr = (BLOCK_D != D or BLOCK_D > 128 or KEY_HALVES) and (
+        DPB == 16 or DPB == 32 or DPB == 64 or DPB == 128)
+    # the parts' width PW (the last part PL, the rest): half the block, at most 64 channels
+    # in a prompt's blocks (KEY_HALVES: 128 in two parts, 192 in three, 256 in four), a step
+    # holding one part's words and queries at a time
+    PW: tl.constexpr = BLOCK_D if not PARTS else min(BLOCK_D // 2, 64) if KEY_HALVES \
+        else BLOCK_D // 2
+    NP: tl.constexpr = (D + PW - 1) // PW if PARTS else 1
+    PL: tl.constexpr = D - (NP - 1) * PW if PARTS else BLOCK_D
+    # a prompt's blocks read the queries per step (``_frame_q``), as key frames do, instead
+    # of holding them across the loop (sm_90, D = 192 template, triton 3.9: 16 B -> 0 B)
+    Q_ROWS: tl.constexpr = KEY_HALVES and NP > 1
+    if NP == 1 or Q_ROWS or HAS_K_PLAIN:
         qs = (q,)
     else:
         qs = ()
-        for p in tl.static_range(2):
-            offs_q = (0 if p == 0 else DPA) + tl.arange(0, DPA if p == 0 else DPB)
+        for p in tl.static_range(NP):
+            offs_q = p * PW + tl.arange(0, PW if p < NP - 1 else PL)
             q_p = tl.load(qr_rows[:, None] + offs_q[None, :] * s_qrd,
                           mask=m_valid[:, None] & (offs_q < D)[None, :], other=0.0)
             qs = qs + (q_p.to(tl.float32),)
@@ -752,7 +767,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
             it0, (lo + end - hi) * CH, lo * CH, (hi - lo) * CH, m_valid, kv_lo, kv_hi,
             bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS,
             HAS_LO, HAS_HI, True, HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV, MASK_BITS,
-            NP, DPA, DPB)
+            NP, PW, PL, Q_ROWS)
         it0 = lo * CH
         it1 = hi * CH
     m_i, l_i, accs = _steps_phased(
@@ -760,7 +775,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
         vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
         it0, it1, 0, 0, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale, BLOCK_M, D,
         BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, False, False, False, HAS_BIAS, HAS_K_PLAIN,
-        PREFETCH, DV, BLOCK_DV, MASK_BITS, NP, DPA, DPB)
+        PREFETCH, DV, BLOCK_DV, MASK_BITS, NP, PW, PL, Q_ROWS)
     # [M, NV * VPER] (column n * VPER + v) -> channel order: n = b * NVW + w, channel
     # (16 // V_BITS) * w + b * VPER + v
     out = tl.reshape(_interleave(accs, VPER, BLOCK_M, NV), [BLOCK_M, 2, NVW, VPER])
