@@ -567,6 +567,7 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
     """The tile template (``kvarn_decode.py.jinja``) rendered standalone. tq > 1: a
     multi-token ("prefill") config, as ``heuristics.prefill_configs`` makes it: one split,
     the loop's own warps for the block."""
+    from kvarn_compile.kernels.triton import attention as A
     from kvarn_compile.lowering.tile_templates import render_standalone
 
     family = "decode" if tq == 1 else "prefill"
@@ -602,7 +603,8 @@ def _template_case(template, *, kb, vb, block_n, block_m, precision="tf32", d=12
                   SPLIT=split if family == "decode" else 1, SPLIT_MAX=split_max, BLOCK_M=block_m,
                   PREFETCH=int(prefetch),
                   HAS_BIAS=bias, HAS_K_PLAIN=plain, INPUT_PRECISION=precision, SM_SCALE=0.088,
-                  KVARN_SRC=0, PHASED=phased, KEY_HALVES=family == "prefill")
+                  KVARN_SRC=0, PHASED=phased,
+                  KEY_PART=A.key_part(_block(d)) if family == "prefill" else 0)
         kernel = render_standalone(template, tensors, ce, _RENDER_DIR)
         args = [*tensors.values(), out]
         for t in (*tensors.values(), out):
@@ -740,6 +742,9 @@ def cases(quick: bool) -> list[Case]:
         _decode_kernel_case(4, 2, "ieee"),     # exact fp32 FMA dots (no tensor cores)
         _decode_kernel_case(4, 2, "tf32x3"),   # ~fp32 accuracy on tensor cores
         _decode_kernel_case(4, 2, "fp16"),     # fp16 operands (tf32's significand), fp32 sums
+        # 2-bit keys in the production config: 70% of a k4v2 tile's bytes for the same
+        # per-token work (softmax, scales), so a lower estimate at the same loop length
+        _decode_kernel_case(2, 2, "fp16", block_n=128),
         _decode_kernel_case(2, 2, "fp16"),
         _decode_kernel_case(4, 2, "tf32", plain=True),
         _decode_kernel_case(4, 2, "tf32", d=64, g=64, hq=8, h=8),

@@ -236,7 +236,7 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
         offer(torch_spec, add_torch)
     if template_ok:
         from kvarn_compile._torch_compat import kvarn_sources_hash
-        from kvarn_compile.kernels.triton.attention import loop_block_n, phased_decode
+        from kvarn_compile.kernels.triton.attention import key_part, loop_block_n, phased_decode
         from kvarn_compile.lowering import tile_templates as templates
 
         heads = shapes["k_codes"][1]
@@ -263,9 +263,9 @@ def lower_tile_partials(q_rot, q_plain, k_codes, k_row_scale, k_row_zero, k_col_
                            phased=phased_decode(precision, loop_block_n(16, group), kb, dv, vb)))
             for cfg in configs:
                 phased = phased_decode(precision, cfg.block_n, kb, dv, vb)
-                # a prompt's blocks score the keys in halves (attention._decode_range_phased)
+                # a prompt's blocks score the keys in parts (attention.key_part)
                 opts = dict(cfg.resolved(phased, dv).template_kwargs(), PHASED=phased,
-                            KEY_HALVES=not few)
+                            KEY_PART=0 if few else key_part(_block(d)))
                 offer({"choice": "decode" if few else "prefill", "config": opts},
                       lambda opts=opts: templates.decode_template().maybe_append_choice(
                           choices, input_nodes=inputs, layout=layout,

@@ -211,7 +211,7 @@ def test_phased_prompt_runs_whole_tiles_apart_from_edge_tiles(window, mask, spli
 def test_phased_keys_in_parts_load_the_later_parts_late(d, block_n, tq, splits):
     """Keys of a head dim between two powers of two (96 = 64 + 32) or past 128 (256 = 128 +
     128) are scored in two parts, and a prompt's (one split, several row blocks: FUSED,
-    ``KEY_HALVES``) in parts of at most 64 channels (64 = 32 + 32, 96 = 64 + 32, 128 = 64 +
+    ``KEY_PART``) in parts of at most 64 channels (64 = 32 + 32, 96 = 64 + 32, 128 = 64 +
     64, 192 and 256 in three and four of 64), its queries read per step; each later part's
     code words loaded after the parts before it were scored (``_steps_phased``: LATE), from the step's own chunk: steps of a tile and of
     part of one (block_n < G: chunk c of tile c // CH), one query and several."""

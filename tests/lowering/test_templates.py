@@ -272,6 +272,10 @@ DV_CASES = {
     "prefill-k4v2-d192v128-gqa-mask": ("prefill", "k4v2", 192, 128, (4, 2), 40, {"mask": True}),
     "prefill-k4v4-d64v128-mha-frames": ("prefill", "k4v4", 64, 128, (2, 2), 40, {"frames": True}),
     "prefill-k4v2-d16v16-gqa": ("prefill", "k4v2", 16, 16, (4, 2), 40, {}),
+    # a prompt at D = 128 as transformers runs one (a bool mask, key frames): the phased
+    # loop's keys in four parts of 32 (attention.key_part)
+    "prefill-k4v2-d128v128-gqa-mask-frames": ("prefill", "k4v2", 128, 128, (4, 2), 40,
+                                              {"mask": True, "frames": True}),
 }
 
 
@@ -330,16 +334,17 @@ def test_template_texts_with_value_head_dims_match_the_reference_tiles(name, tmp
 
 
 @pytest.mark.parametrize("name", [n for n in DV_CASES if n.startswith("decode")]
-                         + ["prefill-k4v2-d192v128-gqa-mask", "prefill-k4v4-d64v128-mha-frames"])
+                         + ["prefill-k4v2-d192v128-gqa-mask", "prefill-k4v4-d64v128-mha-frames",
+                            "prefill-k4v2-d128v128-gqa-mask-frames"])
 def test_decode_template_text_runs_the_phased_fp16_loop(name, tmp_path):
     """The decode template as the lowering renders it for a GPU (fp16 code matmuls, BLOCK_N
     = G, PHASED from ``phased_decode``, the phased loop's warps and no prefetch; a prompt's
-    keys in halves, KEY_HALVES) run by the interpreter: the partials merged by lse equal the
+    keys in parts, KEY_PART) run by the interpreter: the partials merged by lse equal the
     reference tile partials up to the fp16 rounding of the operands (window masks, key
     frames, unequal head dims included)."""
     import triton
 
-    from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, phased_decode
+    from kvarn_compile.kernels.triton.attention import DECODE_PREFETCH, key_part, phased_decode
     from kvarn_compile.lowering.tile_templates import (launch_standalone, render_standalone,
                                                        standalone_tensors)
 
@@ -358,7 +363,8 @@ def test_decode_template_text_runs_the_phased_fp16_loop(name, tmp_path):
               V_BITS=vb, SPLIT=split, SPLIT_MAX=split_max, BLOCK_M=block_m,
               PREFETCH=int(DECODE_PREFETCH[True]), HAS_BIAS=ins[-1] is not None,
               HAS_K_PLAIN=ins[10] is not None, INPUT_PRECISION="fp16", PHASED=True,
-              KEY_HALVES=template == "prefill", SM_SCALE=0.3, KVARN_SRC=1)
+              KEY_PART=key_part(max(16, triton.next_power_of_2(d))) if template == "prefill"
+              else 0, SM_SCALE=0.3, KVARN_SRC=1)
     kernel = render_standalone("kvarn_decode.py.jinja", tensors, ce, tmp_path)
     launch_standalone(kernel, tensors, out, (b * h, split, triton.cdiv(hq // h * tq, block_m)), ce)
     ref_o, ref_lse = attention_ref.tile_partials(*ins, 0.3, 1)

@@ -680,7 +680,7 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
                          V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                          PREFETCH: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         MASK_BITS: tl.constexpr = True, KEY_HALVES: tl.constexpr = False):
+                         MASK_BITS: tl.constexpr = True, KEY_PART: tl.constexpr = 0):
     """``_decode_range`` with fp16 code operands, codes unpacked two per instruction.
 
     The packed layouts stay as stored; the loop reads them as 16-bit words and regroups the
@@ -702,14 +702,14 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     a float one: each is what keeps its caller's loop in registers on sm_90 (bits: the
     template's prompt block; values: the one-launch op's; docs/performance.md). With
     per-row bounds (HAS_LO / HAS_HI), the tiles every valid row sees whole run in a loop of
-    their own without them, after the edge tiles (``_steps_phased``). KEY_HALVES (a prompt's
-    blocks, whose masks and bounds leave the loop fewer registers): a head dim that is a
-    power of two in two halves as well, and parts of at most 64 channels (192 = 64 + 64 +
-    64, 256 in four), the queries read per step from their rows (sm_90, triton 3.9,
-    the template's 16-row block: D = 128 spills 0 B with a bool mask where it spilled 16 B
-    with one reload a tile, 12 B with an fp32 one where 84 B, 8 a tile; 3.6: 16 B where
-    352 B, 46 a tile; D = 192 0 B where 104 B, 8 a tile; 3.6: 40 B, none in the loops,
-    where 104 B, 6 a tile).
+    their own without them, after the edge tiles (``_steps_phased``). KEY_PART > 0 (a
+    prompt's blocks, whose masks and bounds leave the loop fewer registers: ``key_part``):
+    the keys in parts of at most KEY_PART channels, a power-of-two head dim as well, the
+    queries read per step from their rows (sm_90, triton 3.9, the template's 16-row block:
+    D = 128 in parts of 32 spills 0 B with a bool mask where in one part it spilled 16 B
+    with one reload a tile, 4 B with an fp32 one where 84 B, 8 a tile; 3.6: 12 B where
+    352 B, 46 a tile; D = 192 in parts of 64 0 B where 104 B, 8 a tile; 3.6: 40 B, none in
+    the loops, where 104 B, 6 a tile).
     """
     CH: tl.constexpr = G // BLOCK_N
     VPER: tl.constexpr = 8 // V_BITS
@@ -721,18 +721,18 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     # time (``_steps_phased``: LATE). The queries then come in the same parts, from their
     # rows (qr_rows)
     DPB: tl.constexpr = D - BLOCK_D // 2
-    PARTS: tl.constexpr = (BLOCK_D != D or BLOCK_D > 128 or KEY_HALVES) and (
+    PARTS: tl.constexpr = (BLOCK_D != D or BLOCK_D > 128 or KEY_PART > 0) and (
         DPB == 16 or DPB == 32 or DPB == 64 or DPB == 128)
-    # the parts' width PW (the last part PL, the rest): half the block, at most 64 channels
-    # in a prompt's blocks (KEY_HALVES: 128 in two parts, 192 in three, 256 in four), a step
-    # holding one part's words and queries at a time
-    PW: tl.constexpr = BLOCK_D if not PARTS else min(BLOCK_D // 2, 64) if KEY_HALVES \
+    # the parts' width PW (the last part PL, the rest): half the block, at most KEY_PART
+    # channels in a prompt's blocks (``key_part``), a step holding one part's words and
+    # queries at a time
+    PW: tl.constexpr = BLOCK_D if not PARTS else min(BLOCK_D // 2, KEY_PART) if KEY_PART > 0 \
         else BLOCK_D // 2
     NP: tl.constexpr = (D + PW - 1) // PW if PARTS else 1
     PL: tl.constexpr = D - (NP - 1) * PW if PARTS else BLOCK_D
     # a prompt's blocks read the queries per step (``_frame_q``), as key frames do, instead
     # of holding them across the loop (sm_90, D = 192 template, triton 3.9: 16 B -> 0 B)
-    Q_ROWS: tl.constexpr = KEY_HALVES and NP > 1
+    Q_ROWS: tl.constexpr = KEY_PART > 0 and NP > 1
     if NP == 1 or Q_ROWS or HAS_K_PLAIN:
         qs = (q,)
     else:
@@ -869,13 +869,13 @@ def _decode_range(q, qr_rows, s_qrd, qp_rows, s_qpd,
                   HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, PHASED: tl.constexpr,
-                  MASK_BITS: tl.constexpr = True, KEY_HALVES: tl.constexpr = False):
+                  MASK_BITS: tl.constexpr = True, KEY_PART: tl.constexpr = 0):
     """Online-softmax attention of the query block q [BLOCK_M, BLOCK_D] (rotated, fp32) over
     packed tiles [start, end) of one (batch row, kv head): returns (m, l, acc) in log2 units,
     acc [BLOCK_M, BLOCK_DV]. The loop shared by the standalone kernel and the decode
     template. PHASED (:func:`phased_decode`, decided by the launcher): fp16 operands through
     ``_decode_range_phased`` (codes unpacked two per instruction; MASK_BITS: how it holds a
-    bool mask; KEY_HALVES: a prompt's blocks score the keys in two halves); else
+    bool mask; KEY_PART: a prompt's blocks score the keys in parts, ``key_part``); else
     ``_decode_range_bytes``."""
     if PHASED:
         tl.static_assert(INPUT_PRECISION == "fp16", "the phased loop takes fp16 operands")
@@ -887,7 +887,7 @@ def _decode_range(q, qr_rows, s_qrd, qp_rows, s_qpd,
             s_krs, s_krz, s_kcs,
             s_vc, s_vrs, s_vrz, s_vcs, s_kp, start, end, m_valid, kv_lo, kv_hi, bias_rows,
             s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO, HAS_HI,
-            HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV, MASK_BITS, KEY_HALVES)
+            HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV, MASK_BITS, KEY_PART)
     else:
         m_i, l_i, acc = _decode_range_bytes(
             q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp, s_kc,
@@ -907,7 +907,7 @@ def _head_tiles(q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, v
                 HAS_HI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PHASED: tl.constexpr, MASK_BITS: tl.constexpr = True,
-                KEY_HALVES: tl.constexpr = False):
+                KEY_PART: tl.constexpr = 0):
     """``_decode_range`` over tiles [start, end) of one (batch row, kv head) of contiguous
     state tensors [B, H, N, ...]: ``head`` = (b * H + h) * N, the flat index of its tile 0."""
     K_ROW_BYTES: tl.constexpr = G * K_BITS // 8
@@ -919,7 +919,7 @@ def _head_tiles(q, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, v
         D * K_ROW_BYTES, D, D, G, G * V_ROW_BYTES, G, G, DV, 1, start, end, m_valid, kv_lo, kv_hi,
         bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_LO,
         HAS_HI, HAS_BIAS, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV, PHASED,
-        MASK_BITS, KEY_HALVES)
+        MASK_BITS, KEY_PART)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1414,7 +1414,8 @@ def _kvarn_attn_kernel(
             (b64 * H + h) * N, start, end, m_valid, kv_lo, kv_hi, TILE_MASK, s_mk,
             qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, HAS_WINDOW, HAS_HI,
             2 if MASK_ROW else HAS_MASK, HAS_K_PLAIN, INPUT_PRECISION, PREFETCH, DV, BLOCK_DV,
-            PHASED, False, FUSED)   # a bool mask as its values; a prompt's keys in halves
+            PHASED, False, OP_KEY_PART if FUSED else 0)   # a bool mask as its values; a
+        # prompt's keys in parts (``key_part``)
         if FUSED:
             # then the whole exact region with the plain queries (its output staged in this
             # block's scratch rows, q's no longer needed), and the block's output
@@ -1542,6 +1543,24 @@ def loop_block_n(block_m: int, group: int) -> int:
     """The loop's default tokens per step: the whole tile (up to 128) for a block of up to
     16 query rows; 64 for larger blocks (multi-token shapes)."""
     return min(group, 128 if block_m <= 16 else 64)
+
+
+#: A prompt's blocks (the lowering's multi-token template configs, the one-launch op's FUSED
+#: blocks) score the keys in parts of at most this many channels (``KEY_PART``): masks and
+#: per-row bounds leave their loop fewer registers than a decode step's, and what spilled
+#: there was the tile's key words, loaded at the top of a step. The widest part that keeps
+#: each block's loop in registers on sm_90 (static report, triton 3.9 and 3.6): the
+#: template's 32 up to 128 channels, 64 past them; the op's 64 (parts of 32 at D = 128:
+#: 1-3% fewer instructions a tile in the template and its fp32-mask spills 12 B -> 4 B;
+#: at 192 and 256 they spill more, 2-4 reloads a tile, or issue 7-12% more; the op's block
+#: no better at 128, 11% more at 256).
+OP_KEY_PART = tl.constexpr(64)
+
+
+def key_part(block_d: int) -> int:
+    """``KEY_PART`` of the template's multi-token configs for keys of ``block_d`` channels
+    (padded): 32 up to 128, else 64."""
+    return 32 if block_d <= 128 else 64
 
 
 def loop_warps(phased: bool, block_m: int, dv: int = 128) -> int:
