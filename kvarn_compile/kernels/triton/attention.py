@@ -1551,9 +1551,9 @@ def loop_block_n(block_m: int, group: int) -> int:
 #: there was the tile's key words, loaded at the top of a step. The widest part that keeps
 #: each block's loop in registers on sm_90 (static report, triton 3.9 and 3.6): the
 #: template's 32 up to 128 channels, 64 past them; the op's 64 (parts of 32 at D = 128:
-#: 1-3% fewer instructions a tile in the template and its fp32-mask spills 12 B -> 4 B;
-#: at 192 and 256 they spill more, 2-4 reloads a tile, or issue 7-12% more; the op's block
-#: no better at 128, 11% more at 256).
+#: 3-5% fewer instructions a tile in the template and its fp32-mask spills 12 B -> 4 B;
+#: at 192 they reload 2-6 values a tile, at 256 issue 7-9% more; the op's block no better
+#: at 128, 11% more at 256).
 OP_KEY_PART = tl.constexpr(64)
 
 
