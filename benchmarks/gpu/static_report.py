@@ -685,7 +685,8 @@ def cases(quick: bool) -> list[Case]:
     Dv = 128) the decode kernel, the decode step's append and the key quantizer; the value
     quantizer past 128 channels (D = 192); the latent attention kernel (D = 512, Dv = 64);
     a prompt's default block (the prefill template and the op in one launch, with a
-    bool mask and key frames); the decode kernel and template at head dim 256. Full: also
+    bool mask and key frames); the decode kernel and template at head dim 256; the decode
+    kernel, template and op with 2-bit keys (k2v2). Full: also
     the other code widths and precisions, the autotune configs, the combine kernel, the
     prefill template, more D = 192 and D = 256 configs, the quantizer at head dim 256 and
     for a latent state's keys (512), and the latent attention's template (``kvarn_latent``)."""
@@ -720,6 +721,12 @@ def cases(quick: bool) -> list[Case]:
         _decode_kernel_case(4, 2, "fp16", d=256, hq=16, h=8, block_n=128),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16,
                        precision="fp16", d=256, hq=16, h=8),
+        # 2-bit keys (k2v2) in the production configs: 70% of a k4v2 tile's bytes for the
+        # same per-token work (softmax, scales), so a lower estimate at the same loop length
+        _decode_kernel_case(2, 2, "fp16", block_n=128),
+        _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=128, block_m=16,
+                       precision="fp16"),
+        _attention_case(2, 2, "fp16"),
     ]
     if quick:
         return out
@@ -731,7 +738,6 @@ def cases(quick: bool) -> list[Case]:
                        precision="fp16", bias=2, plain=True),
         # the op in one launch: a mask, 2-bit keys, MLA's head dims, a prefill block
         _attention_case(4, 2, "fp16", mask=True),
-        _attention_case(2, 2, "fp16"),
         _attention_case(4, 2, "fp16", d=192, dv=128, hq=16, h=16),
         _attention_case(4, 2, "fp16", tq=64),
         _attention_case(4, 2, "fp16", tq=64, block_m=64),
@@ -742,9 +748,6 @@ def cases(quick: bool) -> list[Case]:
         _decode_kernel_case(4, 2, "ieee"),     # exact fp32 FMA dots (no tensor cores)
         _decode_kernel_case(4, 2, "tf32x3"),   # ~fp32 accuracy on tensor cores
         _decode_kernel_case(4, 2, "fp16"),     # fp16 operands (tf32's significand), fp32 sums
-        # 2-bit keys in the production config: 70% of a k4v2 tile's bytes for the same
-        # per-token work (softmax, scales), so a lower estimate at the same loop length
-        _decode_kernel_case(2, 2, "fp16", block_n=128),
         _decode_kernel_case(2, 2, "fp16"),
         _decode_kernel_case(4, 2, "tf32", plain=True),
         _decode_kernel_case(4, 2, "tf32", d=64, g=64, hq=8, h=8),
@@ -760,8 +763,6 @@ def cases(quick: bool) -> list[Case]:
         _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=64, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=128, block_m=16),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16),
-        _template_case("kvarn_decode.py.jinja", kb=2, vb=2, block_n=128, block_m=16,
-                       precision="fp16"),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=64, block_m=16,
                        prefetch=False),
         _template_case("kvarn_decode.py.jinja", kb=4, vb=2, block_n=32, block_m=16, num_warps=8),

@@ -224,6 +224,27 @@ def test_phased_keys_in_parts_load_the_later_parts_late(d, block_n, tq, splits):
            want, 4e-3)
 
 
+@pytest.mark.parametrize("frames", [False, True])
+def test_phased_loop_scores_queries_past_the_fp16_range(frames):
+    """The phased loop's fp16 score operand, fp16(q / f) * k_rs with fp16 key scales: each
+    query row is divided by a power of two f >= |q| / 2^15 first, so rotated queries far
+    past the fp16 range (|q_i| ~ 1e6 here, the softmax scale taking it back) score as the
+    reference does, held across the loop or read per tile (key frames: head 0's tiles
+    plain); fp16 queries without f are inf there, and the output NaN."""
+    g, d = 64, 64
+    cfg = dict(outlier=300.0) if frames else dict(key_frame="rotated")
+    buffers = _cache([3 * g + 37, g + 9], g, d, torch.float32, seed=3, **cfg)
+    f = unpack(buffers)
+    assert f.k.core[1].dtype == torch.float16          # fp16 key scales: the fp16 operand
+    if frames:
+        assert bool(f.k_plain[0, 0, :int(f.n_tiles[0])].all())
+    q = torch.randn(2, 2 * H, 1, d) * 1e6
+    scale = d ** -0.5 * 1e-6
+    want = attention_ref.attention(q, buffers, None, scale, True, 0)
+    _close(_run(q, buffers, None, scale=scale, num_splits=2, input_precision="fp16"), want,
+           4e-3)
+
+
 def test_fused_prompt_blocks_need_no_partials(monkeypatch):
     """A prompt's launch in one split runs FUSED: one program per block writes its rows'
     output (empty rows 0 and lse -inf, the same bits twice), and no partial buffer is

@@ -295,6 +295,22 @@ def _lop3_or_6400(x, M2: tl.constexpr):
 
 
 @triton.jit
+def _f16_in_loop(x):
+    """x.to(fp16) (round to nearest even) where it is used: with ``_PTX`` one
+    ``cvt.rn.f16x2.f32`` per two values that the compiler keeps in the loop (not pure). Of
+    loop-invariant queries the plain conversion was hoisted out of the loop: their fp16
+    copy then lived in registers across it (sm_90, triton 3.6: the k2v2 and k4v2 decode
+    kernels spilled 16 and 32 B, the template 48 and 84 B), where in fp32 they stay in
+    shared memory."""
+    if _PTX:
+        y = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                      dtype=tl.float16, is_pure=False, pack=2)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+@triton.jit
 def _phase_f16(t0, t1, k: tl.constexpr, BITS: tl.constexpr, R2: tl.constexpr, NW: tl.constexpr):
     """Phase k (0 <= k < PER = 8 // BITS) of paired 16-bit code words (t0 = even | odd << 16,
     t1 = t0 >> 8: the words' low and high bytes in the low byte of each half): the codes at
@@ -383,6 +399,23 @@ def _phase_split(x, M: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
+def _scale_phases(ptr, ok, BLOCK_N: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr,
+                  N: tl.constexpr = 0):
+    """BLOCK_N consecutive scales at ptr (the first N, or all; 0 where ok = 0) split into
+    the phases of BITS-bit codes (``_phase_split``): a tuple of 8 // BITS tensors [2 * NW].
+    One contiguous load, where a phase's own columns are a gather: with 2-bit codes a
+    phase's 32 tokens lie 4 apart, and each thread loaded 16 scales a chunk one 2-byte load
+    at a time (sm_90, triton 3.9: 64 such loads per tile of the k2v2 decode kernel)."""
+    offs = tl.arange(0, BLOCK_N)
+    row = tl.load(ptr + offs, mask=offs < (N if N > 0 else BLOCK_N) * ok, other=0.0)
+    parts = _phase_split(tl.reshape(row, [1, BLOCK_N]), 1, BITS, NW)
+    out = ()
+    for k in tl.static_range(8 // BITS):
+        out = out + (tl.reshape(parts[k], [2 * NW]),)
+    return out
+
+
+@triton.jit
 def _token_bits(vals, M: tl.constexpr, BITS: tl.constexpr, NW: tl.constexpr):
     """bool [M, NW * 16 // BITS] in token order -> int32 [M, NW]: bit i of word w is token
     (16 // BITS) * w + i."""
@@ -439,9 +472,15 @@ def _load_k_phased(kc, krs, krz, kcs, kp, s_kc, s_krs, s_krz, s_kcs, s_kp, it, o
         k_rz = k_rz + (tl.load(krz + j * s_krz + offs_d, mask=d_ok, other=0.0),)
     n_ok = offs_n < 2 * NKW * ok
     k_cs = ()
-    for k in tl.static_range(KPER):
-        tok = c0 + _phase_columns(offs_n, k, K_BITS, NKW)
-        k_cs = k_cs + (tl.load(kcs + j * s_kcs + tok, mask=n_ok, other=0.0),)
+    if K_BITS == 2:
+        # the chunk's scales in one load, split per phase (with 4-bit keys, 2 phases, the
+        # gathers issue fewer instructions: sm_90, triton 3.6, the template 1,681 a tile
+        # against 1,715 and 8 B of spills)
+        k_cs = _scale_phases(kcs + j * s_kcs + c0, ok, BLOCK_N, K_BITS, NKW)
+    else:
+        for k in tl.static_range(KPER):
+            tok = c0 + _phase_columns(offs_n, k, K_BITS, NKW)
+            k_cs = k_cs + (tl.load(kcs + j * s_kcs + tok, mask=n_ok, other=0.0),)
     if HAS_K_PLAIN:
         plain = tl.load(kp + j * s_kp * ok).to(tl.int32) * ok
     else:
@@ -475,10 +514,15 @@ def _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, it, ok,
     v_rz = ()
     v_t0 = ()
     v_t1 = ()
+    if K_BITS == 2:     # (as the keys' column scales)
+        v_rs = _scale_phases(vrs + j * s_vrs + c0, ok, BLOCK_N, K_BITS, NKW)
+        v_rz = _scale_phases(vrz + j * s_vrz + c0, ok, BLOCK_N, K_BITS, NKW)
+    else:
+        for k in tl.static_range(KPER):
+            tok = c0 + _phase_columns(offs_n, k, K_BITS, NKW)
+            v_rs = v_rs + (tl.load(vrs + j * s_vrs + tok, mask=n_ok, other=0.0),)
+            v_rz = v_rz + (tl.load(vrz + j * s_vrz + tok, mask=n_ok, other=0.0),)
     for k in tl.static_range(KPER):
-        tok = c0 + _phase_columns(offs_n, k, K_BITS, NKW)
-        v_rs = v_rs + (tl.load(vrs + j * s_vrs + tok, mask=n_ok, other=0.0),)
-        v_rz = v_rz + (tl.load(vrz + j * s_vrz + tok, mask=n_ok, other=0.0),)
         t0, t1 = _paired_words(vw, c0 + _phase_columns(2 * offs_i, k, K_BITS, NKW),
                                c0 + _phase_columns(2 * offs_i + 1, k, K_BITS, NKW),
                                DV * V_BITS // 16, 0, offs_w, i_ok, i_ok,
@@ -486,9 +530,12 @@ def _load_v_phased(vc, vrs, vrz, vcs, s_vc, s_vrs, s_vrz, s_vcs, it, ok,
         v_t0 = v_t0 + (t0,)
         v_t1 = v_t1 + (t1,)
     v_cs = ()
-    for v in tl.static_range(VPER):
-        ch = _phase_columns(offs_c, v, V_BITS, NVW)
-        v_cs = v_cs + (tl.load(vcs + j * s_vcs + ch, mask=ch < DV * ok, other=0.0),)
+    if V_BITS == 2:     # (4 phases: as the keys' 2-bit column scales)
+        v_cs = _scale_phases(vcs + j * s_vcs, ok, BLOCK_DV, V_BITS, NVW, DV)
+    else:
+        for v in tl.static_range(VPER):
+            ch = _phase_columns(offs_c, v, V_BITS, NVW)
+            v_cs = v_cs + (tl.load(vcs + j * s_vcs + ch, mask=ch < DV * ok, other=0.0),)
     return v_t0, v_t1, v_rs, v_rz, v_cs
 
 
@@ -504,18 +551,20 @@ def _chunk_at(i, gap_at, gap, GAP: tl.constexpr):
 def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                   kc, krs, krz, kcs, vc, vrs, vrz, vcs, kp,
                   s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
-                  it0, it1, gap_at, gap, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale,
-                  BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  it0, it1, gap_at, gap, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_rows,
+                  q_div, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                   GAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_K_PLAIN: tl.constexpr,
                   PREFETCH: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                   MASK_BITS: tl.constexpr, NP: tl.constexpr, PW: tl.constexpr,
-                  PL: tl.constexpr, Q_ROWS: tl.constexpr):
+                  PL: tl.constexpr, Q_ROWS: tl.constexpr, F16_Q: tl.constexpr):
     """Steps [it0, it1) of ``_decode_range_phased`` (a step: the BLOCK_N tokens of a tile's
     chunk, chunk c = tile * G // BLOCK_N + its index in the tile) from the online-softmax
     state (m_i, l_i, accs), the queries in their parts (qs; Q_ROWS or key frames: read per
-    step from their rows); returns that state. The keys come in NP parts of PW channels,
+    step from their rows); returns that state. qk_rows: the rows' softmax scale (log2
+    units); F16_Q: fp16 score operands, the rows read per step times q_div first
+    (``_decode_range_phased``). The keys come in NP parts of PW channels,
     the last of PL. GAP: step i >= gap_at reads chunk i + gap (the edge tiles around a
     range run apart). LATE (keys in parts, no prefetch): a step loads each later part's
     code words after the matmuls of the parts before it, so it holds one part's at a time
@@ -568,9 +617,14 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
             if HAS_K_PLAIN or Q_ROWS:
                 q_t = _frame_q(qr_rows, s_qrd, qp_rows, s_qpd, m_valid, plain, D,
                                PW if p < NP - 1 else PL, p * PW)
+                if F16_Q:
+                    q_t = tl.where(m_valid[:, None], q_t * q_div[:, None], 0.0)
             else:
                 q_t = qs[p]
-            a = (q_t * k_rs[p].to(tl.float32)[None, :]).to(tl.float16)
+            if F16_Q:
+                a = _f16_in_loop(q_t) * k_rs[p][None, :]
+            else:
+                a = (q_t * k_rs[p].to(tl.float32)[None, :]).to(tl.float16)
             minus = tl.full([PW if p < NP - 1 else PL, NK], -1024.0, tl.float16)
             if p == 0:
                 bias_k = tl.dot(a, minus, out_dtype=tl.float32)
@@ -611,6 +665,7 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                         raws[k], out_dtype=tl.float32),)
                 raws = new_raws
         ss = ()
+        z_s = (z_k * qk_rows)[:, None]      # (one layout conversion for every phase)
         for k in tl.static_range(KPER):
             SH = 1.0 / (1 << (K_BITS * k))
             if LATE:
@@ -621,8 +676,7 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                     raw = tl.dot(aa[p], _phase_f16(k_t0[p], k_t1[p], k, K_BITS,
                                                    (PW if p < NP - 1 else PL) // 2, NKW), raw,
                                  out_dtype=tl.float32)
-            s = (raw + (z_k * (1.0 / SH))[:, None]) \
-                * (k_cs[k].to(tl.float32) * (qk_scale * SH))[None, :]
+            s = (raw * (qk_rows * SH)[:, None] + z_s) * k_cs[k].to(tl.float32)[None, :]
             tok = c * BLOCK_N + _phase_columns(offs_n, k, K_BITS, NKW)
             if HAS_BIAS == 1:       # (loaded above; _mask_scores applies the bounds)
                 if vals.dtype == tl.int1 and MASK_BITS:
@@ -649,13 +703,16 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
         v_t0, v_t1, v_rs, v_rz, v_cs = v_cur
         pas = ()
         bias_v = tl.zeros([BLOCK_M, NV], dtype=tl.float32)   # the -1024s, as for the scores
-        z_v = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k in tl.static_range(KPER):
             pa = (ps[k] * v_rs[k].to(tl.float32)[None, :]).to(tl.float16)
             bias_v = tl.dot(pa, tl.full([NK, NV], -1024.0, tl.float16), bias_v,
                             out_dtype=tl.float32)
-            z_v += tl.sum(ps[k] * v_rz[k].to(tl.float32)[None, :], axis=1)
+            if k == 0:
+                pz = ps[k] * v_rz[k].to(tl.float32)[None, :]
+            else:
+                pz += ps[k] * v_rz[k].to(tl.float32)[None, :]
             pas = pas + (pa,)
+        z_v = tl.sum(pz, axis=1)    # the zero points' term: one reduction for every phase
         new_accs = ()
         for v in tl.static_range(VPER):
             SV = 1.0 / (1 << (V_BITS * v))
@@ -664,8 +721,8 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
                 raw = tl.dot(pas[k], _phase_f16(v_t0[k], v_t1[k], v, V_BITS, NK // 2, NVW), raw,
                              out_dtype=tl.float32)
             cs = v_cs[v].to(tl.float32)
-            new_accs = new_accs + (accs[v] * alpha[:, None] + raw * (cs * SV)[None, :]
-                                   + z_v[:, None] * cs[None, :],)
+            new_accs = new_accs + (accs[v] * alpha[:, None]
+                                   + (raw * SV + z_v[:, None]) * cs[None, :],)
         accs = new_accs
     return m_i, l_i, accs
 
@@ -710,6 +767,15 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     with one reload a tile, 4 B with an fp32 one where 84 B, 8 a tile; 3.6: 12 B where
     352 B, 46 a tile; D = 192 in parts of 64 0 B where 104 B, 8 a tile; 3.6: 40 B, none in
     the loops, where 104 B, 6 a tile).
+
+    The scores' fp16 operand is q * k_rs. With fp16 key scales (F16_Q; not where the
+    queries are read per step in parts) it is formed in fp16 arithmetic, fp16(q / f) * k_rs (``_f16_in_loop``: a
+    conversion per two values and one multiply, where fp32 took a conversion of each scale,
+    two multiplies and a pack), f a power of two per row with f >= |q| / 2^15: every
+    |q_i| <= |q| (and a key frame's plain row has its rotated row's norm), so q / f is
+    finite in fp16 whatever the queries' range, and f goes back with the softmax scale
+    (``qk_rows``). That is two roundings where fp16(q * k_rs) had one. Key scales in bf16 or
+    fp32 (past the fp16 range) keep the fp32 product.
     """
     CH: tl.constexpr = G // BLOCK_N
     VPER: tl.constexpr = 8 // V_BITS
@@ -733,7 +799,8 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
     # a prompt's blocks read the queries per step (``_frame_q``), as key frames do, instead
     # of holding them across the loop (sm_90, D = 192 template, triton 3.9: 16 B -> 0 B)
     Q_ROWS: tl.constexpr = KEY_PART > 0 and NP > 1
-    if NP == 1 or Q_ROWS or HAS_K_PLAIN:
+    NQ: tl.constexpr = 1 if NP == 1 or Q_ROWS or HAS_K_PLAIN else NP    # blocks in qs
+    if NQ == 1:
         qs = (q,)
     else:
         qs = ()
@@ -742,6 +809,27 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
             q_p = tl.load(qr_rows[:, None] + offs_q[None, :] * s_qrd,
                           mask=m_valid[:, None] & (offs_q < D)[None, :], other=0.0)
             qs = qs + (q_p.to(tl.float32),)
+    # fp16 key scales: the score operand fp16(q / f) * k_rs in fp16 (see above); q_div =
+    # 1 / f for the rows read per step (key frames), the held ones divided here. Rows out
+    # of the block stay zeros the compiler can see (sm_90: 1,364 instructions a tile of
+    # the k2v2 decode kernel with triton 3.9, 1,484 with q / f on every row). Not for rows
+    # read per step in parts (key frames at D = 192: the one-launch op reloaded 2 values a
+    # tile, 1,726 instructions and 52 B against 1,779 and 40 B with the fp32 product)
+    F16_Q: tl.constexpr = not Q_ROWS and not (HAS_K_PLAIN and NP > 1) \
+        and krs.dtype.element_ty == tl.float16
+    qk_rows = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+    q_div = tl.full([BLOCK_M], 1.0, tl.float32)
+    if F16_Q:
+        nrm2 = tl.sum(qs[0] * qs[0], axis=1)
+        for p in tl.static_range(1, NQ):
+            nrm2 += tl.sum(qs[p] * qs[p], axis=1)
+        f = tl.exp2(tl.maximum(tl.ceil(0.5 * tl.log2(tl.maximum(nrm2, 1.0))) - 15.0, 0.0))
+        qk_rows = qk_rows * f
+        q_div = 1.0 / f
+        q_sc = ()
+        for p in tl.static_range(NQ):
+            q_sc = q_sc + (tl.where(m_valid[:, None], qs[p] * (1.0 / f)[:, None], 0.0),)
+        qs = q_sc
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     accs = ()
@@ -765,17 +853,17 @@ def _decode_range_phased(q, qr_rows, s_qrd, qp_rows, s_qpd,
             qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs,
             vrz, vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
             it0, (lo + end - hi) * CH, lo * CH, (hi - lo) * CH, m_valid, kv_lo, kv_hi,
-            bias_rows, s_bias, qk_scale, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS,
+            bias_rows, s_bias, qk_rows, q_div, BLOCK_M, D, BLOCK_D, G, BLOCK_N, K_BITS, V_BITS,
             HAS_LO, HAS_HI, True, HAS_BIAS, HAS_K_PLAIN, PREFETCH, DV, BLOCK_DV, MASK_BITS,
-            NP, PW, PL, Q_ROWS)
+            NP, PW, PL, Q_ROWS, F16_Q)
         it0 = lo * CH
         it1 = hi * CH
     m_i, l_i, accs = _steps_phased(
         qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd, kc, krs, krz, kcs, vc, vrs, vrz,
         vcs, kp, s_kc, s_krs, s_krz, s_kcs, s_vc, s_vrs, s_vrz, s_vcs, s_kp,
-        it0, it1, 0, 0, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_scale, BLOCK_M, D,
+        it0, it1, 0, 0, m_valid, kv_lo, kv_hi, bias_rows, s_bias, qk_rows, q_div, BLOCK_M, D,
         BLOCK_D, G, BLOCK_N, K_BITS, V_BITS, False, False, False, HAS_BIAS, HAS_K_PLAIN,
-        PREFETCH, DV, BLOCK_DV, MASK_BITS, NP, PW, PL, Q_ROWS)
+        PREFETCH, DV, BLOCK_DV, MASK_BITS, NP, PW, PL, Q_ROWS, F16_Q)
     # [M, NV * VPER] (column n * VPER + v) -> channel order: n = b * NVW + w, channel
     # (16 // V_BITS) * w + b * VPER + v
     out = tl.reshape(_interleave(accs, VPER, BLOCK_M, NV), [BLOCK_M, 2, NVW, VPER])
