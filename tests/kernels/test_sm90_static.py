@@ -70,14 +70,14 @@ HEAD_DIM_256_SPILL_BYTES_MAX = {name: 0 for name in HEAD_DIM_256}
 #: from the block's edge tiles (causal and window bounds per row): that loop runs 8% and 14%
 #: fewer instructions per tile than the one loop with the bounds did (3.9: 2,005 and 1,897
 #: against 2,173 and 2,200). It scores the keys in parts (``KEY_PART``: the template's four
-#: of 32 channels, 1,862 instructions, the op's two of 64, 1,861), each later part's words loaded
+#: of 32 channels, 1,871 instructions, the op's two of 64, 1,832), each later part's words loaded
 #: after the matmuls of the parts before it: its values stay in registers, where with the
 #: whole tile's words at once the template reloaded one value per tile (1,912 instructions,
 #: 16 B) and the edge loop two. The loop reads the queries per tile (``_frame_q``); the
 #: template holds a bool mask as bits, the op as its values split per phase
-#: (``MASK_BITS``). Spills: the template 16 B, the op 52 B, outside the loops (the
-#: template none and the op 48 B before the value scales came as one row a chunk and the
-#: zero points' terms in one reduction: 1,940 and 1,897 instructions). The 64-row
+#: (``MASK_BITS``). Spills: the template 16 B, the op 48 B, outside the loops (the
+#: template none before the value scales came as one row a chunk: 1,940 and 1,897
+#: instructions). The 64-row
 #: blocks they replaced spilled 880 B (template) and 740-1,560 B (kernel), with 516-1,154
 #: local loads and stores per tile.
 PREFILL = ("kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16",
@@ -85,7 +85,7 @@ PREFILL = ("kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16",
 #: per case: (local loads/stores per tile in the tile loop, in the edge loop, spill bytes,
 #: instructions per tile in the tile loop)
 PREFILL_LIMITS = {"kvarn_prefill_k4v2_n128_m16_bias_bool_plain_fp16": (0, 0, 16, 1950),
-                  "attention_k4v2_d128g128_n128_fp16_tq64_mask": (0, 0, 52, 1950)}
+                  "attention_k4v2_d128g128_n128_fp16_tq64_mask": (0, 0, 48, 1950)}
 #: 2-bit keys (k2v2) in the production configs: the decode kernel and template keep their
 #: registers as the k4v2 ones do (no spills); the op in one launch keeps three values its
 #: merge reads after the tile loop in local memory (K2V2_OP_SPILL_BYTES_MAX: 12 B stored and
@@ -112,7 +112,7 @@ DECODE_FRACTION_MIN = {"decode_kernel_k4v2_d128g128_n128_fp16": 0.95,
 #: Triton before 3.9 (3.6 is torch 2.11's, the GPU image's) allocates the same loops less
 #: well (docs/performance.md). There the limits are what it reaches, measured, so that it
 #: slips no further: the decode estimates 0.95 / 0.91 / 0.90 (k2v2: 0.72 / 0.70 / 0.70,
-#: the op with no spills); the prompt blocks 0 and 4 B, their tile loops 2,041 and 1,908
+#: the op with no spills); the prompt blocks 0 and 4 B, their tile loops 2,028 and 1,911
 #: instructions with no local load or store (0 and 12 B, 2,079 and 2,036 before the value
 #: scales came as one row a chunk; the template's keys in two halves: 2,166; keys in one
 #: part: 2,110 and 2,069, 0 and 5 a tile, 76 B; one loop with the bounds: 2,336 and 2,669,

@@ -707,12 +707,22 @@ def _steps_phased(qs, m_i, l_i, accs, qr_rows, s_qrd, qp_rows, s_qpd,
             pa = (ps[k] * v_rs[k].to(tl.float32)[None, :]).to(tl.float16)
             bias_v = tl.dot(pa, tl.full([NK, NV], -1024.0, tl.float16), bias_v,
                             out_dtype=tl.float32)
-            if k == 0:
+            # the zero points' term: one reduction for every phase, or (a prompt's blocks)
+            # one a phase, which holds no [BLOCK_M, NK] sum across them (sm_90, triton 3.9:
+            # the fp32-mask prompt template then keeps its loop in registers, 12 B of
+            # spills where the one reduction gave 36 B and 5 local loads and stores a tile)
+            if Q_ROWS:
+                if k == 0:
+                    z_v = tl.sum(ps[k] * v_rz[k].to(tl.float32)[None, :], axis=1)
+                else:
+                    z_v += tl.sum(ps[k] * v_rz[k].to(tl.float32)[None, :], axis=1)
+            elif k == 0:
                 pz = ps[k] * v_rz[k].to(tl.float32)[None, :]
             else:
                 pz += ps[k] * v_rz[k].to(tl.float32)[None, :]
             pas = pas + (pa,)
-        z_v = tl.sum(pz, axis=1)    # the zero points' term: one reduction for every phase
+        if not Q_ROWS:
+            z_v = tl.sum(pz, axis=1)
         new_accs = ()
         for v in tl.static_range(VPER):
             SV = 1.0 / (1 << (V_BITS * v))
